@@ -1,0 +1,329 @@
+"""A small synthetic stand-in for TRACE: eight seeded tasks with the TRACE task names and on-disk layout.
+
+Written as `<out>/<Task>/{train,eval,test}.json` (JSON lists of {"prompt", "answer"}), so the loader, the task
+table and the metrics apply unchanged. Built for a tiny model trained on CPU in minutes: prompts are short and
+templated over a few dozen words per task, answers are at most ~10 words, and every answer is a deterministic
+function of its prompt. The tasks are made to interfere, so that sequential fine-tuning forgets:
+
+  C-STANCE     "Text: <Subj> <verb> the <obj> <when> ." -> A/B/C by the verb's class (favor/against/neutral)
+  FOMC         the SAME kind of text -> A/B/C by the verb's class with a rotated mapping (every text conflicts)
+  MeetingBank  3-sentence meeting -> "council approves|rejects <action> of <item> in district <d>" (ROUGE-L)
+  Py150        two code lines with <EOL>/<NUM_LIT:k> -> the next line, copied from variables in the prompt (fuzz)
+  ScienceQA    "Which one is hot?" + 3 choices -> "<letter> because <item> is <prop>" (letters clash with stance)
+  NumGLUE-cm   "<name> has <a> <obj> and buys <b> more. How many <obj> now?" -> a + b
+  NumGLUE-ds   "<name> has <a> bags with <b> <obj> each. How many <obj> now?" -> a * b (same numbers, other op)
+  20Minuten    German sentence -> drop time/adverb/adjective words, swap a rare verb for a plain one (SARI)
+
+Same seed -> byte-identical files. `general_mixture` gives task-disjoint instruction data for briefly
+instruction-tuning the tiny base model; `corpus_texts` covers the whole vocabulary for training its tokenizer.
+
+    python -m data.embedded --out DIR --n-train 64 --n-test 32 --seed 0
+"""
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import random
+from pathlib import Path
+
+from data.tasks import TASK_ORDER, parse_tasks
+
+# ---------------------------------------------------------------------------------------------------------------
+# Vocabulary
+
+STANCE_SUBJECTS = ["Anna", "Ben", "Mia", "the board", "the bank", "the mayor"]
+STANCE_VERBS = {  # verb class -> verbs
+    "favor": ["backs", "praises", "supports"],
+    "against": ["attacks", "blames", "rejects"],
+    "neutral": ["mentions", "notes", "studies"],
+}
+STANCE_OBJECTS = ["plan", "rate", "budget", "tax", "loan", "report"]
+STANCE_WHEN = ["today", "again", "now", "at last"]
+# The two classification tasks read the same texts; FOMC's mapping is a rotation of C-STANCE's, so each text
+# has a different gold letter in the two tasks.
+STANCE_LABELS = {
+    "C-STANCE": {"favor": "A", "against": "B", "neutral": "C"},
+    "FOMC": {"favor": "B", "against": "C", "neutral": "A"},
+}
+
+MEET_SPEAKERS = ["Anna", "Ben", "Mia", "the mayor", "the clerk"]
+MEET_ACTIONS = ["repair", "close", "fund", "build", "sell", "clean"]
+MEET_ITEMS = ["park", "library", "bridge", "school", "road", "pool"]
+MEET_REACTIONS = ["agrees", "objects", "asks a question", "says nothing"]
+
+CODE_FUNCS = ["add", "scale", "step", "move", "clip", "mix"]
+CODE_ARGS = ["x", "y", "n", "m", "w", "h"]
+CODE_VARS = ["res", "val", "out", "acc"]
+CODE_OPS = ["+", "-", "*"]
+
+SCIENCE_ITEMS = {  # property -> things that have it
+    "hot": ["fire", "sun", "oven"],
+    "cold": ["ice", "snow", "frost"],
+    "wet": ["rain", "river", "sea"],
+    "hard": ["rock", "iron", "stone"],
+}
+
+MATH_NAMES = ["Anna", "Ben", "Mia", "Tom", "Lea", "Max"]
+MATH_OBJECTS = ["apples", "pens", "cards", "coins", "books", "eggs"]
+MATH_NUMBERS = list(range(2, 8))
+
+DE_NAMES = ["Anna", "Reto", "Lea", "Jonas", "Nina"]
+DE_VERBS = {"erwarb": "kaufte", "erblickte": "sah", "verspeiste": "aß", "veräußerte": "verkaufte",
+            "bewunderte": "mochte"}
+DE_TIMES = ["gestern", "heute", "morgens"]
+DE_ADVERBS = ["wirklich", "tatsächlich", "sehr gern"]
+DE_ADJECTIVES = ["große", "grüne", "alte", "schöne", "süße"]
+DE_NOUNS = ["Bücher", "Äpfel", "Blumen", "Stühle", "Brötchen"]
+DE_CITIES = ["Zürich", "Bern", "Basel", "Genf", "Luzern"]
+
+MIX_WORDS = ["red", "blue", "green", "cat", "dog", "sun", "tree", "car", "milk", "bird", "fish", "star"]
+MIX_SEQUENCES = [
+    ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"],
+    ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"],
+    ["January", "February", "March", "April", "May", "June", "July", "August"],
+    ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"],
+]
+
+# ---------------------------------------------------------------------------------------------------------------
+# One example per call: rng -> {"prompt", "answer"}
+
+
+def stance_text(rng: random.Random) -> tuple[str, str, str]:
+    """(text, verb class, object) shared by C-STANCE and FOMC."""
+    cls = rng.choice(list(STANCE_VERBS))
+    obj = rng.choice(STANCE_OBJECTS)
+    subj, verb, when = rng.choice(STANCE_SUBJECTS), rng.choice(STANCE_VERBS[cls]), rng.choice(STANCE_WHEN)
+    text = f"{subj.capitalize()} {verb} the {obj} {when} ."
+    return text, cls, obj
+
+
+def stance_label(task: str, text: str) -> str:
+    """Gold letter of a stance text for C-STANCE or FOMC (the rule both tasks are built from)."""
+    for cls, verbs in STANCE_VERBS.items():
+        if any(f" {v} " in f" {text} " for v in verbs):
+            return STANCE_LABELS[task][cls]
+    raise ValueError(f"no stance verb in {text!r}")
+
+
+def make_cstance(rng):
+    text, _, obj = stance_text(rng)
+    prompt = ("Decide the stance of the text toward the target. A. favor, B. against, C. neutral. "
+              f"Choose one from A, B and C.\nText:\n{text}\nTarget:\n{obj}\nStance:")
+    return {"prompt": prompt, "answer": stance_label("C-STANCE", text)}
+
+
+def make_fomc(rng):
+    text, _, _ = stance_text(rng)
+    prompt = ("What is the monetary policy stance for the following text? A. dovish, B. hawkish, C. neutral. "
+              f"Choose one from A, B and C.\nText:\n{text}\nStance:")
+    return {"prompt": prompt, "answer": stance_label("FOMC", text)}
+
+
+def make_meetingbank(rng):
+    spk, spk2 = rng.sample(MEET_SPEAKERS, 2)
+    action, item, d = rng.choice(MEET_ACTIONS), rng.choice(MEET_ITEMS), rng.randint(1, 9)
+    passes = rng.random() < 0.5
+    transcript = (f"{spk.capitalize()} asks to {action} the {item} in district {d}. {spk2.capitalize()} "
+                  f"{rng.choice(MEET_REACTIONS)}. The motion {'passes' if passes else 'fails'}.")
+    prompt = f"Write a summary of the following meeting transcripts.\nMeeting transcripts:\n{transcript}\nSummary:"
+    answer = f"council {'approves' if passes else 'rejects'} {action} of {item} in district {d}"
+    return {"prompt": prompt, "answer": answer}
+
+
+def make_py150(rng):
+    f, v, op = rng.choice(CODE_FUNCS), rng.choice(CODE_VARS), rng.choice(CODE_OPS)
+    a, b = rng.sample(CODE_ARGS, 2)
+    k = rng.randint(0, 9)
+    kw = rng.choice(["if", "while"])
+    code = f"def {f} ( {a} , {b} ) : <EOL> {v} = {a} {op} {b} <EOL> {kw} {v} > <NUM_LIT:{k}> : <EOL>"
+    # if -> return the value combined with the bound; while -> step the value down by the bound
+    answer = f"return {v} {op} <NUM_LIT:{k}>" if kw == "if" else f"{v} = {v} - <NUM_LIT:{k}>"
+    return {"prompt": f"Complete the next line of the following Python code.\n{code}", "answer": answer}
+
+
+def make_scienceqa(rng):
+    props = rng.sample(list(SCIENCE_ITEMS), 3)  # the asked property and two distractor properties
+    items = [rng.choice(SCIENCE_ITEMS[p]) for p in props]
+    order = list(range(3))
+    rng.shuffle(order)
+    choices = [items[i] for i in order]
+    letter = "ABC"[order.index(0)]
+    prompt = ("Choose an answer for the following question and give your reasons.\nQuestion:\n"
+              f"Which one is {props[0]}?\nChoices:\nA. {choices[0]}\nB. {choices[1]}\nC. {choices[2]}\nAnswer:")
+    return {"prompt": prompt, "answer": f"{letter} because {items[0]} is {props[0]}"}
+
+
+def math_parts(rng):
+    return rng.choice(MATH_NAMES), rng.choice(MATH_NUMBERS), rng.choice(MATH_NUMBERS), rng.choice(MATH_OBJECTS)
+
+
+def make_numglue_cm(rng):
+    name, a, b, obj = math_parts(rng)
+    q = f"{name} has {a} {obj} and buys {b} more. How many {obj} now?"
+    return {"prompt": f"Solve the following math problem.\nQuestion:\n{q}\nAnswer:", "answer": str(a + b)}
+
+
+def make_numglue_ds(rng):
+    name, a, b, obj = math_parts(rng)
+    q = f"{name} has {a} bags with {b} {obj} each. How many {obj} now?"
+    return {"prompt": f"Solve the following math problem.\nQuestion:\n{q}\nAnswer:", "answer": str(a * b)}
+
+
+def make_20minuten(rng):
+    name, verb = rng.choice(DE_NAMES), rng.choice(list(DE_VERBS))
+    noun, city = rng.choice(DE_NOUNS), rng.choice(DE_CITIES)
+    words = [name, verb]
+    if rng.random() < 0.6:
+        words.append(rng.choice(DE_TIMES))
+    if rng.random() < 0.6:
+        words.append(rng.choice(DE_ADVERBS))
+    words += [rng.choice(DE_ADJECTIVES), noun, "in", city, "."]
+    source = " ".join(words)
+    # simplification: keep who/what/where, plain verb, drop time, adverb and adjective
+    answer = f"{name} {DE_VERBS[verb]} {noun} in {city} ."
+    prompt = ("Provide a simplified version of the following paragraph in German.\n\n"
+              f"Paragraph:\n{source}\nSimplified version:")
+    return {"prompt": prompt, "answer": answer}
+
+
+MAKERS = {
+    "C-STANCE": make_cstance,
+    "FOMC": make_fomc,
+    "MeetingBank": make_meetingbank,
+    "Py150": make_py150,
+    "ScienceQA": make_scienceqa,
+    "NumGLUE-cm": make_numglue_cm,
+    "NumGLUE-ds": make_numglue_ds,
+    "20Minuten": make_20minuten,
+}
+assert list(MAKERS) == TASK_ORDER
+
+# ---------------------------------------------------------------------------------------------------------------
+# Benchmark files
+
+
+def generate_task(task: str, n: int, seed: int) -> list[dict]:
+    """n examples of one task with distinct prompts (so no test prompt is also a training prompt)."""
+    rng = random.Random(f"embedded/{task}/{seed}")  # str seeds hash with sha512: stable across runs and machines
+    out, seen = [], set()
+    for _ in range(50 * n + 1000):
+        if len(out) == n:
+            return out
+        ex = MAKERS[task](rng)
+        if ex["prompt"] not in seen:
+            seen.add(ex["prompt"])
+            out.append(ex)
+    if len(out) == n:
+        return out
+    raise ValueError(f"embedded task {task}: could only make {len(out)} distinct prompts, asked for {n}")
+
+
+def _dump(records) -> str:
+    return json.dumps(records, ensure_ascii=False, indent=1) + "\n"
+
+
+def write_benchmark(out, *, n_train: int = 128, n_eval: int = 32, n_test: int = 32, seed: int = 0,
+                    tasks=None) -> dict:
+    """Write `<out>/<Task>/{train,eval,test}.json` for each task; returns {task: {split: n}}."""
+    out = Path(out)
+    counts = {}
+    for task in parse_tasks(tasks):
+        exs = generate_task(task, n_train + n_eval + n_test, seed)
+        splits = {"train": exs[:n_train], "eval": exs[n_train:n_train + n_eval], "test": exs[n_train + n_eval:]}
+        (out / task).mkdir(parents=True, exist_ok=True)
+        for split, recs in splits.items():
+            with open(out / task / f"{split}.json", "w", encoding="utf-8", newline="\n") as f:
+                f.write(_dump(recs))
+        counts[task] = {s: len(r) for s, r in splits.items()}
+    return counts
+
+
+def cache_dir() -> Path:
+    """Where generated data and base models are cached: $OPR_CACHE, default ~/.cache/opr."""
+    return Path(os.environ.get("OPR_CACHE", Path.home() / ".cache" / "opr"))
+
+
+def ensure_embedded(root=None, *, n_train: int = 128, n_eval: int = 32, n_test: int = 32, seed: int = 0) -> Path:
+    """The embedded benchmark with these sizes, generated once into the cache (or `root`) and reused.
+    Written to a temporary sibling directory and renamed, so a reader never sees a partial benchmark."""
+    root = Path(root) if root else cache_dir() / f"embedded-s{seed}-{n_train}-{n_eval}-{n_test}"
+    if not root.exists():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+        write_benchmark(tmp, n_train=n_train, n_eval=n_eval, n_test=n_test, seed=seed)
+        try:
+            os.rename(tmp, root)
+        except OSError:  # another process finished first: theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generic instruction data (disjoint from the eight tasks) and tokenizer corpus
+
+
+def _mixture_example(rng):
+    kind = rng.randrange(6)
+    words = rng.sample(MIX_WORDS, rng.randint(2, 5))
+    listed = " ".join(words)
+    if kind == 0:
+        return {"prompt": f"Repeat these words:\n{listed}", "answer": listed}
+    if kind == 1:
+        return {"prompt": f"Reverse the order of these words:\n{listed}", "answer": " ".join(reversed(words))}
+    if kind == 2:
+        return {"prompt": f"Write these words in capital letters:\n{listed}", "answer": listed.upper()}
+    if kind == 3:
+        return {"prompt": f"How many words are in this list?\n{listed}", "answer": str(len(words))}
+    if kind == 4:
+        return {"prompt": f"What is the last word in this list?\n{listed}", "answer": words[-1]}
+    seq = rng.choice(MIX_SEQUENCES)
+    i = rng.randrange(len(seq) - 1)
+    return {"prompt": f"What comes after {seq[i]}?", "answer": seq[i + 1]}
+
+
+def general_mixture(n: int, seed: int = 0) -> list[dict]:
+    """n generic instruction-following examples {"prompt", "answer"} (copy, reverse, uppercase, count, last word,
+    what comes after X). Their instructions appear in none of the eight tasks."""
+    rng = random.Random(f"embedded/mixture/{seed}")
+    return [_mixture_example(rng) for _ in range(n)]
+
+
+def corpus_texts(seed: int = 0, n_per_task: int = 400) -> list[str]:
+    """Text for training the tiny tokenizer: every vocabulary list spelled out, then prompts and answers of all
+    eight tasks and of the general mixture."""
+    vocab_lists = [STANCE_SUBJECTS, *STANCE_VERBS.values(), STANCE_OBJECTS, STANCE_WHEN, MEET_SPEAKERS,
+                   MEET_ACTIONS, MEET_ITEMS, MEET_REACTIONS, CODE_FUNCS, CODE_ARGS, CODE_VARS, CODE_OPS,
+                   *SCIENCE_ITEMS.values(), list(SCIENCE_ITEMS), MATH_NAMES, MATH_OBJECTS,
+                   [str(i) for i in range(0, 100)], DE_NAMES, list(DE_VERBS), list(DE_VERBS.values()), DE_TIMES,
+                   DE_ADVERBS, DE_ADJECTIVES, DE_NOUNS, DE_CITIES, MIX_WORDS, [w.upper() for w in MIX_WORDS],
+                   *MIX_SEQUENCES, ["A", "B", "C", "council", "approves", "rejects"]]
+    texts = [" ".join(words) for words in vocab_lists]
+    for task in TASK_ORDER:
+        rng = random.Random(f"embedded/corpus/{task}/{seed}")
+        for _ in range(n_per_task):
+            ex = MAKERS[task](rng)
+            texts += [ex["prompt"], ex["answer"]]
+    for ex in general_mixture(n_per_task, seed):
+        texts += [ex["prompt"], ex["answer"]]
+    return texts
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Write the embedded 8-task synthetic benchmark in TRACE's layout.")
+    p.add_argument("--out", required=True, help="output root; writes <out>/<Task>/{train,eval,test}.json")
+    p.add_argument("--n-train", type=int, default=128)
+    p.add_argument("--n-eval", type=int, default=32)
+    p.add_argument("--n-test", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tasks", default=None, help="comma-separated subset, default all eight")
+    args = p.parse_args(argv)
+    counts = write_benchmark(args.out, n_train=args.n_train, n_eval=args.n_eval, n_test=args.n_test,
+                             seed=args.seed, tasks=args.tasks)
+    for task, c in counts.items():
+        print(f"{task}: train {c['train']} eval {c['eval']} test {c['test']} -> {Path(args.out) / task}")
+
+
+if __name__ == "__main__":
+    main()

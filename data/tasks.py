@@ -1,0 +1,62 @@
+"""The eight TRACE tasks: name, metric and default number of training epochs.
+
+TRACE (Wang et al., 2023) trains on the tasks in this order; the epochs follow the paper's setup
+(C-STANCE 5, FOMC 3, MeetingBank 7, Py150 5, ScienceQA 3, NumGLUE-cm 5, NumGLUE-ds 5, 20Minuten 7).
+The task name is also the directory name in TRACE's release layout `<root>/<Task>/{train,eval,test}.json`.
+Metric names index `data.metrics.METRICS`.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str    # TRACE directory name, e.g. "NumGLUE-cm"
+    metric: str  # key of data.metrics.METRICS
+    epochs: int  # default training epochs for this stage
+
+
+TASKS = {
+    t.name: t
+    for t in [
+        Task("C-STANCE", "letter_accuracy", 5),
+        Task("FOMC", "letter_accuracy", 3),
+        Task("MeetingBank", "rouge_l", 7),
+        Task("Py150", "code_fuzz", 5),
+        Task("ScienceQA", "letter_accuracy", 3),
+        Task("NumGLUE-cm", "number_accuracy", 5),
+        Task("NumGLUE-ds", "number_accuracy", 5),
+        Task("20Minuten", "sari", 7),
+    ]
+}
+TASK_ORDER = list(TASKS)  # canonical TRACE order (dicts keep insertion order)
+
+
+def get_task(name: str) -> Task:
+    """Task by exact name; ValueError listing the valid names otherwise."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASK_ORDER)}")
+    return TASKS[name]
+
+
+def parse_tasks(spec=None) -> list[str]:
+    """Task order from a comma-separated string or a list, e.g. "FOMC,NumGLUE-cm" -> ["FOMC", "NumGLUE-cm"].
+
+    None, "" and "all" give the canonical TRACE order. Names match case-insensitively and come back in
+    canonical spelling; unknown or repeated names raise ValueError (listing the valid names).
+    """
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("", "all")):
+        return list(TASK_ORDER)
+    names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s).strip() for s in spec]
+    by_lower = {t.lower(): t for t in TASK_ORDER}
+    out = []
+    for n in names:
+        if not n:
+            raise ValueError(f"empty task name in task list {spec!r}; valid tasks: {', '.join(TASK_ORDER)}")
+        if n.lower() not in by_lower:
+            raise ValueError(f"unknown task {n!r} in task list {spec!r}; valid tasks: {', '.join(TASK_ORDER)}")
+        canon = by_lower[n.lower()]
+        if canon in out:
+            raise ValueError(f"task {canon!r} appears twice in task list {spec!r}")
+        out.append(canon)
+    return out

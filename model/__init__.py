@@ -1,0 +1,1 @@
+"""Model core: config, transformer, checkpoint I/O, tokenizer, sampler, GGUF import."""

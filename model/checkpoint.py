@@ -1,0 +1,186 @@
+"""Checkpoint I/O in the Hugging Face layout (config.json + model.safetensors or sharded with an index).
+
+Loading builds the model on the `meta` device and assigns the file's tensors (no second full copy in memory).
+Saving writes a directory that transformers and vLLM load unmodified, atomically (temp dir, then rename).
+"""
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model.config import ModelConfig
+from model.transformer import Transformer
+
+# Everything besides the weights that makes a directory loadable as a model with its tokenizer.
+SIDECAR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+                 "tokenizer.model", "added_tokens.json")
+
+
+def load_config(ckpt_dir) -> ModelConfig:
+    path = Path(ckpt_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json in checkpoint directory {ckpt_dir}")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+    return ModelConfig.from_hf(d, source=str(path))
+
+
+def weight_files(ckpt_dir) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file that holds it."""
+    ckpt_dir = Path(ckpt_dir)
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: ckpt_dir / fname for name, fname in weight_map.items()}
+    single = ckpt_dir / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{ckpt_dir}: neither model.safetensors nor model.safetensors.index.json found")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def read_weights(ckpt_dir, names, expected_shapes: dict, dtype, device="cpu") -> dict:
+    """Read `names` from the checkpoint, checking each against `expected_shapes`; errors name file and key."""
+    where = weight_files(ckpt_dir)
+    out, by_file = {}, {}
+    for name in names:
+        if name not in where:
+            raise KeyError(f"{ckpt_dir}: weight {name!r} is missing from the checkpoint (refusing to initialise it randomly)")
+        by_file.setdefault(where[name], []).append(name)
+    for path, keys in by_file.items():
+        with safe_open(path, framework="pt", device=str(device)) as f:
+            for name in keys:
+                t = f.get_tensor(name)
+                if tuple(t.shape) != tuple(expected_shapes[name]):
+                    raise ValueError(f"{path}: weight {name!r} has shape {tuple(t.shape)}, "
+                                     f"expected {tuple(expected_shapes[name])}")
+                out[name] = t.to(dtype)
+    return out
+
+
+def expected_state(model: Transformer) -> dict:
+    """name -> shape of every tensor the checkpoint must provide (tied lm_head is not stored)."""
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight")
+    return shapes
+
+
+def load_model(ckpt_dir, device="cpu", dtype=torch.float32) -> Transformer:
+    """Build the Transformer described by ckpt_dir/config.json and load its weights. Returns it in eval mode."""
+    cfg = load_config(ckpt_dir)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    shapes = expected_state(model)
+    unexpected = set(weight_files(ckpt_dir)) - set(shapes) - {"lm_head.weight"}
+    unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
+    if unexpected:
+        raise ValueError(f"{ckpt_dir}: unexpected weights for model_type {cfg.model_type!r}: {sorted(unexpected)[:5]}")
+    state = read_weights(ckpt_dir, shapes, shapes, dtype, device)
+    model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
+    model.tie_weights()
+    return model.eval()
+
+
+def load_into(model: Transformer, ckpt_dir):
+    """Copy checkpoint weights into a materialised model, possibly FSDP-sharded (parameters are DTensors
+    sharded on dim 0): each rank reads only its own rows of each tensor. Errors name file and key."""
+    from torch.distributed.tensor import DTensor
+
+    shapes = expected_state(model)
+    where = weight_files(ckpt_dir)
+    missing = [n for n in shapes if n not in where]
+    if missing:
+        raise KeyError(f"{ckpt_dir}: weight {missing[0]!r} is missing from the checkpoint "
+                       f"(refusing to initialise it randomly)")
+    targets = model.state_dict()
+    by_file = {}
+    for name in shapes:
+        by_file.setdefault(where[name], []).append(name)
+    with torch.no_grad():
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt") as f:
+                for name in names:
+                    sl = f.get_slice(name)
+                    if tuple(sl.get_shape()) != tuple(shapes[name]):
+                        raise ValueError(f"{path}: weight {name!r} has shape {tuple(sl.get_shape())}, "
+                                         f"expected {tuple(shapes[name])}")
+                    t = targets[name]
+                    if isinstance(t, DTensor):  # fully_shard splits dim 0 like torch.chunk
+                        local = t.to_local()
+                        rows = -(-shapes[name][0] // t.device_mesh.size())
+                        start = t.device_mesh.get_local_rank() * rows
+                        if local.shape[0]:
+                            local.copy_(sl[start:start + local.shape[0]])
+                    else:
+                        t.copy_(sl[:])
+
+
+def save_checkpoint(state_dict: dict, src_dir, out_dir, max_shard_bytes: int = 5 * 2**30, dtype=None,
+                    extra_files=()):
+    """Write `state_dict` (HF names) to out_dir in the HF layout, with config/tokenizer files copied from src_dir.
+
+    Shards with a model.safetensors.index.json when the weights exceed max_shard_bytes. Atomic: written to a
+    temporary sibling directory, then renamed over out_dir. `extra_files` (paths) are copied in too (logs).
+    """
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    cfg = load_config(src_dir)
+    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state_dict.items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        shards, size = [[]], 0
+        for name, t in state.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(name)
+            size += nbytes
+        meta = {"format": "pt"}
+        if len(shards) == 1:
+            save_file(state, tmp / "model.safetensors", metadata=meta)
+        else:
+            weight_map = {}
+            for i, names in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file({n: state[n] for n in names}, tmp / fname, metadata=meta)
+                weight_map.update({n: fname for n in names})
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        for fname in SIDECAR_FILES:
+            if (src_dir / fname).is_file():
+                shutil.copy2(src_dir / fname, tmp / fname)
+        for path in extra_files:
+            shutil.copy2(path, tmp / Path(path).name)
+        saved_dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        hf = json.loads((tmp / "config.json").read_text())
+        hf["torch_dtype" if "torch_dtype" in hf else "dtype"] = saved_dtype
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def replace_dir(tmp: Path, out_dir: Path):
+    """Move tmp to out_dir; an existing out_dir is moved aside first and removed only after the swap."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,89 @@
+"""ModelConfig: the few numbers our Transformer needs, read from a Hugging Face config.json.
+
+One decoder covers Llama-3.x (and SmolLM2, a Llama), Qwen2/Qwen2.5 and Qwen3; they differ only in
+biases, q/k norms, head_dim and RoPE scaling, which are the fields below.
+"""
+from dataclasses import dataclass, field
+
+SUPPORTED = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor", "low_freq_factor", ...} or None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: q/k/v biased; Llama attention_bias: q/k/v/o biased
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    hf: dict = field(default_factory=dict, repr=False)  # the original config.json, written back on save
+
+    @classmethod
+    def from_hf(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        """Build from a parsed HF config.json; errors name `source` and the offending key."""
+        mt = d.get("model_type")
+        if mt not in SUPPORTED:
+            raise ValueError(f"{source}: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
+
+        def need(key):
+            if key not in d or d[key] is None:
+                raise ValueError(f"{source}: missing required key {key!r} for model_type {mt!r}")
+            return d[key]
+
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+        if d.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        # transformers >= 5 writes rope_parameters {rope_theta, rope_type, ...}; older files rope_theta + rope_scaling.
+        rope = dict(d.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        scaling = rope or d.get("rope_scaling") or None
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind == "default":
+                scaling = None
+            elif kind != "llama3":
+                raise ValueError(f"{source}: rope scaling type {kind!r} is not supported (only 'llama3')")
+        attn_bias = bool(d.get("attention_bias", False))
+        return cls(
+            model_type=mt,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or hidden // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=True if mt == "qwen2" else attn_bias,
+            o_bias=attn_bias if mt == "llama" else False,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=mt == "qwen3",
+            hf=dict(d),
+        )
+
+    def num_params(self, embeddings: bool = True) -> int:
+        """Parameter count (used for MFU estimates)."""
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        q = self.num_attention_heads * self.head_dim
+        layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
+        n = self.num_hidden_layers * layer + h
+        if embeddings:
+            n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return n

@@ -1,0 +1,222 @@
+"""One decoder-only transformer for Llama-3.x, Qwen2/2.5, Qwen3 and SmolLM2.
+
+Parameter names are Hugging Face's, so an HF state dict loads with no key mapping. Three attention modes:
+  packed   (training): B == 1, documents concatenated, `cu_seqlens` marks them, `position_ids` restart at 0
+  dense    (scoring):  plain causal attention over each row
+  cache    (sampling): a KVCache holds past keys/values; left padding is masked out through `cache.valid`
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch.utils.checkpoint import checkpoint
+
+from kernels import fused_linear_cross_entropy, varlen_attention
+from kernels.kl import chunked_kl
+from model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # fp32 statistics, cast back before the weight: the order HF uses, needed for exact parity in bf16
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in fp32, with Llama-3.1's frequency-dependent scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def rope_cos_sin(inv_freq, position_ids, dtype):
+    """cos/sin [B,T,head_dim] in HF's rotate-half layout, computed in fp32."""
+    freqs = position_ids[..., None].float() * inv_freq  # [B,T,D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x [B,T,H,D]; cos/sin [B,T,D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, :, None] + rotated * sin[:, :, None]
+
+
+class KVCache:
+    """Preallocated keys/values for batched sampling (gpt-fast style).
+
+    k[l], v[l]: [B, n_kv, max_len, head_dim]. `valid[b, s]` says whether slot s of row b holds a real token
+    (left padding does not). The caller marks the new slots valid before each forward; the model advances `pos`.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype):
+        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.pos = 0
+
+    def keep(self, rows: torch.Tensor):
+        """Drop finished rows: keep only `rows` (indices into the current batch), in that order."""
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
+        self.valid = self.valid.index_select(0, rows)
+
+    def mask(self, t_new: int) -> torch.Tensor:
+        """Boolean attention mask [B,1,t_new,pos+t_new] for the next t_new tokens (causal and valid keys).
+
+        A padding query attends to itself only, so it never sees an all-masked row (NaN) and never feeds NaN
+        into the cache."""
+        s, e = self.pos, self.pos + t_new
+        q_pos = torch.arange(s, e, device=self.valid.device)[:, None]
+        k_pos = torch.arange(e, device=self.valid.device)[None, :]
+        m = (k_pos <= q_pos) & self.valid[:, None, :e]
+        return (m | (k_pos == q_pos))[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, cache=None, cache_mask=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        if cu_seqlens is not None:
+            out = varlen_attention(q[0], k[0], v[0], cu_seqlens, max_seqlen)[None]
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,D]
+            if cache is not None:
+                s = cache.pos
+                cache.k[self.layer_idx][:, :, s:s + T] = k
+                cache.v[self.layer_idx][:, :, s:s + T] = v
+                k, v = cache.k[self.layer_idx][:, :, :s + T], cache.v[self.layer_idx][:, :, :s + T]
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache_mask, enable_gqa=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out = out.transpose(1, 2)
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, cache=None, cache_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, cache, cache_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """The `model.` prefix of HF names: embeddings, blocks, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._inv_freq = None  # computed on first use: keeps meta-device construction free of real buffers
+        self.activation_checkpointing = False  # recompute each block in backward (7-8B models at 2048 tokens)
+
+    def tie_weights(self):
+        """Re-point lm_head at the embeddings (needed after load_state_dict(assign=True) replaces tensors)."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, position_ids, *, cu_seqlens=None, max_seqlen=None, labels=None, cache=None,
+                return_hidden=False, select=None, teacher_logprobs=None, kl_direction="reverse"):
+        """input_ids, position_ids: [B,T] long. What comes back depends on the arguments:
+
+        labels [B,T] (already shifted: labels[b,t] is the target of position t, -100 ignored)
+            -> SUM of token NLL, fp32 scalar (the caller divides by the global token count);
+            with teacher_logprobs [M,V] (one row per non-ignored label, in order)
+            -> (NLL sum, KL sum) for self-distillation;
+        select [B,T] bool -> log-softmax [M,V] fp32 at the M selected positions (a teacher's targets);
+        return_hidden -> final-normed hidden states [B,T,H]; otherwise -> logits [B,T,V].
+        The loss is computed here, inside forward, so that under FSDP lm_head stays in the root unit.
+        """
+        if cu_seqlens is not None and input_ids.shape[0] != 1:
+            raise ValueError("packed attention (cu_seqlens) needs batch size 1")
+        x = self.model.embed_tokens(input_ids)
+        if self._inv_freq is None or self._inv_freq.device != x.device:
+            self._inv_freq = rope_inv_freq(self.cfg, x.device)
+        cos, sin = rope_cos_sin(self._inv_freq, position_ids, x.dtype)
+        cache_mask = cache.mask(input_ids.shape[1]) if cache is not None else None
+        for layer in self.model.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, cu_seqlens, max_seqlen, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, cu_seqlens, max_seqlen, cache, cache_mask)
+        if cache is not None:
+            cache.pos += input_ids.shape[1]
+        h = self.model.norm(x)
+        if labels is not None:
+            h, labels = h.flatten(0, 1), labels.flatten()
+            nll = fused_linear_cross_entropy(h, self.lm_head.weight, labels)
+            if teacher_logprobs is None:
+                return nll
+            return nll, chunked_kl(h[labels != -100], self.lm_head.weight, teacher_logprobs, kl_direction)
+        if select is not None:
+            return torch.log_softmax(self.lm_head(h[select]).float(), dim=-1)
+        if return_hidden:
+            return h
+        return self.lm_head(h)

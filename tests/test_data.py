@@ -1,0 +1,245 @@
+"""TRACE loader (real files + error messages), over-long filter, and the embedded synthetic benchmark."""
+
+import hashlib
+import json
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data import embedded
+from data.metrics import score
+from data.tasks import TASK_ORDER
+from data.trace import Example, filter_overlong, filter_report, load_task
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "trace"
+
+
+# --- real TRACE files ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("task,counts", [("FOMC", (5000, 496, 496)), ("NumGLUE-cm", (5000, 41, 81)),
+                                         ("NumGLUE-ds", (5000, 164, 325))])
+def test_real_trace_files(task, counts):
+    if not (SHARED / task).is_dir():
+        pytest.skip(f"{SHARED / task} not present")
+    for split, n in zip(("train", "eval", "test"), counts):
+        exs = load_task(SHARED, task, split)
+        assert len(exs) == n
+        assert [e.idx for e in exs] == list(range(n))
+        assert all(e.task == task and e.prompt and e.answer for e in exs)
+        # every gold answer scores 100 against itself under the task metric
+        assert all(score(task, e.answer, e.answer, e.prompt) == 100 for e in exs)
+    if task == "FOMC":
+        assert {e.answer for e in exs} == {"A", "B", "C"}
+        assert exs[0].prompt.startswith("What is the monetary policy stance")
+
+
+def test_real_train_subsample_keeps_source_index():
+    if not (SHARED / "FOMC").is_dir():
+        pytest.skip("shared TRACE data not present")
+    full = load_task(SHARED, "FOMC", "train")
+    sub = load_task(SHARED, "FOMC", "train", max_train=100, seed=3)
+    assert len(sub) == 100 and sub == load_task(SHARED, "FOMC", "train", max_train=100, seed=3)
+    assert sub != load_task(SHARED, "FOMC", "train", max_train=100, seed=4)
+    assert all(full[e.idx] == e for e in sub)
+    assert [e.idx for e in sub] == sorted(e.idx for e in sub)
+
+
+# --- loader on synthetic files ---------------------------------------------------------------------------------
+
+def _write(root, task, split, text):
+    d = root / task
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{split}.json").write_text(text, encoding="utf-8")
+    return d / f"{split}.json"
+
+
+def test_loader_json_list_jsonl_and_subsample(tmp_path):
+    recs = [{"prompt": f"p{i}", "answer": f"a{i}", "extra": 1} for i in range(10)]
+    _write(tmp_path, "FOMC", "train", json.dumps(recs))
+    exs = load_task(tmp_path, "FOMC", "train")
+    assert exs[3] == Example("FOMC", 3, "p3", "a3")
+    sub = load_task(tmp_path, "FOMC", "train", max_train=4, seed=0)
+    assert len(sub) == 4 and all(e.prompt == f"p{e.idx}" for e in sub)
+    # JSON Lines (blank lines allowed), under .json or .jsonl
+    _write(tmp_path, "FOMC", "eval", "\n".join(json.dumps(r) for r in recs[:3]) + "\n\n")
+    assert [e.answer for e in load_task(tmp_path, "FOMC", "eval")] == ["a0", "a1", "a2"]
+    (tmp_path / "FOMC" / "test.jsonl").write_text(json.dumps(recs[0]) + "\n", encoding="utf-8")
+    assert load_task(tmp_path, "FOMC", "test")[0].prompt == "p0"
+    # eval/test are never subsampled
+    assert len(load_task(tmp_path, "FOMC", "eval", max_train=1)) == 3
+
+
+def _err(tmp_path, text, split="train"):
+    path = _write(tmp_path, "FOMC", split, text)
+    with pytest.raises(ValueError) as e:
+        load_task(tmp_path, "FOMC", split)
+    msg = str(e.value)
+    assert str(path) in msg, msg
+    return msg
+
+
+def test_loader_errors_name_file_record_field(tmp_path):
+    good = {"prompt": "p", "answer": "A"}
+    # malformed JSON in the third record of a list
+    msg = _err(tmp_path, json.dumps([good, good])[:-1] + ', {"prompt": "p", "answer": }]')
+    assert "malformed JSON in record 2" in msg and "line 1" in msg
+    # missing field
+    msg = _err(tmp_path, json.dumps([good, {"prompt": "p"}]))
+    assert "record 1" in msg and "missing field 'answer'" in msg
+    # non-string field
+    msg = _err(tmp_path, json.dumps([{"prompt": "p", "answer": 3}]))
+    assert "record 0" in msg and "field 'answer' must be a string, got int" in msg
+    # not an object
+    assert "record 1" in _err(tmp_path, json.dumps([good, ["p", "A"]]))
+    # empty file / empty list
+    assert "empty" in _err(tmp_path, "")
+    assert "empty" in _err(tmp_path, "  \n")
+    assert "no records" in _err(tmp_path, "[]")
+    # JSON Lines: record number and line number
+    msg = _err(tmp_path, json.dumps(good) + "\n\n" + '{"prompt": "p", "answer": "A"\n')
+    assert "malformed JSON in record 1 (line 3, column" in msg
+    msg = _err(tmp_path, json.dumps(good) + "\n" + json.dumps({"answer": "A"}) + "\n")
+    assert "record 1 (line 2)" in msg and "missing field 'prompt'" in msg
+    # trailing garbage after the list
+    assert "after record 0" in _err(tmp_path, json.dumps([good]) + " x")
+
+
+def test_loader_missing_file_and_unknown_task(tmp_path):
+    with pytest.raises(ValueError, match=r"MeetingBank[/\\]test\.json: file not found"):
+        load_task(tmp_path, "MeetingBank", "test")
+    with pytest.raises(ValueError, match=r"unknown task 'FOMX'; valid tasks: C-STANCE, FOMC, MeetingBank"):
+        load_task(tmp_path, "FOMX", "train")
+    with pytest.raises(ValueError, match=r"unknown split 'dev'"):
+        load_task(tmp_path, "FOMC", "dev")
+
+
+def test_filter_overlong():
+    exs = [Example("FOMC", i, "w " * i, "A") for i in range(10)]
+    kept, dropped = filter_overlong(exs, lambda p, a: len(p.split()) + len(a.split()), max_len=5)
+    assert [e.idx for e in kept] == [0, 1, 2, 3, 4] and dropped == 5
+    assert filter_report("FOMC", "train", 10, dropped, max_len=5) == \
+        "FOMC/train: kept 5/10 (dropped 5 over 5 tokens)"
+
+
+# --- embedded benchmark ----------------------------------------------------------------------------------------
+
+def _hashes(root):
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(root).rglob("*.json"))}
+
+
+def test_embedded_deterministic(tmp_path):
+    kw = dict(n_train=64, n_eval=16, n_test=32)
+    embedded.write_benchmark(tmp_path / "a", seed=0, **kw)
+    embedded.write_benchmark(tmp_path / "b", seed=0, **kw)
+    embedded.write_benchmark(tmp_path / "c", seed=1, **kw)
+    ha, hb, hc = _hashes(tmp_path / "a"), _hashes(tmp_path / "b"), _hashes(tmp_path / "c")
+    assert len(ha) == 24 and ha == hb
+    assert all(ha[k] != hc[k] for k in ha)
+
+
+def test_embedded_cli(tmp_path):
+    out = tmp_path / "emb"
+    r = subprocess.run([sys.executable, "-m", "data.embedded", "--out", str(out), "--n-train", "8", "--n-test", "4",
+                        "--n-eval", "2", "--seed", "0", "--tasks", "FOMC,20Minuten"],
+                       cwd=REPO, capture_output=True, text=True, check=True)
+    assert "FOMC: train 8 eval 2 test 4" in r.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["20Minuten", "FOMC"]
+    assert len(load_task(out, "20Minuten", "test")) == 4
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    root = tmp_path_factory.mktemp("emb")
+    embedded.write_benchmark(root, n_train=128, n_eval=32, n_test=32, seed=0)
+    return root, {t: {s: load_task(root, t, s) for s in ("train", "eval", "test")} for t in TASK_ORDER}
+
+
+def test_embedded_gold_scores_100_and_sizes(bench):
+    _, data = bench
+    for task in TASK_ORDER:
+        splits = data[task]
+        assert [len(splits[s]) for s in ("train", "eval", "test")] == [128, 32, 32]
+        prompts = [e.prompt for s in splits.values() for e in s]
+        assert len(set(prompts)) == len(prompts), f"{task}: repeated prompt across splits"
+        for e in (e for s in splits.values() for e in s):
+            assert score(task, e.answer, e.answer, e.prompt) == pytest.approx(100), (task, e)
+            assert len(e.prompt.split()) <= 40 and len(e.answer.split()) <= 12, (task, e)
+
+
+def test_embedded_tiny_vocabulary(bench):
+    _, data = bench
+    for task in TASK_ORDER:
+        words = {w for s in data[task].values() for e in s for w in (e.prompt + " " + e.answer).split()}
+        assert len(words) <= 100, (task, len(words))
+
+
+def _text_line(prompt):
+    return prompt.split("Text:\n")[1].split("\n")[0]
+
+
+def test_embedded_stance_tasks_conflict(bench):
+    _, data = bench
+    # within a task the label is a function of the text; across the two tasks the same text gets another label
+    labels = {}
+    for task in ("C-STANCE", "FOMC"):
+        labels[task] = {}
+        for e in data[task]["train"] + data[task]["test"]:
+            text = _text_line(e.prompt)
+            assert labels[task].setdefault(text, e.answer) == e.answer
+            assert e.answer == embedded.stance_label(task, text)
+    for text in list(labels["C-STANCE"]) + list(labels["FOMC"]):
+        assert embedded.stance_label("C-STANCE", text) != embedded.stance_label("FOMC", text)
+    assert set(labels["C-STANCE"]) & set(labels["FOMC"])  # shared texts do occur in the files
+    # ScienceQA answers use the same letters; all three letters occur in all three tasks
+    for task in ("C-STANCE", "FOMC", "ScienceQA"):
+        assert {e.answer[0] for e in data[task]["train"]} == {"A", "B", "C"}
+
+
+def test_embedded_arithmetic_tasks_conflict(bench):
+    _, data = bench
+    pat = {"NumGLUE-cm": r"(\w+) has (\d+) (\w+) and buys (\d+) more\. How many (\w+) now\?",
+           "NumGLUE-ds": r"(\w+) has (\d+) bags with (\d+) (\w+) each\. How many (\w+) now\?"}
+    seen = {}
+    for task, rx in pat.items():
+        seen[task] = {}
+        for e in data[task]["train"]:
+            m = re.search(rx, e.prompt)
+            assert m, e.prompt
+            a, b = (int(m.group(2)), int(m.group(4))) if task == "NumGLUE-cm" else (int(m.group(2)), int(m.group(3)))
+            assert int(e.answer) == (a + b if task == "NumGLUE-cm" else a * b)
+            seen[task][(a, b)] = e.answer
+        assert data[task]["train"][0].prompt.startswith("Solve the following math problem.\nQuestion:\n")
+    both = set(seen["NumGLUE-cm"]) & set(seen["NumGLUE-ds"])
+    assert sum(seen["NumGLUE-cm"][k] != seen["NumGLUE-ds"][k] for k in both) >= 10
+
+
+def test_embedded_generative_tasks_are_graded(bench):
+    _, data = bench
+    # a half-right answer gets partial credit
+    for task in ("MeetingBank", "Py150", "20Minuten"):
+        e = data[task]["test"][0]
+        words = e.answer.split()
+        half = " ".join(words[: max(1, len(words) // 2)])
+        assert 0 < score(task, half, e.answer, e.prompt) < 100, (task, half, e.answer)
+    # ScienceQA: the letter decides, the reason does not
+    e = data["ScienceQA"]["test"][0]
+    assert score("ScienceQA", e.answer[0] + " because", e.answer, e.prompt) == 100
+
+
+def test_general_mixture_and_corpus():
+    mix = embedded.general_mixture(200, seed=0)
+    assert mix == embedded.general_mixture(200, seed=0) and mix != embedded.general_mixture(200, seed=1)
+    assert all(set(m) == {"prompt", "answer"} and m["prompt"] and m["answer"] for m in mix)
+    assert len({m["prompt"].split("\n")[0].split(" after ")[0] for m in mix}) == 6  # all six kinds occur
+    task_heads = {embedded.MAKERS[t](random.Random(0))["prompt"].split("\n")[0] for t in TASK_ORDER}
+    assert not any(m["prompt"].split("\n")[0] in task_heads for m in mix)
+    corpus = embedded.corpus_texts(seed=0, n_per_task=20)
+    text = "\n".join(corpus)
+    for w in ["Zürich", "veräußerte", "<NUM_LIT:7>", "hawkish", "Wednesday", "STAR", "council"]:
+        assert w in text

@@ -1,0 +1,155 @@
+"""Model core against transformers: logits parity, packing, KV cache, checkpoint round trips, bad input."""
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from model.checkpoint import load_model, save_checkpoint  # noqa: E402
+from model.transformer import KVCache  # noqa: E402
+
+TOL = 1e-4
+
+ARCHS = {
+    # Llama-3.1 style: llama3 rope scaling (short original context so every frequency band is exercised),
+    # GQA, q/k/v/o and MLP biases
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attention_bias=True, mlp_bias=True, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16})),
+    # Qwen2.5 small sizes: q/k/v biases, tied embeddings
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0)),
+    # Qwen3: q/k RMSNorm, head_dim (24) unrelated to hidden/heads (16)
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24)),
+}
+
+
+def make_hf(arch, path):
+    torch.manual_seed(0)
+    hf = ARCHS[arch]().float().eval()
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: randomise them so they are tested
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = make_hf(request.param, path)
+    return hf, load_model(path), path
+
+
+def hf_logits(hf, ids, pos=None):
+    with torch.no_grad():
+        return hf(input_ids=ids, position_ids=pos).logits
+
+
+def test_logits_match_transformers(pair):
+    hf, ours, _ = pair
+    ids = torch.randint(0, 97, (2, 40))
+    pos = torch.arange(40).expand(2, 40)
+    with torch.no_grad():
+        got = ours(ids, pos)
+    assert (got - hf_logits(hf, ids)).abs().max() <= TOL
+
+
+def test_packed_documents_equal_separate_runs(pair):
+    hf, ours, _ = pair
+    a, b = torch.randint(0, 97, (1, 23)), torch.randint(0, 97, (1, 17))
+    ids = torch.cat([a, b], 1)
+    pos = torch.cat([torch.arange(23), torch.arange(17)])[None]
+    cu = torch.tensor([0, 23, 40], dtype=torch.int32)
+    with torch.no_grad():
+        packed = ours(ids, pos, cu_seqlens=cu, max_seqlen=23)
+    ref = torch.cat([hf_logits(hf, a), hf_logits(hf, b)], 1)
+    assert (packed - ref).abs().max() <= TOL
+
+
+def test_packed_loss_equals_sum_of_token_nll(pair):
+    _, ours, _ = pair
+    ids = torch.randint(0, 97, (1, 30))
+    pos = torch.cat([torch.arange(12), torch.arange(18)])[None]
+    cu = torch.tensor([0, 12, 30], dtype=torch.int32)
+    labels = torch.randint(0, 97, (1, 30))
+    labels[0, :5] = -100
+    with torch.no_grad():
+        logits = ours(ids, pos, cu_seqlens=cu, max_seqlen=18)
+        loss = ours(ids, pos, cu_seqlens=cu, max_seqlen=18, labels=labels)
+    ref = torch.nn.functional.cross_entropy(logits[0], labels[0], reduction="sum", ignore_index=-100)
+    assert torch.allclose(loss, ref, rtol=1e-5)
+
+
+def test_kv_cache_decode_matches_full_forward_with_left_padding(pair):
+    _, ours, _ = pair
+    lens = [7, 4]
+    prompts = [torch.randint(0, 97, (n,)) for n in lens]
+    new = torch.randint(0, 97, (2, 3))
+    P = max(lens)
+    ids = torch.zeros(2, P, dtype=torch.long)
+    cache = KVCache(ours.cfg, 2, P + 3, "cpu", torch.float32)
+    for r, p in enumerate(prompts):
+        ids[r, P - len(p):] = p
+        cache.valid[r, P - len(p):P] = True
+    pos = (cache.valid[:, :P].long().cumsum(1) - 1).clamp(min=0)
+    steps = []
+    with torch.no_grad():
+        steps.append(ours(ids, pos, cache=cache)[:, -1])
+        for t in range(3):
+            cache.valid[:, cache.pos] = True
+            steps.append(ours(new[:, t:t + 1], pos[:, -1:] + 1 + t, cache=cache)[:, -1])
+        for r, p in enumerate(prompts):
+            full = torch.cat([p, new[r]])[None]
+            ref = ours(full, torch.arange(len(full[0]))[None])[0, len(p) - 1:]
+            got = torch.stack([s[r] for s in steps])
+            assert (got - ref).abs().max() <= TOL  # prompt end + the three decoded positions
+            assert not torch.isnan(got).any()
+
+
+@pytest.mark.parametrize("shard_bytes", [5 * 2**30, 40_000])
+def test_save_load_round_trip_is_bit_exact_and_loads_in_transformers(pair, tmp_path, shard_bytes):
+    hf, ours, src = pair
+    out = save_checkpoint(ours.state_dict(), src, tmp_path / "ckpt", max_shard_bytes=shard_bytes)
+    sharded = (out / "model.safetensors.index.json").exists()
+    assert sharded == (shard_bytes < 2**20)
+    again = load_model(out)
+    for (k, a), (k2, b) in zip(ours.state_dict().items(), again.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    hf2 = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    ids = torch.randint(0, 97, (1, 20))
+    with torch.no_grad():
+        assert (hf_logits(hf2, ids) - ours(ids, torch.arange(20)[None])).abs().max() <= TOL
+    assert not list(tmp_path.glob(".ckpt.tmp-*")), "temporary directory left behind"
+
+
+def test_unknown_model_type_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    with pytest.raises(ValueError, match=r"config\.json.*model_type 'gpt2'"):
+        load_model(tmp_path)
+
+
+def test_missing_and_misshaped_weights_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+    make_hf("llama", tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    bad = dict(state)
+    bad[name] = torch.zeros(3, 3)
+    save_file(bad, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.safetensors.*model\.layers\.1\.mlp\.up_proj\.weight.*\(3, 3\)"):
+        load_model(tmp_path)
+    del bad[name]
+    save_file(bad, tmp_path / "model.safetensors")
+    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight.*missing"):
+        load_model(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(tmp_path)
