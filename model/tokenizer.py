@@ -1,0 +1,208 @@
+"""Chat tokenizer: a `tokenizers.Tokenizer` from tokenizer.json plus the checkpoint's Jinja chat template, rendered with
+Hugging Face semantics but without importing transformers.
+
+    tok = ChatTokenizer.from_dir(ckpt_dir)
+    ids = tok.prompt_ids("What is 2+2?")           # user turn + generation prompt, ready for the model
+    ids, labels = tok.encode_sft(prompt, response)  # labels UNSHIFTED, -100 outside the assistant response
+
+What "HF semantics" means here (transformers.utils.chat_template_utils / PreTrainedTokenizerBase.apply_chat_template):
+  - the template comes from chat_template.jinja if present, else tokenizer_config.json["chat_template"];
+  - it runs in jinja2's ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True) with the loopcontrols
+    extension, a `tojson` filter that does not HTML-escape, and the globals raise_exception / strftime_now;
+  - the template sees messages, tools=None, documents=None, add_generation_prompt, the named special tokens
+    (bos_token, eos_token, unk_token, sep_token, pad_token, cls_token, mask_token, as strings) and any extra kwargs,
+    which override the special tokens; message keys whose value is None are dropped;
+  - tokenize=True encodes the rendered string with add_special_tokens=False.
+One deliberate difference: enable_thinking defaults to False (Qwen3 templates then render the empty think block, as
+HF does with enable_thinking=False), because our SFT data has no reasoning traces.
+"""
+
+import json
+from collections.abc import Iterable
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+IGNORE_INDEX = -100
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (HF's assistant-mask marker) renders its body unchanged. We find the
+    assistant span by prefix matching instead, so the tag only needs to parse."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # jinja's builtin tojson HTML-escapes <, >, &, ' which would change what the model sees
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _token_str(value) -> str | None:
+    """A special token from tokenizer_config.json: a string, or an AddedToken dict {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
+
+
+def _prepare_messages(messages: list[dict]) -> list[dict]:
+    """Drop None-valued keys and fill reasoning_content/thinking from any of their aliases (as HF does)."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TypeError(f"message {i} should be a dict with 'role' and 'content', got {message!r}")
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+class ChatTokenizer:
+    """Tokenizer + chat template of one checkpoint directory. See the module docstring for the HF semantics."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str, special_tokens: dict[str, str],
+                 extra_stop_ids: Iterable[int] = (), source: str = "<memory>"):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.source = source
+        self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
+        self._template = compile_chat_template(chat_template)
+
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        eos = self.special_tokens.get("eos_token")
+        if eos is None or eos not in vocab:
+            raise ValueError(f"{source}: eos_token {eos!r} (tokenizer_config.json) is missing "
+                             f"or not in tokenizer.json")
+        self.eos_id = vocab[eos]
+        pad = self.special_tokens.get("pad_token")
+        self.pad_id = vocab[pad] if pad in vocab else self.eos_id
+        self.stop_ids = {self.eos_id, *extra_stop_ids, *(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)}
+
+    @classmethod
+    def from_dir(cls, ckpt_dir: str | Path) -> "ChatTokenizer":
+        """Load tokenizer.json, tokenizer_config.json (special tokens, chat template), chat_template.jinja (takes
+        priority, as in HF) and generation_config.json (extra eos ids) from `ckpt_dir`."""
+        ckpt_dir = Path(ckpt_dir)
+        tok_path = ckpt_dir / "tokenizer.json"
+        if not tok_path.is_file():
+            raise ValueError(f"{ckpt_dir}: tokenizer.json not found")
+        tokenizer = Tokenizer.from_file(str(tok_path))
+
+        cfg_path = ckpt_dir / "tokenizer_config.json"
+        config = _read_json(cfg_path) if cfg_path.is_file() else {}
+        map_path = ckpt_dir / "special_tokens_map.json"  # older checkpoints keep special tokens only here
+        special_map = _read_json(map_path) if map_path.is_file() else {}
+        special = {name: _token_str(config.get(name, special_map.get(name))) for name in SPECIAL_TOKEN_NAMES}
+
+        jinja_path = ckpt_dir / "chat_template.jinja"
+        if jinja_path.is_file():
+            template, template_source = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
+        else:
+            template, template_source = config.get("chat_template"), f"{cfg_path}['chat_template']"
+            if isinstance(template, list):  # old multi-template format: [{"name": ..., "template": ...}]
+                template = {t["name"]: t["template"] for t in template}.get("default")
+        if not template:
+            raise ValueError(f"{ckpt_dir}: no chat template (neither chat_template.jinja nor "
+                             f"tokenizer_config.json['chat_template'])")
+
+        extra_stop = []
+        gen_path = ckpt_dir / "generation_config.json"
+        if gen_path.is_file():
+            eos = _read_json(gen_path).get("eos_token_id")
+            extra_stop = [eos] if isinstance(eos, int) else list(eos or [])
+        try:
+            return cls(tokenizer, template, special, extra_stop, source=str(ckpt_dir))
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{template_source}: chat template does not parse: {e}") from e
+
+    # --- plain text ---------------------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    # --- chat ---------------------------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = False,
+                            **kwargs) -> str | list[int]:
+        """Render `messages` ([{"role", "content"}, ...]) with the chat template; with tokenize=True return the ids of
+        the rendered text encoded with add_special_tokens=False. Extra kwargs reach the template (enable_thinking
+        defaults to False)."""
+        if not messages:
+            raise ValueError("cannot apply the chat template to an empty conversation")
+        kwargs.setdefault("enable_thinking", False)
+        variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
+        text = self._template.render(messages=_prepare_messages(messages),
+                                     add_generation_prompt=add_generation_prompt, **variables)
+        return self.encode(text) if tokenize else text
+
+    def prompt_ids(self, prompt: str, **kwargs) -> list[int]:
+        """Ids of `prompt` as a single user turn followed by the assistant generation prompt."""
+        return self.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True, **kwargs)
+
+    def encode_sft(self, prompt: str, response: str, **kwargs) -> tuple[list[int], list[int]]:
+        """Ids of the conversation [user: prompt, assistant: response] and UNSHIFTED labels: labels[t] = ids[t] on the
+        assistant response tokens and its end-of-turn token, -100 elsewhere (system/user turns, the assistant header,
+        anything the template writes after end-of-turn).
+
+        The response span is found by tokenizing the prompt with the generation prompt and requiring it to be a token
+        prefix of the full conversation; the span runs from there to the first stop token (inclusive).
+        """
+        user = [{"role": "user", "content": prompt}]
+        prefix = self.apply_chat_template(user, add_generation_prompt=True, tokenize=True, **kwargs)
+        ids = self.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=True, **kwargs)
+        if ids[:len(prefix)] != prefix:
+            raise ValueError(f"{self.source}: the prompt's token ids with the generation prompt are not a prefix of "
+                             f"the full conversation's ids; the template or a token merge across the boundary "
+                             f"breaks prompt/response separation (prompt={prompt[:80]!r}, response={response[:80]!r})")
+        end = next((t for t in range(len(prefix), len(ids)) if ids[t] in self.stop_ids), None)
+        if end is None:
+            raise ValueError(f"{self.source}: no end-of-turn token (any of {sorted(self.stop_ids)}) after the "
+                             f"response (response={response[:80]!r})")
+        labels = [IGNORE_INDEX] * len(prefix) + ids[len(prefix):end + 1] + [IGNORE_INDEX] * (len(ids) - end - 1)
+        return ids, labels
