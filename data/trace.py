@@ -7,11 +7,11 @@ Every problem raises ValueError naming the file, the record number (0-based), th
 the field.
 """
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from data.jsonl import read_records
 from data.tasks import get_task
 
 SPLITS = ("train", "eval", "test")
@@ -26,88 +26,9 @@ class Example:
     answer: str  # gold response
 
 
-def _locate_bad_record(text: str, path: Path) -> str:
-    """json.loads failed on a list file: decode it record by record to say which record is broken."""
-    dec = json.JSONDecoder()
-    pos, n = 0, len(text)
-
-    def skip_ws(p):
-        while p < n and text[p] in " \t\r\n":
-            p += 1
-        return p
-
-    def line_of(p):
-        return text.count("\n", 0, p) + 1
-
-    pos = skip_ws(pos)
-    if pos >= n or text[pos] != "[":
-        return f"{path}: malformed JSON (line {line_of(pos)}): top level is not a list"
-    pos = skip_ws(pos + 1)
-    rec = 0
-    while True:
-        if pos < n and text[pos] == "]" and rec == 0:
-            return f"{path}: malformed JSON after the closing bracket (line {line_of(pos)})"
-        try:
-            _, end = dec.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            return f"{path}: malformed JSON in record {rec} (line {e.lineno}, column {e.colno}): {e.msg}"
-        pos = skip_ws(end)
-        if pos < n and text[pos] == ",":
-            pos, rec = skip_ws(pos + 1), rec + 1
-            continue
-        if pos < n and text[pos] == "]":
-            return f"{path}: malformed JSON after record {rec} (line {line_of(pos)}): trailing data after the list"
-        return f"{path}: malformed JSON after record {rec} (line {line_of(pos)}): expected ',' or ']'"
-
-
-def _check_record(rec, path: Path, i: int, where: str) -> tuple[str, str]:
-    if not isinstance(rec, dict):
-        raise ValueError(f"{path}: record {i}{where}: expected an object with 'prompt' and 'answer', "
-                         f"got {type(rec).__name__}")
-    out = []
-    for field in ("prompt", "answer"):
-        if field not in rec:
-            raise ValueError(f"{path}: record {i}{where}: missing field '{field}'")
-        if not isinstance(rec[field], str):
-            raise ValueError(f"{path}: record {i}{where}: field '{field}' must be a string, "
-                             f"got {type(rec[field]).__name__}")
-        out.append(rec[field])
-    return out[0], out[1]
-
-
 def read_trace_file(path) -> list[tuple[str, str]]:
     """[(prompt, answer), ...] from one TRACE file (JSON list, or JSON Lines when the file does not start with '[')."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: file not found")
-    text = path.read_text(encoding="utf-8")
-    if text.startswith("\ufeff"):  # tolerate a UTF-8 byte-order mark
-        text = text[1:]
-    if not text.strip():
-        raise ValueError(f"{path}: file is empty (expected a JSON list of {{'prompt', 'answer'}} records)")
-
-    out = []
-    if text.lstrip().startswith("["):
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError:
-            raise ValueError(_locate_bad_record(text, path)) from None
-        for i, rec in enumerate(records):
-            out.append(_check_record(rec, path, i, ""))
-    else:  # JSON Lines: blank lines are skipped, record numbers count records, not lines
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            i = len(out)
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: malformed JSON in record {i} (line {lineno}, column {e.colno}): "
-                                 f"{e.msg}") from None
-            out.append(_check_record(rec, path, i, f" (line {lineno})"))
-    if not out:
-        raise ValueError(f"{path}: file holds no records")
-    return out
+    return [(r["prompt"], r["answer"]) for r in read_records(path, required=("prompt", "answer"))]
 
 
 def load_task(root, task: str, split: str, *, max_train: int = MAX_TRAIN, seed: int = 0) -> list[Example]:

@@ -1,0 +1,150 @@
+"""Peak memory and time of the LM loss forward+backward: naive (materialised [N, V] logits) vs
+kernels.fused_linear_cross_entropy. Defaults: Qwen2.5-0.5B's vocab 151,936 and hidden 896, 8,192 tokens, fp32.
+
+Each variant runs in a fresh subprocess: torch's CPU allocations are invisible to tracemalloc, so the
+peak is the process RSS high-water mark (getrusage ru_maxrss) minus its value right after the inputs
+were allocated. It includes the [V, H] weight gradient, which both variants must produce.
+
+    python bench/bench_loss_memory.py                 # loss: naive vs fused
+    python bench/bench_loss_memory.py --attention     # varlen SDPA: enable_gqa=True vs repeated kv heads
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def rss_high_water_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def available_mb() -> float:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024
+    return float("inf")
+
+
+def child(variant: str, tokens: int, vocab: int, hidden_size: int, repeats: int) -> dict:
+    from kernels import cross_entropy
+
+    cross_entropy.set_backend("chunked")  # the CPU path; on CUDA the wrapper would call liger
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, requires_grad=True)
+    # Filled in place: a `0.02 * randn` temporary would raise the baseline high-water mark by [V, H].
+    weight = torch.empty(vocab, hidden_size).normal_(0, 0.02).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,))
+    labels[torch.rand(tokens) < 0.1] = -100  # some prompt tokens, as in SFT
+
+    def step():
+        if variant == "naive":
+            loss = F.cross_entropy(hidden @ weight.T, labels, reduction="sum", ignore_index=-100)
+        else:
+            loss = cross_entropy.fused_linear_cross_entropy(hidden, weight, labels)
+        loss.backward()
+        return loss.item()
+
+    baseline = rss_high_water_mb()
+    times, loss = [], None
+    for _ in range(repeats):
+        hidden.grad = weight.grad = None
+        t0 = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+    return {"variant": variant, "peak_mb": rss_high_water_mb() - baseline, "times": times, "loss": loss}
+
+
+def run_loss(args) -> None:
+    logits_mb = args.tokens * args.vocab * 4 / 2**20
+    rows = []
+    for variant in ("naive", "fused"):
+        need_mb = 4 * logits_mb if variant == "naive" else 0
+        if need_mb > available_mb():
+            print(f"skipping {variant}: needs ~{need_mb:.0f} MB, {available_mb():.0f} MB available")
+            continue
+        cmd = [sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens), "--vocab",
+               str(args.vocab), "--hidden", str(args.hidden), "--repeats", str(args.repeats)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    print(f"\nLoss forward+backward, N={args.tokens} tokens, V={args.vocab}, H={args.hidden}, fp32, CPU, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}; "
+          f"fp32 [N, V] logits alone = {logits_mb:.0f} MB")
+    print(f"command: python bench/bench_loss_memory.py --tokens {args.tokens} --vocab {args.vocab} "
+          f"--hidden {args.hidden} --repeats {args.repeats}\n")
+    print("| variant | peak memory above inputs (MB) | time fwd+bwd (s), median | loss |")
+    print("|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['peak_mb']:.0f} | {statistics.median(r['times']):.2f} | {r['loss']:.4f} |")
+    if len(rows) == 2:
+        naive, fused = rows
+        print(f"\nfused / naive: peak memory {fused['peak_mb'] / naive['peak_mb']:.1%}, "
+              f"time {statistics.median(fused['times']) / statistics.median(naive['times']):.2f}x")
+
+
+def run_attention(args) -> None:
+    """Why kernels/attention.py repeats kv heads: SDPA's enable_gqa=True was slower on CPU."""
+    torch.manual_seed(0)
+    lengths = [300, 512, 97, 1, 640, 498]  # ~2k packed tokens, uneven docs
+    bounds = torch.tensor([0] + lengths).cumsum(0).tolist()
+
+    def attend(q, k, v, gqa_mode):
+        n_rep = q.shape[1] // k.shape[1]
+        if gqa_mode == "repeat":
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        outs = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            qd, kd, vd = (x[s:e].transpose(0, 1) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa_mode == "enable_gqa")
+            outs.append(o.transpose(0, 1))
+        return torch.cat(outs)
+
+    print(f"\nvarlen SDPA fwd+bwd, docs {lengths}, head dim 64, CPU fp32, median of {args.repeats}")
+    print(f"command: python bench/bench_loss_memory.py --attention --repeats {args.repeats}\n")
+    print("| q heads / kv heads | enable_gqa=True (ms) | repeat_interleave kv (ms) |")
+    print("|---|---:|---:|")
+    for hq, hkv in [(9, 3), (14, 2)]:
+        q = torch.randn(sum(lengths), hq, 64, requires_grad=True)
+        k = torch.randn(sum(lengths), hkv, 64, requires_grad=True)
+        v = torch.randn(sum(lengths), hkv, 64, requires_grad=True)
+        ms = {}
+        for mode in ("enable_gqa", "repeat") * 2:  # interleaved, first of each is warm-up
+            ts = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                attend(q, k, v, mode).sum().backward()
+                ts.append(time.perf_counter() - t0)
+            ms[mode] = 1e3 * statistics.median(ts)
+        print(f"| {hq} / {hkv} | {ms['enable_gqa']:.0f} | {ms['repeat']:.0f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--attention", action="store_true", help="compare SDPA GQA variants instead")
+    p.add_argument("--child", choices=["naive", "fused"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.tokens, args.vocab, args.hidden, args.repeats)))
+    elif args.attention:
+        run_attention(args)
+    else:
+        run_loss(args)
+
+
+if __name__ == "__main__":
+    main()

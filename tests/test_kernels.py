@@ -1,0 +1,262 @@
+"""kernels/: the pure-torch backends against naive references, and the GPU-library wrappers' contracts."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import attention, cross_entropy, fused_linear_cross_entropy, varlen_attention
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- attention
+
+def cu_seqlens_of(lengths):
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+
+
+def naive_varlen_attention(q, k, v, cu_seqlens):
+    """fp64, one [T, T] softmax with an explicit block-diagonal causal mask."""
+    q, k, v = q.double(), k.double(), v.double()
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    T = q.shape[0]
+    doc = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), (cu_seqlens[1:] - cu_seqlens[:-1]).long())
+    pos = torch.arange(T)
+    allowed = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])  # [Tq, Tk]
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+@pytest.fixture
+def sdpa_backend(monkeypatch):
+    monkeypatch.setattr(attention, "_BACKEND", "sdpa")
+    monkeypatch.setattr(attention, "_FORCED", True)
+
+
+@pytest.mark.parametrize("n_heads_q, n_heads_kv", [(4, 2), (4, 4)])
+def test_varlen_sdpa_matches_naive_forward_and_backward(sdpa_backend, n_heads_q, n_heads_kv):
+    torch.manual_seed(0)
+    lengths = [5, 1, 17, 2, 1, 9]
+    cu = cu_seqlens_of(lengths)
+    T, D = sum(lengths), 8
+    q = torch.randn(T, n_heads_q, D, requires_grad=True)
+    k = torch.randn(T, n_heads_kv, D, requires_grad=True)
+    v = torch.randn(T, n_heads_kv, D, requires_grad=True)
+    grad_out = torch.randn(T, n_heads_q, D)
+
+    out = varlen_attention(q, k, v, cu, max(lengths))
+    assert out.shape == (T, n_heads_q, D) and out.dtype == q.dtype
+    grads = torch.autograd.grad((out * grad_out).sum(), (q, k, v))
+
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = naive_varlen_attention(q64, k64, v64, cu)
+    ref_grads = torch.autograd.grad((ref * grad_out.double()).sum(), (q64, k64, v64))
+
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, rtol=0, atol=1e-5, msg=f"grad of {name}")
+
+
+def test_varlen_attention_never_crosses_documents(sdpa_backend):
+    torch.manual_seed(1)
+    lengths = [6, 7, 4]
+    cu = cu_seqlens_of(lengths)
+    T = sum(lengths)
+    q, k, v = torch.randn(T, 4, 8), torch.randn(T, 2, 8), torch.randn(T, 2, 8)
+    out = varlen_attention(q, k, v, cu, max(lengths))
+    k2, v2 = k.clone(), v.clone()
+    doc2 = slice(int(cu[1]), int(cu[2]))
+    k2[doc2] += 10 * torch.randn_like(k2[doc2])
+    v2[doc2] += 10 * torch.randn_like(v2[doc2])
+    out2 = varlen_attention(q, k2, v2, cu, max(lengths))
+    assert torch.equal(out[: cu[1]], out2[: cu[1]]), "doc 1 changed when doc 2's k/v changed"
+    assert torch.equal(out[cu[2]:], out2[cu[2]:]), "doc 3 changed when doc 2's k/v changed"
+    assert not torch.allclose(out[doc2], out2[doc2])
+
+
+def test_varlen_attention_flash_wrapper_contract(monkeypatch):
+    """The CUDA path is a thin wrapper: check it calls flash_attn_varlen_func with the documented
+    keyword names, shapes and dtypes, using a stand-in that computes the naive reference."""
+    calls = []
+
+    def fake_flash_attn_varlen_func(q, k, v, **kwargs):
+        calls.append((q.shape, k.shape, v.shape, kwargs))
+        return naive_varlen_attention(q, k, v, kwargs["cu_seqlens_q"]).to(q.dtype)
+
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", fake_flash_attn_varlen_func)
+    monkeypatch.setattr(attention, "_BACKEND", attention._BACKEND)
+    monkeypatch.setattr(attention, "_FORCED", attention._FORCED)
+    attention.set_backend("flash")
+
+    lengths = [3, 1, 5]
+    cu = cu_seqlens_of(lengths)
+    T = sum(lengths)
+    q, k, v = torch.randn(T, 4, 8), torch.randn(T, 2, 8), torch.randn(T, 2, 8)
+    out = varlen_attention(q, k, v, cu, max(lengths))
+
+    assert len(calls) == 1
+    q_shape, k_shape, v_shape, kwargs = calls[0]
+    assert (q_shape, k_shape, v_shape) == ((T, 4, 8), (T, 2, 8), (T, 2, 8))  # GQA passed through unexpanded
+    assert set(kwargs) == {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "causal"}
+    assert kwargs["causal"] is True
+    assert kwargs["cu_seqlens_q"] is cu and kwargs["cu_seqlens_k"] is cu and cu.dtype == torch.int32
+    assert kwargs["max_seqlen_q"] == kwargs["max_seqlen_k"] == 5
+    attention.set_backend("sdpa")
+    torch.testing.assert_close(out, varlen_attention(q, k, v, cu, max(lengths)), rtol=0, atol=1e-5)
+
+
+def test_varlen_attention_rejects_bad_cu_seqlens(sdpa_backend):
+    q, k = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    with pytest.raises(ValueError, match="int32"):
+        varlen_attention(q, k, k, torch.tensor([0, 4]), 4)
+
+
+# ---------------------------------------------------------------- fused linear cross-entropy
+
+@pytest.fixture
+def chunked_backend(monkeypatch):
+    monkeypatch.setattr(cross_entropy, "_BACKEND", "chunked")
+    monkeypatch.setattr(cross_entropy, "_FORCED", True)
+
+
+def small_chunks(monkeypatch, vocab, rows):
+    monkeypatch.setattr(cross_entropy, "_CHUNK_BYTES", 4 * vocab * rows)
+    assert cross_entropy._chunk_rows(vocab) == rows
+
+
+def naive_loss_and_grads(hidden, weight, labels, dtype=torch.float64):
+    h = hidden.detach().to(dtype).requires_grad_()
+    w = weight.detach().to(dtype).requires_grad_()
+    loss = F.cross_entropy(h @ w.T, labels, reduction="sum", ignore_index=-100)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def test_chunked_ce_matches_naive_with_ignored_labels_and_ragged_chunks(chunked_backend, monkeypatch):
+    torch.manual_seed(0)
+    N, H, V = 37, 16, 50
+    small_chunks(monkeypatch, V, rows=8)  # 37 = 4 * 8 + 5: the last chunk is partial
+    hidden = torch.randn(N, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    labels = torch.randint(0, V, (N,))
+    labels[::3] = -100
+    labels[8:16] = -100  # one whole chunk ignored
+
+    loss = fused_linear_cross_entropy(hidden, weight, labels)
+    loss.backward()
+    ref_loss, ref_gh, ref_gw = naive_loss_and_grads(hidden, weight, labels)
+
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    assert rel_err(hidden.grad, ref_gh) <= 1e-5 and rel_err(weight.grad, ref_gw) <= 1e-5
+    assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    assert torch.all(hidden.grad[labels == -100] == 0)
+
+
+def test_chunked_ce_all_ignored_gives_zero_loss_and_zero_grads(chunked_backend, monkeypatch):
+    small_chunks(monkeypatch, 11, rows=4)
+    hidden = torch.randn(10, 6, requires_grad=True)
+    weight = torch.randn(11, 6, requires_grad=True)
+    loss = fused_linear_cross_entropy(hidden, weight, torch.full((10,), -100))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.all(hidden.grad == 0) and torch.all(weight.grad == 0)
+
+
+def test_chunked_ce_noncontiguous_hidden_frozen_weight_and_grad_scale(chunked_backend, monkeypatch):
+    torch.manual_seed(2)
+    N, H, V = 21, 12, 30
+    small_chunks(monkeypatch, V, rows=5)
+    base = torch.randn(H, N, requires_grad=True)
+    hidden = base.T  # non-contiguous [N, H]
+    assert not hidden.is_contiguous()
+    weight = torch.randn(V, H)  # frozen
+    labels = torch.randint(0, V, (N,))
+    labels[0] = -100
+
+    (0.5 * fused_linear_cross_entropy(hidden, weight, labels)).backward()
+    _, ref_gh, _ = naive_loss_and_grads(hidden, weight, labels)
+    assert weight.grad is None
+    assert rel_err(base.grad.T, 0.5 * ref_gh) <= 1e-5
+
+
+def test_chunked_ce_bf16_accumulates_in_fp32(chunked_backend, monkeypatch):
+    torch.manual_seed(3)
+    N, H, V = 19, 16, 40
+    small_chunks(monkeypatch, V, rows=6)
+    hidden = torch.randn(N, H).bfloat16().requires_grad_()
+    weight = torch.randn(V, H).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (N,))
+    labels[3] = -100
+
+    loss = fused_linear_cross_entropy(hidden, weight, labels)
+    loss.backward()
+    ref_loss, ref_gh, ref_gw = naive_loss_and_grads(hidden, weight, labels)  # same bf16 values, in fp64
+
+    assert loss.dtype == torch.float32
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())  # fp32 accumulation, not bf16
+    assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    assert rel_err(hidden.grad, ref_gh) <= 1e-2 and rel_err(weight.grad, ref_gw) <= 1e-2  # bf16 rounding only
+
+
+def test_chunked_ce_no_grad_matches_naive(chunked_backend):
+    torch.manual_seed(4)
+    hidden, weight = torch.randn(9, 8, requires_grad=True), torch.randn(13, 8, requires_grad=True)
+    labels = torch.randint(0, 13, (9,))
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(hidden, weight, labels)
+    assert not loss.requires_grad
+    ref = F.cross_entropy(hidden @ weight.T, labels, reduction="sum")
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+
+
+LIGER_SCRIPT = r"""
+import json, sys
+import torch, torch.nn.functional as F
+sys.path.insert(0, sys.argv[1])
+from kernels import cross_entropy, fused_linear_cross_entropy
+assert cross_entropy.get_backend() == "liger", cross_entropy.get_backend()
+torch.manual_seed(0)
+N, H, V = 13, 32, 64
+hidden = torch.randn(N, H, requires_grad=True)
+weight = torch.randn(V, H, requires_grad=True)
+labels = torch.randint(0, V, (N,))
+labels[[1, 5]] = -100
+loss = fused_linear_cross_entropy(hidden, weight, labels)  # the same call the GPU path makes
+loss.backward()
+grads = hidden.grad.clone(), weight.grad.clone()
+hidden.grad = weight.grad = None
+cross_entropy.set_backend("chunked")
+ours = fused_linear_cross_entropy(hidden, weight, labels)
+ours.backward()
+rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+print(json.dumps({"loss": loss.item(), "ours": ours.item(), "dtype": str(loss.dtype),
+                  "rel_gh": rel(grads[0], hidden.grad), "rel_gw": rel(grads[1], weight.grad)}))
+"""
+
+
+def test_liger_backend_agrees_with_chunked_under_triton_interpreter():
+    """liger's Triton kernel has no CPU backend; TRITON_INTERPRET=1 (set before triton imports, hence
+    the subprocess) runs it with numpy on CPU tensors, through our wrapper's exact call."""
+    pytest.importorskip("triton")
+    pytest.importorskip("liger_kernel")
+    env = dict(os.environ, TRITON_INTERPRET="1", KERNELS_CE_BACKEND="liger")
+    proc = subprocess.run([sys.executable, "-c", LIGER_SCRIPT, str(REPO)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["dtype"] == "torch.float32"
+    assert abs(result["loss"] - result["ours"]) <= 1e-5 * abs(result["ours"])
+    assert result["rel_gh"] <= 1e-5 and result["rel_gw"] <= 1e-5
