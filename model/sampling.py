@@ -1,0 +1,48 @@
+"""One sampling entry point for rollouts and evaluation: vLLM on a GPU machine with vLLM installed, else the native
+KV-cache sampler. The "auto" choice is made once, at import (nanochat style).
+
+    outs = generate(ckpt_dir, prompts, temperature=0.1, max_new_tokens=512, seed=0)
+    outs[i] = {"token_ids": [...], "logprobs": [...], "finish_reason": "stop" | "length"}
+
+Both engines: top-p 1, no top-k, no repetition penalty; stop at the tokenizer's stop ids (eos + end-of-turn; the stop
+token is kept as the last entry of token_ids); logprobs[t] is the RAW log-prob (before temperature) of the sampled
+token. Outputs come back in prompt order.
+"""
+import importlib.util
+
+import torch
+
+ENGINES = ("auto", "native", "vllm")
+AUTO_ENGINE = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None else "native"
+
+
+def resolve_engine(engine: str) -> str:
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    return AUTO_ENGINE if engine == "auto" else engine
+
+
+def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, max_new_tokens: int = 512,
+             seed: int = 0, engine: str = "auto", tp: int = 1, batch_size: int = 32, stop_ids=None,
+             progress: bool = True) -> list[dict]:
+    """Sample one response per prompt (lists of token ids, already chat-templated) from the checkpoint in ckpt_dir.
+
+    stop_ids: token ids that end a response; None reads them from the checkpoint's tokenizer (ChatTokenizer.stop_ids).
+    batch_size: native engine only (vLLM schedules its own batches). tp: vLLM tensor-parallel size.
+    """
+    engine = resolve_engine(engine)
+    if not prompts:
+        return []
+    if stop_ids is None:
+        from model.tokenizer import ChatTokenizer
+        stop_ids = ChatTokenizer.from_dir(ckpt_dir).stop_ids
+    if engine == "vllm":
+        from model import vllm_engine
+        return vllm_engine.generate(ckpt_dir, prompts, temperature=temperature, max_new_tokens=max_new_tokens,
+                                    stop_ids=stop_ids, seed=seed, tp=tp, progress=progress)
+    from model.checkpoint import load_model
+    from model.generate import generate as native_generate
+    cuda = torch.cuda.is_available()
+    model = load_model(ckpt_dir, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
+    return native_generate(model, prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                           seed=seed, batch_size=batch_size, progress=progress)

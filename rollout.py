@@ -1,0 +1,137 @@
+"""On-Policy Replay, step 1: the newest checkpoint answers every historical training prompt once.
+
+    python rollout.py --ckpt runs/stage2 --data /path/to/TRACE --tasks C-STANCE,FOMC --out runs/stage2/rollouts.jsonl
+
+For each task (in order):
+  1. load its training split with the SAME seeded 5,000-example subsample and the SAME over-long filter (chat-templated
+     prompt + gold answer <= 2,048 tokens) that training used; the gold answers are then discarded
+  2. render each prompt with the checkpoint's own chat template as a single user turn (+ generation prompt)
+Then, for all prompts at once:
+  3. sample ONE response per prompt: temperature 0.1, top-p 1, no top-k, no repetition penalty, <= 512 new tokens,
+     stopping at end-of-turn/EOS, seeded; keep each sampled token's RAW log-prob (log_softmax before temperature)
+  4. write one JSONL line per rollout (atomically): task, idx (record number in the task's train file), prompt,
+     response (decoded text, stop token removed), token_ids, logprobs, mean_logprob, num_tokens, finish_reason
+score.py then ranks the rollouts and builds the replay buffer for the next stage.
+
+Engine: vLLM on a GPU machine with vLLM installed, else the native KV-cache sampler (model/sampling.py). Without
+--data, the embedded synthetic 8-task benchmark (data/embedded.py) is generated once into a cache directory.
+"""
+import argparse
+import time
+from pathlib import Path
+
+# ---- defaults: the paper's rollout setup (each has a flag below) -----------------------------------------------
+TEMPERATURE = 0.1      # near-greedy, so a rollout is the model's own most likely answer
+MAX_NEW_TOKENS = 512   # response length cap
+MAX_LEN = 2048         # over-long filter on prompt+gold answer (chat-templated tokens), as in training
+MAX_TRAIN = 5000       # per-task training subsample (seeded), as in training
+DATA_SEED = 0          # seed of that subsample: must equal training's
+SEED = 0               # sampling seed
+ENGINE = "auto"        # vllm when CUDA + vllm are present, else native
+TP = 1                 # vLLM tensor-parallel size
+BATCH_SIZE = 32        # native engine batch size
+# -----------------------------------------------------------------------------------------------------------------
+
+
+def tasks_in(root: Path) -> list[str]:
+    """Tasks (canonical TRACE order) whose training file exists under root."""
+    from data.tasks import TASK_ORDER
+    return [t for t in TASK_ORDER if (root / t / "train.json").is_file() or (root / t / "train.jsonl").is_file()]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show "(default: X)" only for real defaults; None/False defaults are explained in the help text."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.help is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (HF layout, with tokenizer + chat template)")
+    p.add_argument("--data", default=None,
+                   help="TRACE root <root>/<Task>/train.json (default: the embedded benchmark, generated into a cache)")
+    p.add_argument("--tasks", default=None, help="comma-separated prior tasks (default: every task under --data)")
+    p.add_argument("--out", default=None, help="output JSONL (default: <ckpt>/rollouts.jsonl)")
+    p.add_argument("--engine", default=ENGINE, choices=["auto", "native", "vllm"],
+                   help="auto = vllm when CUDA and vllm are present, else native")
+    p.add_argument("--tp", type=int, default=TP, help="vLLM tensor-parallel size")
+    p.add_argument("--temperature", type=float, default=TEMPERATURE, help="sampling temperature (0 = greedy)")
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="response length cap")
+    p.add_argument("--seed", type=int, default=SEED, help="sampling seed")
+    p.add_argument("--limit", type=int, default=None, help="at most this many prompts per task (smoke tests)")
+    p.add_argument("--max-len", type=int, default=MAX_LEN, help="drop examples whose templated length exceeds this")
+    p.add_argument("--max-train", type=int, default=MAX_TRAIN, help="per-task training subsample size")
+    p.add_argument("--data-seed", type=int, default=DATA_SEED, help="seed of the training subsample")
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="native engine batch size")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from data.embedded import ensure_embedded
+    from data.jsonl import write_jsonl
+    from data.tasks import parse_tasks
+    from data.trace import filter_overlong, filter_report, load_task
+    from model.checkpoint import load_config
+    from model.sampling import generate, resolve_engine
+    from model.tokenizer import ChatTokenizer
+
+    ckpt = Path(args.ckpt)
+    load_config(ckpt)  # fail before any work when the checkpoint is unusable
+    tok = ChatTokenizer.from_dir(ckpt)  # ValueError naming the directory when tokenizer.json is missing
+    root = Path(args.data) if args.data is not None else ensure_embedded()
+    tasks = parse_tasks(args.tasks) if args.tasks else tasks_in(root)
+    if not tasks:
+        raise SystemExit(f"rollout.py: no task directories with a train.json under {root}")
+    out_path = Path(args.out) if args.out else ckpt / "rollouts.jsonl"
+    engine = resolve_engine(args.engine)
+
+    # 1-2. the training prompts each task trained on, rendered with this checkpoint's chat template
+    examples, prompts = [], []
+    for task in tasks:
+        exs = load_task(root, task, "train", max_train=args.max_train, seed=args.data_seed)
+        kept, dropped = filter_overlong(exs, lambda p, a: len(tok.encode_sft(p, a)[0]), args.max_len)
+        print(filter_report(task, "train", len(exs), dropped, args.max_len))
+        if args.limit is not None:
+            kept = kept[:args.limit]
+        examples += kept
+        prompts += [tok.prompt_ids(ex.prompt) for ex in kept]
+    print(f"rollout: {len(prompts)} prompts from {len(tasks)} tasks, engine={engine}, T={args.temperature}, "
+          f"max_new_tokens={args.max_new_tokens}, seed={args.seed}")
+
+    # 3. one sampled response per prompt, with raw log-probs
+    t0 = time.perf_counter()
+    outs = generate(ckpt, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                    engine=engine, tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,
+                    progress=not args.quiet)
+    wall = time.perf_counter() - t0
+
+    # 4. rollout records
+    records = []
+    for ex, o in zip(examples, outs):
+        ids, lps = o["token_ids"], o["logprobs"]
+        text_ids = ids[:-1] if ids and ids[-1] in tok.stop_ids else ids
+        records.append({"task": ex.task, "idx": ex.idx, "prompt": ex.prompt, "response": tok.decode(text_ids),
+                        "token_ids": ids, "logprobs": lps, "mean_logprob": sum(lps) / len(lps) if lps else None,
+                        "num_tokens": len(ids), "finish_reason": o["finish_reason"]})
+    write_jsonl(out_path, records)
+
+    n_tok = sum(r["num_tokens"] for r in records)
+    print(f"{'task':<12} {'rollouts':>8} {'mean tokens':>11} {'stopped':>8} {'mean logprob':>12}")
+    for task in tasks:
+        rs = [r for r in records if r["task"] == task]
+        if rs:
+            print(f"{task:<12} {len(rs):>8} {sum(r['num_tokens'] for r in rs) / len(rs):>11.1f} "
+                  f"{sum(r['finish_reason'] == 'stop' for r in rs):>8} "
+                  f"{sum(r['mean_logprob'] for r in rs) / len(rs):>12.3f}")
+    print(f"wrote {len(records)} rollouts to {out_path} ({n_tok} tokens in {wall:.1f}s, "
+          f"{n_tok / max(wall, 1e-9):.1f} tok/s, {len(records) / max(wall, 1e-9):.2f} prompts/s)")
+    return out_path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""On-Policy Replay, step 2: score the rollouts, keep the best b of them as the next stage's replay buffer.
+
+    python score.py --rollouts runs/stage2/rollouts.jsonl --data /path/to/TRACE --scorer ru --budget 50 \
+                    --out runs/stage2/buffer.jsonl
+
+  1. read the rollouts written by rollout.py (one per historical training prompt)
+  2. score each one
+       ru (OPR-RU): the task's own metric (data.metrics.score, 0..100) of the response against the gold answer of the
+                    same training record (looked up by task + idx in <data>/<task>/train.json)
+       sc (OPR-SC): self-confidence = mean raw log-prob of the sampled tokens
+     An empty (all-whitespace) response gets the lowest score: 0 for ru (the metric's minimum; TRACE's metrics
+     score empty predictions 0 too), -inf for sc (written as null).
+  3. budget b = --budget, or round(rho * n) with --rho/--n (0.01 * 5000 = 50); split equally over the prior tasks,
+     remainder to the earliest tasks, each capped by its rollouts, shortfall moved to the others (data.replay.allocate)
+  4. per task keep the b_task highest-scoring rollouts (ties broken by a seeded shuffle); --select low / random pick
+     the lowest / a seeded random sample instead (ablations)
+  5. write the buffer atomically as SFT examples {"prompt", "response"} (what train.py reads) plus task, idx, score,
+     scorer, select and source (the rollout file); nothing is written when any step fails
+
+Task order (for the remainder) is --tasks when given, else the order of first appearance in the rollout file.
+The summary's "passed" column: ru -> score == 100 (exactly right); sc -> score above the task's median score.
+"""
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+# ---- defaults: the paper's replay setup (each has a flag below) ------------------------------------------------
+SCORER = "ru"      # ru = task metric against gold, sc = mean log-prob
+RHO = 0.01         # buffer ratio: b = rho * n_next
+N_NEXT = 5000      # size of the next stage's training set
+SELECT = "top"     # keep the highest-scoring rollouts
+SEED = 0           # tie-breaking / random selection
+# -----------------------------------------------------------------------------------------------------------------
+
+ROLLOUT_FIELDS = ("task", "idx", "prompt", "response", "logprobs")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show "(default: X)" only for real defaults; None/False defaults are explained in the help text."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.help is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--rollouts", required=True, help="rollout JSONL written by rollout.py")
+    p.add_argument("--data", default=None,
+                   help="TRACE root with <Task>/train.json, for the gold answers of --scorer ru "
+                        "(default: the embedded benchmark, as in rollout.py)")
+    p.add_argument("--scorer", default=SCORER, choices=["ru", "sc"],
+                   help="ru = task metric against the gold answer, sc = mean raw log-prob")
+    p.add_argument("--budget", type=int, default=None, help="total buffer size b (overrides --rho/--n)")
+    p.add_argument("--rho", type=float, default=None, help=f"buffer ratio (default {RHO}); b = rho * n")
+    p.add_argument("--n", type=int, default=None, help=f"next stage's training-set size (default {N_NEXT})")
+    p.add_argument("--tasks", default=None, help="comma-separated prior tasks in order (default: as in the file)")
+    p.add_argument("--select", default=SELECT, choices=["top", "low", "random"],
+                   help="keep the highest / lowest scores, or a random sample (ablation)")
+    p.add_argument("--seed", type=int, default=SEED, help="seed for tie-breaking and --select random")
+    p.add_argument("--out", default=None, help="buffer JSONL (default: buffer.jsonl next to --rollouts)")
+    args = p.parse_args(argv)
+    if args.budget is not None and (args.rho is not None or args.n is not None):
+        p.error("give either --budget or --rho/--n, not both")
+    return args
+
+
+def record_locations(path: Path) -> list[str]:
+    """Where each record sits, worded as data.jsonl.read_records words it: 'record i (line n)' for JSON Lines
+    (blank lines skipped), 'record i' for a JSON list."""
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip("\ufeff").lstrip().startswith("["):
+        return [f"record {i}" for i in range(len(json.loads(text.lstrip("\ufeff"))))]
+    lines = [n for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    return [f"record {i} (line {n})" for i, n in enumerate(lines)]
+
+
+def read_rollouts(path: Path) -> list[dict]:
+    """Rollout records, validated; each gets a "_where" ("<file>: record i (line n)") for later error messages."""
+    from data.jsonl import read_records
+    from data.tasks import get_task
+    records = read_records(path, required=ROLLOUT_FIELDS, types={"idx": int, "logprobs": list})
+    for r, where in zip(records, record_locations(path)):
+        r["_where"] = f"{path}: {where}"
+        try:
+            get_task(r["task"])
+        except ValueError as e:
+            raise ValueError(f"{r['_where']}: {e}") from None
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in r["logprobs"]):
+            raise ValueError(f"{r['_where']}: field 'logprobs' must be a list of numbers")
+    return records
+
+
+def is_empty(response: str) -> bool:
+    return not response.strip()
+
+
+def sc_score(r: dict) -> float:
+    """Mean raw log-prob of the sampled tokens; -inf for an empty response."""
+    if is_empty(r["response"]) or not r["logprobs"]:
+        return -math.inf
+    return sum(r["logprobs"]) / len(r["logprobs"])
+
+
+def ru_scores(records: list[dict], root: Path) -> list[float]:
+    """Task metric (0..100) of each response against the gold answer of its training record; 0 for empty."""
+    from data.metrics import score
+    from data.trace import load_task
+    gold = {}
+    for task in dict.fromkeys(r["task"] for r in records):
+        gold[task] = {ex.idx: ex for ex in load_task(root, task, "train", max_train=None)}
+    out = []
+    for r in records:
+        ex = gold[r["task"]].get(r["idx"])
+        if ex is None:
+            raise ValueError(f"{r['_where']}: idx {r['idx']} is not a record of {root / r['task']}/train.json "
+                             f"({len(gold[r['task']])} records)")
+        if ex.prompt != r["prompt"]:
+            raise ValueError(f"{r['_where']}: prompt differs from {root / r['task']}/train.json record {r['idx']} "
+                             f"(rollouts from another data root?)")
+        out.append(0.0 if is_empty(r["response"]) else float(score(r["task"], r["response"], ex.answer, ex.prompt)))
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from data.jsonl import write_jsonl
+    from data.replay import allocate, buffer_size, select
+    from data.tasks import parse_tasks
+
+    rollout_path = Path(args.rollouts)
+    out_path = Path(args.out) if args.out else rollout_path.with_name("buffer.jsonl")
+
+    # 1. rollouts, grouped by task in task order
+    records = read_rollouts(rollout_path)
+    if args.tasks:
+        tasks = parse_tasks(args.tasks)
+        missing = [t for t in tasks if not any(r["task"] == t for r in records)]
+        if missing:
+            raise ValueError(f"{rollout_path}: no rollouts for task(s) {', '.join(missing)} given in --tasks")
+        records = [r for r in records if r["task"] in tasks]
+    else:
+        tasks = list(dict.fromkeys(r["task"] for r in records))
+
+    # 2. scores
+    if args.scorer == "ru":
+        from data.embedded import ensure_embedded
+        root = Path(args.data) if args.data is not None else ensure_embedded()
+        scores = ru_scores(records, root)
+    else:
+        scores = [sc_score(r) for r in records]
+    by_task = {t: [i for i, r in enumerate(records) if r["task"] == t] for t in tasks}
+
+    # 3. budget and its split over the prior tasks
+    budget = args.budget if args.budget is not None else buffer_size(
+        RHO if args.rho is None else args.rho, N_NEXT if args.n is None else args.n)
+    alloc = allocate(budget, {t: len(ix) for t, ix in by_task.items()})
+
+    # 4. selection within each task
+    buffer, rows = [], []
+    for t in tasks:
+        ix = by_task[t]
+        task_scores = [scores[i] for i in ix]
+        chosen = select(ix, task_scores, alloc[t], args.select, seed=f"{args.seed}:{t}")
+        for i in chosen:
+            r, s = records[i], scores[i]
+            buffer.append({"prompt": r["prompt"], "response": r["response"], "task": t, "idx": r["idx"],
+                           "score": s if math.isfinite(s) else None, "scorer": args.scorer, "select": args.select,
+                           "source": str(rollout_path)})
+        med = statistics.median(task_scores)
+        passed = sum((s == 100.0) if args.scorer == "ru" else (s > med) for s in task_scores)
+        rows.append((t, len(ix), len(chosen), min(task_scores), med, max(task_scores), passed,
+                     sum(not records[i]["response"].strip() for i in ix)))
+
+    # 5. write (atomic), then report
+    write_jsonl(out_path, buffer)
+    passed_rule = "score == 100" if args.scorer == "ru" else "score > task median"
+    print(f"scorer={args.scorer} select={args.select} budget={budget} (passed: {passed_rule})")
+    print("| task | available | selected | min | median | max | passed | empty |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for t, n, k, lo, med, hi, passed, empty in rows:
+        print(f"| {t} | {n} | {k} | {lo:.3f} | {med:.3f} | {hi:.3f} | {passed} | {empty} |")
+    print(f"wrote {len(buffer)} replay examples to {out_path}")
+    return out_path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""Replay buffer: budget, allocation over prior tasks, selection within a task, and score.py on hand-written rollout
+files (scores, bad input, nothing written on error). The rollout.py -> score.py run is in test_rollout.py."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import score
+from data.replay import allocate, buffer_size, select
+
+# --- allocation ----------------------------------------------------------------------------------------------------
+
+
+def test_budget_from_rho_and_n():
+    assert buffer_size(0.01, 5000) == 50
+    assert buffer_size(0.1, 30) == 3  # 0.1 * 30 = 3.0000000000000004 in floats
+    assert buffer_size(0.02, 5000) == 100 and buffer_size(0.0, 5000) == 0
+    assert buffer_size(0.01, 250) == 3  # 2.5 rounds half up
+    with pytest.raises(ValueError):
+        buffer_size(-0.01, 5000)
+
+
+def test_allocate_equal_split_remainder_to_earliest():
+    assert allocate(50, {"C-STANCE": 5000, "FOMC": 5000, "MeetingBank": 5000}) == \
+        {"C-STANCE": 17, "FOMC": 17, "MeetingBank": 16}
+    assert allocate(50, {"C-STANCE": 5000}) == {"C-STANCE": 50}
+    assert allocate(50, {f"t{i}": 100 for i in range(7)}) == {"t0": 8, **{f"t{i}": 7 for i in range(1, 7)}}
+    assert list(allocate(10, {"b": 9, "a": 9})) == ["b", "a"]  # keeps the given task order
+    assert allocate(10, {"b": 9, "a": 9}) == {"b": 5, "a": 5}
+    assert allocate(0, {"a": 3}) == {"a": 0}
+
+
+def test_allocate_shortfall_moves_to_others():
+    # C-STANCE has only 5: its 12 missing go 6/6 to the others
+    assert allocate(50, {"C-STANCE": 5, "FOMC": 5000, "MeetingBank": 5000}) == \
+        {"C-STANCE": 5, "FOMC": 23, "MeetingBank": 22}
+    # a second round can exhaust another task: 40 over (2, 10, 100) -> 2, 10, 28
+    assert allocate(40, {"a": 2, "b": 10, "c": 100}) == {"a": 2, "b": 10, "c": 28}
+    # not enough rollouts in total: everything is taken
+    assert allocate(50, {"a": 3, "b": 0, "c": 4}) == {"a": 3, "b": 0, "c": 4}
+    with pytest.raises(ValueError):
+        allocate(-1, {"a": 3})
+
+
+# --- selection -----------------------------------------------------------------------------------------------------
+
+
+def test_select_top_low_random():
+    items = list("abcdefgh")
+    scores = [5, 1, 9, 3, 7, -math.inf, 2, 8]
+    assert select(items, scores, 3, "top", seed=0) == ["c", "h", "e"]
+    assert select(items, scores, 3, "low", seed=0) == ["f", "b", "g"]
+    r = select(items, scores, 4, "random", seed=1)
+    assert len(set(r)) == 4 and set(r) <= set(items)
+    assert r == select(items, scores, 4, "random", seed=1)
+    assert any(select(items, scores, 4, "random", seed=s) != r for s in range(2, 6))
+    assert select(items, scores, 0, "top") == []
+    with pytest.raises(ValueError, match="k=9"):
+        select(items, scores, 9)
+    with pytest.raises(ValueError, match="NaN"):
+        select(items, [math.nan] * 8, 1)
+    with pytest.raises(ValueError, match="unknown mode"):
+        select(items, scores, 1, "best")
+
+
+def test_select_ties_broken_by_seeded_shuffle_not_file_order():
+    items = list(range(20))
+    scores = [100.0] * 10 + [0.0] * 10  # ten tied winners
+    picks = {tuple(select(items, scores, 4, "top", seed=s)) for s in range(10)}
+    for p in picks:
+        assert set(p) <= set(range(10))  # never a lower score while a tied higher one is left
+    assert len(picks) > 1  # which tied winners depends on the seed ...
+    assert picks != {(0, 1, 2, 3)}  # ... and is not simply the first ones in the file
+    assert select(items, scores, 4, "top", seed=3) == select(items, scores, 4, "top", seed=3)
+    low = select(items, scores, 12, "low", seed=0)
+    assert set(low[:10]) == set(range(10, 20)) and set(low[10:]) <= set(range(10))
+
+
+# --- score.py on hand-written files ---------------------------------------------------------------------------------
+
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "trace"
+
+
+def write_trace(root: Path):
+    recs = {"FOMC": [{"prompt": f"Stance of text {i}?", "answer": "ABC"[i % 3]} for i in range(6)],
+            "NumGLUE-cm": [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(5)]}
+    for task, rs in recs.items():
+        (root / task).mkdir(parents=True)
+        (root / task / "train.json").write_text(json.dumps(rs))
+    return recs
+
+
+def rollout(task, idx, prompt, response, logprobs):
+    return {"task": task, "idx": idx, "prompt": prompt, "response": response, "token_ids": list(range(len(logprobs))),
+            "logprobs": logprobs, "mean_logprob": sum(logprobs) / len(logprobs), "num_tokens": len(logprobs),
+            "finish_reason": "stop"}
+
+
+@pytest.fixture
+def files(tmp_path):
+    recs = write_trace(tmp_path / "trace")
+    rows = []
+    for i, r in enumerate(recs["FOMC"]):  # right on 0, 2, 4; wrong on 1, 3; empty on 5
+        response = r["answer"] if i % 2 == 0 else ("   " if i == 5 else "C" if r["answer"] != "C" else "A")
+        rows.append(rollout("FOMC", i, r["prompt"], response, [-0.1 * (i + 1)] * 3))
+    for i, r in enumerate(recs["NumGLUE-cm"]):  # right on 0, 1; wrong on 2, 3, 4
+        rows.append(rollout("NumGLUE-cm", i, r["prompt"], f"The answer is {2 * i if i < 2 else 99}.",
+                            [-0.5 + 0.1 * i, -0.2]))
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path, path
+
+
+def read(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_score_ru_picks_correct_rollouts(files, capsys):
+    tmp, path = files
+    out = score.main(["--rollouts", str(path), "--data", str(tmp / "trace"), "--scorer", "ru", "--budget", "5",
+                      "--out", str(tmp / "buf.jsonl")])
+    buf = read(out)
+    assert [b["task"] for b in buf] == ["FOMC"] * 3 + ["NumGLUE-cm"] * 2
+    assert sorted(b["idx"] for b in buf if b["task"] == "FOMC") == [0, 2, 4]
+    assert sorted(b["idx"] for b in buf if b["task"] == "NumGLUE-cm") == [0, 1]
+    assert all(b["score"] == 100.0 and b["scorer"] == "ru" and b["source"] == str(path) for b in buf)
+    assert buf[0]["response"] == "A" and buf[0]["prompt"].startswith("Stance of text")
+    table = capsys.readouterr().out
+    assert "| FOMC | 6 | 3 | 0.000 | 50.000 | 100.000 | 3 | 1 |" in table
+    assert "| NumGLUE-cm | 5 | 2 | 0.000 | 0.000 | 100.000 | 2 | 0 |" in table
+
+
+def test_score_sc_mean_logprob_and_empty_is_lowest(files):
+    tmp, path = files
+    out = score.main(["--rollouts", str(path), "--scorer", "sc", "--budget", "11", "--select", "low",
+                      "--out", str(tmp / "buf.jsonl")])
+    buf = read(out)
+    fomc = [b for b in buf if b["task"] == "FOMC"]
+    assert len(fomc) == 6 and fomc[0]["idx"] == 5 and fomc[0]["score"] is None  # empty response -> -inf -> first
+    assert [b["idx"] for b in fomc[1:]] == [4, 3, 2, 1, 0]
+    assert fomc[1]["score"] == pytest.approx(-0.5)
+    numglue = [b for b in buf if b["task"] == "NumGLUE-cm"]
+    assert [b["idx"] for b in numglue] == [0, 1, 2, 3, 4]
+    assert numglue[0]["score"] == pytest.approx((-0.5 - 0.2) / 2)
+
+
+def test_score_default_budget_rho_n_and_task_order(files):
+    tmp, path = files
+    # default b = 0.01 * 5000 = 50 > 11 rollouts: everything, tasks in --tasks order
+    buf = read(score.main(["--rollouts", str(path), "--scorer", "sc", "--tasks", "NumGLUE-cm,FOMC",
+                           "--out", str(tmp / "b.jsonl")]))
+    assert [b["task"] for b in buf] == ["NumGLUE-cm"] * 5 + ["FOMC"] * 6
+    # 3 over two tasks: the remainder goes to the earliest (NumGLUE-cm here)
+    buf = read(score.main(["--rollouts", str(path), "--scorer", "sc", "--tasks", "NumGLUE-cm,FOMC",
+                           "--rho", "0.01", "--n", "300", "--out", str(tmp / "b.jsonl")]))
+    assert [b["task"] for b in buf] == ["NumGLUE-cm"] * 2 + ["FOMC"]
+    a = read(score.main(["--rollouts", str(path), "--scorer", "sc", "--budget", "4", "--select", "random",
+                         "--seed", "5", "--out", str(tmp / "r1.jsonl")]))
+    b = read(score.main(["--rollouts", str(path), "--scorer", "sc", "--budget", "4", "--select", "random",
+                         "--seed", "5", "--out", str(tmp / "r2.jsonl")]))
+    assert a == b and len(a) == 4
+
+
+@pytest.mark.parametrize("case, parts", [
+    ("malformed", ["rollouts.jsonl: ", "line 3", "malformed JSON"]),
+    ("unknown_task", ["rollouts.jsonl: ", "line 2", "unknown task 'NotATask'"]),
+    ("missing_field", ["rollouts.jsonl: ", "line 4", "missing field 'logprobs'"]),
+    ("bad_idx", ["rollouts.jsonl: ", "line 1", "idx 77 is not a record of", "FOMC/train.json"]),
+    ("other_prompt", ["rollouts.jsonl: ", "line 1", "prompt differs from", "FOMC/train.json record 0"]),
+])
+def test_score_bad_input_names_file_and_line_and_writes_nothing(files, case, parts):
+    tmp, path = files
+    lines = path.read_text().splitlines()
+    if case == "malformed":
+        lines[2] = lines[2][:-5]
+    elif case == "unknown_task":
+        lines[1] = lines[1].replace('"FOMC"', '"NotATask"')
+    elif case == "missing_field":
+        r = json.loads(lines[3])
+        del r["logprobs"]
+        lines[3] = json.dumps(r)
+    elif case == "bad_idx":
+        lines[0] = lines[0].replace('"idx": 0', '"idx": 77')
+    else:
+        lines[0] = lines[0].replace("Stance of text 0?", "Something else")
+    path.write_text("\n".join(lines) + "\n")
+    out = tmp / "buffer.jsonl"
+    with pytest.raises(ValueError) as err:
+        score.main(["--rollouts", str(path), "--data", str(tmp / "trace"), "--scorer", "ru", "--budget", "5",
+                    "--out", str(out)])
+    for part in parts:
+        assert part in str(err.value)
+    assert not out.exists() and not list(tmp.glob(".buffer.jsonl*"))
+
+
+def test_score_tasks_flag_without_rollouts_fails(files):
+    tmp, path = files
+    with pytest.raises(ValueError, match="no rollouts for task.*C-STANCE"):
+        score.main(["--rollouts", str(path), "--scorer", "sc", "--tasks", "C-STANCE,FOMC", "--out",
+                    str(tmp / "b.jsonl")])
+    assert not (tmp / "b.jsonl").exists()
+
+
+@pytest.mark.skipif(not SHARED_TRACE.is_dir(), reason="real TRACE files not available")
+def test_score_ru_against_real_trace_gold(tmp_path):
+    """Gold looked up by idx in the real (5,000-record) files: a rollout that copies the gold answer scores 100."""
+    from data.trace import load_task
+    rows = []
+    for task in ("FOMC", "NumGLUE-ds"):
+        for ex in load_task(SHARED_TRACE, task, "train")[:4]:
+            rows.append(rollout(task, ex.idx, ex.prompt, ex.answer, [-0.1]))
+            rows.append(rollout(task, ex.idx, ex.prompt, "", [-0.1]))
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    buf = read(score.main(["--rollouts", str(path), "--data", str(SHARED_TRACE), "--scorer", "ru", "--budget", "8",
+                           "--out", str(tmp_path / "b.jsonl")]))
+    assert len(buf) == 8 and all(b["score"] == 100.0 and b["response"] for b in buf)
