@@ -33,12 +33,6 @@ BATCH_SIZE = 32        # native engine batch size
 # -----------------------------------------------------------------------------------------------------------------
 
 
-def tasks_in(root: Path) -> list[str]:
-    """Tasks (canonical TRACE order) whose training file exists under root."""
-    from data.tasks import TASK_ORDER
-    return [t for t in TASK_ORDER if (root / t / "train.json").is_file() or (root / t / "train.jsonl").is_file()]
-
-
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Show "(default: X)" only for real defaults; None/False defaults are explained in the help text."""
 
@@ -75,7 +69,7 @@ def main(argv=None):
     from data.embedded import ensure_embedded
     from data.jsonl import write_jsonl
     from data.tasks import parse_tasks
-    from data.trace import filter_overlong, filter_report, load_task
+    from data.trace import filter_overlong, filter_report, load_task, tasks_in
     from model.checkpoint import load_config
     from model.sampling import generate, resolve_engine
     from model.tokenizer import ChatTokenizer
@@ -94,7 +88,7 @@ def main(argv=None):
     examples, prompts = [], []
     for task in tasks:
         exs = load_task(root, task, "train", max_train=args.max_train, seed=args.data_seed)
-        kept, dropped = filter_overlong(exs, lambda p, a: len(tok.encode_sft(p, a)[0]), args.max_len)
+        kept, dropped = filter_overlong(exs, tok.sft_length, args.max_len)
         print(filter_report(task, "train", len(exs), dropped, args.max_len))
         if args.limit is not None:
             kept = kept[:args.limit]
@@ -114,8 +108,7 @@ def main(argv=None):
     records = []
     for ex, o in zip(examples, outs):
         ids, lps = o["token_ids"], o["logprobs"]
-        text_ids = ids[:-1] if ids and ids[-1] in tok.stop_ids else ids
-        records.append({"task": ex.task, "idx": ex.idx, "prompt": ex.prompt, "response": tok.decode(text_ids),
+        records.append({"task": ex.task, "idx": ex.idx, "prompt": ex.prompt, "response": tok.decode_response(ids),
                         "token_ids": ids, "logprobs": lps, "mean_logprob": sum(lps) / len(lps) if lps else None,
                         "num_tokens": len(ids), "finish_reason": o["finish_reason"]})
     write_jsonl(out_path, records)

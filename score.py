@@ -21,7 +21,6 @@ Task order (for the remainder) is --tasks when given, else the order of first ap
 The summary's "passed" column: ru -> score == 100 (exactly right); sc -> score above the task's median score.
 """
 import argparse
-import json
 import math
 import statistics
 from pathlib import Path
@@ -68,23 +67,14 @@ def parse_args(argv=None):
     return args
 
 
-def record_locations(path: Path) -> list[str]:
-    """Where each record sits, worded as data.jsonl.read_records words it: 'record i (line n)' for JSON Lines
-    (blank lines skipped), 'record i' for a JSON list."""
-    text = path.read_text(encoding="utf-8")
-    if text.lstrip("\ufeff").lstrip().startswith("["):
-        return [f"record {i}" for i in range(len(json.loads(text.lstrip("\ufeff"))))]
-    lines = [n for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    return [f"record {i} (line {n})" for i, n in enumerate(lines)]
-
-
 def read_rollouts(path: Path) -> list[dict]:
     """Rollout records, validated; each gets a "_where" ("<file>: record i (line n)") for later error messages."""
     from data.jsonl import read_records
     from data.tasks import get_task
-    records = read_records(path, required=ROLLOUT_FIELDS, types={"idx": int, "logprobs": list})
-    for r, where in zip(records, record_locations(path)):
-        r["_where"] = f"{path}: {where}"
+    located = read_records(path, required=ROLLOUT_FIELDS, types={"idx": int, "logprobs": list}, locate=True)
+    records = [r for _, r in located]
+    for where, r in located:
+        r["_where"] = where
         try:
             get_task(r["task"])
         except ValueError as e:

@@ -11,7 +11,6 @@ were allocated. It includes the [V, H] weight gradient, which both variants must
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess

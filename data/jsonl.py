@@ -44,12 +44,13 @@ def _locate_bad_record(text: str, path: Path) -> str:
         return f"{path}: malformed JSON after record {rec} (line {line_of(pos)}): expected ',' or ']'"
 
 
-def read_records(path, required=("prompt",), types=None, any_of=()) -> list[dict]:
+def read_records(path, required=("prompt",), types=None, any_of=(), locate=False) -> list:
     """Records of a JSON list file or a JSON Lines file (whichever the text is: a list starts with '[').
 
     Each record must be an object holding every `required` field as a string (or the type in `types`), and at
     least one of the `any_of` fields as a string when given. Every problem raises ValueError naming the file,
     the record number (0-based; blank JSONL lines are skipped), the line for JSON Lines, and the field.
+    With locate=True, returns (where, record) pairs, where = "<file>: record i[ (line n)]", for later errors.
     """
     path = Path(path)
     if not path.is_file():
@@ -92,20 +93,31 @@ def read_records(path, required=("prompt",), types=None, any_of=()) -> list[dict
                                  f"got {type(r[field]).__name__}")
         if any_of and not any(isinstance(r.get(f), str) for f in any_of):
             raise ValueError(f"{path}: record {i}{where}: needs a string field {' or '.join(map(repr, any_of))}")
+    if locate:
+        return [(f"{path}: record {i}{where}", r) for i, where, r in located]
     return [r for _, _, r in located]
 
 
-def write_jsonl(path, records) -> Path:
-    """Write records as JSONL atomically (temp file in the same directory, then os.replace)."""
+def write_text_atomic(path, text: str) -> Path:
+    """Write text to path atomically (temp file in the same directory, then os.replace)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
     return path
+
+
+def write_jsonl(path, records) -> Path:
+    """Write records as JSON Lines atomically."""
+    return write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def write_json(path, obj) -> Path:
+    """Write obj as indented JSON atomically."""
+    return write_text_atomic(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data.jsonl import read_records
-from data.tasks import get_task
+from data.tasks import TASK_ORDER, get_task
 
 SPLITS = ("train", "eval", "test")
 MAX_TRAIN = 5000  # TRACE trains on 5,000 examples per task
@@ -50,11 +50,17 @@ def load_task(root, task: str, split: str, *, max_train: int = MAX_TRAIN, seed: 
     return [Example(task, i, records[i][0], records[i][1]) for i in keep]
 
 
+def tasks_in(root, split: str = "train") -> list[str]:
+    """Tasks (canonical TRACE order) that have `<root>/<task>/<split>.json` (or .jsonl)."""
+    root = Path(root)
+    return [t for t in TASK_ORDER if (root / t / f"{split}.json").is_file() or (root / t / f"{split}.jsonl").is_file()]
+
+
 def filter_overlong(examples, length_fn, max_len: int = 2048):
     """Drop examples whose chat-templated length exceeds `max_len` tokens.
 
     length_fn(prompt, answer) -> int is the token count of the full templated sequence, e.g.
-    `lambda p, a: len(tok.encode_sft(p, a)[0])`; use the same function for training, rollout and evaluation
+    `tok.sft_length`; use the same function for training, rollout and evaluation
     so all three see the same examples. Returns (kept, n_dropped).
     """
     kept = [ex for ex in examples if length_fn(ex.prompt, ex.answer) <= max_len]

@@ -166,6 +166,10 @@ class ChatTokenizer:
     def token_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
+    def decode_response(self, ids: list[int]) -> str:
+        """Text of a generated response: a final stop token (kept in token_ids and log-probs) is not text."""
+        return self.decode(ids[:-1] if ids and ids[-1] in self.stop_ids else ids)
+
     # --- chat ---------------------------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = False,
                             **kwargs) -> str | list[int]:
@@ -184,6 +188,11 @@ class ChatTokenizer:
         """Ids of `prompt` as a single user turn followed by the assistant generation prompt."""
         return self.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         tokenize=True, **kwargs)
+
+    def sft_length(self, prompt: str, response: str) -> int:
+        """Tokens of the chat-templated (prompt, response) pair: the one length the over-long filter uses in
+        training, rollout and evaluation."""
+        return len(self.encode_sft(prompt, response)[0])
 
     def encode_sft(self, prompt: str, response: str, **kwargs) -> tuple[list[int], list[int]]:
         """Ids of the conversation [user: prompt, assistant: response] and UNSHIFTED labels: labels[t] = ids[t] on the

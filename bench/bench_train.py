@@ -1,0 +1,241 @@
+"""Training throughput on CPU: train.py (packed micro-batches, FSDP2 world of one) vs Hugging Face `Trainer` (padded
+micro-batches, DataCollatorForSeq2Seq) on the same model, records, sequence-length limit and hyperparameters
+(fp32, AdamW lr 1e-5 betas (0.9, 0.999), no weight decay, cosine, grad clip 1.0, same global batch).
+
+    python bench/bench_train.py                          # tiny base config + SmolLM2-135M, 1 thread
+    python bench/bench_train.py --models tiny --threads 2 --repeats 5
+
+Both run as fresh subprocesses with OMP_NUM_THREADS=--threads, alternating, so a busy shared machine slows both
+alike; we report medians over --repeats. Startup (imports, model load, tokenization) is excluded: tokens/s is
+steady state, the tokens of optimizer steps 2..N over their wall time (ours: per-step times from train.py's
+train_log.jsonl; HF: a callback's timestamps at each step end). Tokens are real (non-padding) tokens, so HF's padding
+is work that does not count. MFU is model FLOPs (6 x non-embedding params + 6 x lm_head + causal attention, per
+real token) over a large fp32 sgemm's GFLOP/s measured here with the same thread count.
+
+Data: SmolLM2 trains on TRACE's FOMC + NumGLUE-cm + NumGLUE-ds training records from ../shared/trace when present
+(lengths vary), else on the embedded benchmark's eight tasks; the tiny model (whose tokenizer was trained on the
+embedded benchmark) always on the embedded eight tasks.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: make the project importable
+TRACE = REPO.parent / "shared" / "trace"
+
+# Per model: optimizer steps (step 1 is warm-up, not timed), global batch (sequences), HF per-device micro-batch
+# (gradient accumulation = global / micro), length limit, repeats. SmolLM2 steps take ~half a minute at 1 thread.
+CONFIGS = {
+    "tiny": dict(steps=12, global_batch=16, hf_micro_batch=8, max_len=512, repeats=3),
+    "smollm2": dict(steps=4, global_batch=16, hf_micro_batch=8, max_len=512, repeats=1),
+}
+HP = dict(lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, grad_clip=1.0)
+
+
+def records(n: int, real: bool):
+    """n {prompt, response} records, interleaving tasks so every global batch mixes lengths; real TRACE data
+    when `real` and present."""
+    from data.jsonl import read_records
+    if real and all((TRACE / t / "train.json").is_file() for t in ("FOMC", "NumGLUE-cm", "NumGLUE-ds")):
+        per = [read_records(TRACE / t / "train.json", required=("prompt", "answer"))
+               for t in ("FOMC", "NumGLUE-cm", "NumGLUE-ds")]
+        source = "TRACE FOMC+NumGLUE-cm+NumGLUE-ds"
+    else:
+        from data.embedded import generate_task
+        from data.tasks import TASK_ORDER
+        per = [generate_task(t, n, 0) for t in TASK_ORDER]
+        source = "embedded 8-task mixture"
+    mixed = [r for group in zip(*per) for r in group][:n]
+    return [{"prompt": r["prompt"], "response": r["answer"]} for r in mixed], source
+
+
+def model_dir(name: str, work: Path) -> Path:
+    if name == "smollm2":
+        from model.import_gguf import ensure_smollm2
+        return Path(ensure_smollm2())
+    from model.base import write_random_tiny  # the tiny base's config and tokenizer; weights do not matter here
+    out = work / "tiny"
+    if not (out / "config.json").exists():
+        write_random_tiny(out)
+    return out
+
+
+def flops_per_token(ckpt: Path, mean_len: float) -> float:
+    """Same model-FLOPs estimate as train.py's MFU."""
+    from model.checkpoint import load_config
+    c = load_config(ckpt)
+    return (6 * c.num_params(embeddings=False) + 6 * c.vocab_size * c.hidden_size
+            + 6 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * mean_len)
+
+
+# --- children (each runs in its own process) --------------------------------------------------------------------------
+
+def child_peak():
+    """fp32 sgemm GFLOP/s: median of 5 timings of a 2048^3 product (after one warm-up)."""
+    import torch
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    rates = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(3):
+            a @ b
+        rates.append(3 * 2 * 2048**3 / (time.perf_counter() - t))
+    print(json.dumps({"flops": statistics.median(rates), "threads": torch.get_num_threads()}))
+
+
+def child_hf(ckpt: str, data: str, cfg: dict, work: str):
+    """Hugging Face Trainer on the same records; prints per-step (end time, real tokens, padded tokens)."""
+    import torch
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainerCallback,
+                              TrainingArguments)
+
+    from data.jsonl import read_records
+    from data.packing import tokenize_sft
+    from model.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer.from_dir(ckpt)
+    # the same tokens and loss mask as train.py (labels unshifted: the model shifts them)
+    examples, _ = tokenize_sft(read_records(data, required=("prompt", "response")), tok, cfg["max_len"])
+    rows = [{"input_ids": e.ids, "labels": [-100] + e.targets[:-1]} for e in examples]
+    hf_tok = AutoTokenizer.from_pretrained(ckpt)
+    if hf_tok.pad_token is None:
+        hf_tok.pad_token = hf_tok.eos_token
+    base = DataCollatorForSeq2Seq(hf_tok, padding=True, label_pad_token_id=-100)
+    counts = {"real": 0, "padded": 0}
+
+    def collate(batch):
+        out = base(batch)
+        counts["real"] += int(out["attention_mask"].sum())
+        counts["padded"] += out["input_ids"].numel()
+        return out
+
+    steps = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            steps.append((time.perf_counter(), counts["real"], counts["padded"]))
+            counts["real"] = counts["padded"] = 0
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    args = TrainingArguments(
+        output_dir=work, per_device_train_batch_size=cfg["hf_micro_batch"],
+        gradient_accumulation_steps=cfg["global_batch"] // cfg["hf_micro_batch"], max_steps=cfg["steps"],
+        learning_rate=HP["lr"], adam_beta1=HP["betas"][0], adam_beta2=HP["betas"][1], weight_decay=HP["weight_decay"],
+        max_grad_norm=HP["grad_clip"], lr_scheduler_type="cosine", warmup_steps=0, optim="adamw_torch",
+        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, dataloader_num_workers=0,
+        disable_tqdm=True, seed=0, remove_unused_columns=False)
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[Clock()])
+    trainer.train()
+    print(json.dumps({"steps": steps}))
+
+
+# --- parent -----------------------------------------------------------------------------------------------------------
+
+def run_child(argv, threads):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, argv))} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def peak(threads) -> float:
+    out = run_child([sys.executable, __file__, "--child", "peak"], threads)
+    return json.loads(out.strip().splitlines()[-1])["flops"]
+
+
+def run_ours(ckpt, data, cfg, work: Path, threads) -> dict:
+    out = work / "ours-out"
+    run_child([sys.executable, str(REPO / "train.py"), "--model", str(ckpt), "--data", str(data), "--out", str(out),
+               "--epochs", "1", "--max-steps", str(cfg["steps"]), "--global-batch", str(cfg["global_batch"]),
+               "--max-len", str(cfg["max_len"]), "--micro-tokens", "16384", "--lr", str(HP["lr"]),
+               "--betas", *map(str, HP["betas"]), "--weight-decay", str(HP["weight_decay"]),
+               "--grad-clip", str(HP["grad_clip"]), "--save-every", "0", "--dtype", "fp32", "--quiet",
+               "--peak-tflops", "1"], threads)
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()][1:]  # drop warm-up
+    tokens = sum(x["tokens"] for x in log)
+    seconds = sum(x["tokens"] / x["tokens_per_s"] for x in log)
+    return {"tokens_per_s": tokens / seconds, "padding": 0.0}
+
+
+def run_hf(ckpt, data, cfg, work: Path, threads) -> dict:
+    out = run_child([sys.executable, __file__, "--child", "hf", "--ckpt", str(ckpt), "--data", str(data),
+                     "--cfg", json.dumps(cfg), "--work", str(work / "hf-out")], threads)
+    steps = json.loads(out.strip().splitlines()[-1])["steps"]
+    (t_prev, _, _), timed = steps[0], steps[1:]  # step 1 is warm-up
+    real, padded = sum(s[1] for s in timed), sum(s[2] for s in timed)
+    return {"tokens_per_s": real / (timed[-1][0] - t_prev), "padding": 1 - real / padded}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2 (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for every run (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, help="override the per-model repeat count")
+    ap.add_argument("--steps", type=int, help="override the per-model optimizer steps (>= 2)")
+    ap.add_argument("--child", choices=["peak", "hf"], help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
+    ap.add_argument("--cfg", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child == "peak":
+        return child_peak()
+    if args.child == "hf":
+        return child_hf(args.ckpt, args.data, json.loads(args.cfg), args.work)
+
+    from data.jsonl import write_jsonl
+    from data.packing import tokenize_sft
+    from model.tokenizer import ChatTokenizer
+
+    command = " ".join(["python", "bench/bench_train.py", *sys.argv[1:]])
+    rows, peaks = [], [peak(args.threads)]
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        work = Path(tmp)
+        for name in args.models.split(","):
+            cfg = dict(CONFIGS[name])
+            cfg["steps"] = args.steps or cfg["steps"]
+            repeats = cfg.pop("repeats")
+            repeats = args.repeats or repeats
+            ckpt = model_dir(name, work)
+            recs, source = records(cfg["steps"] * cfg["global_batch"], real=name != "tiny")
+            data = write_jsonl(work / f"{name}.jsonl", recs)
+            examples, dropped = tokenize_sft(recs, ChatTokenizer.from_dir(ckpt), cfg["max_len"])
+            assert not dropped, f"{dropped} records longer than {cfg['max_len']} tokens"
+            mean_len = statistics.mean(len(e.ids) for e in examples)
+            fpt = flops_per_token(ckpt, mean_len)
+            res = {"ours": [], "hf": []}
+            for _ in range(repeats):  # alternate so load on a shared machine hits both alike
+                res["ours"].append(run_ours(ckpt, data, cfg, work, args.threads))
+                res["hf"].append(run_hf(ckpt, data, cfg, work, args.threads))
+                peaks.append(peak(args.threads))
+                print(f"{name}: ours {res['ours'][-1]['tokens_per_s']:.0f} tok/s, "
+                      f"HF {res['hf'][-1]['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
+            rows.append((name, cfg, repeats, mean_len, fpt, source, res))
+
+    pk = statistics.median(peaks)
+    print(f"\n`{command}` — {args.threads} thread(s), fp32 sgemm peak {pk / 1e9:.1f} GFLOP/s "
+          f"(median of {len(peaks)}: {', '.join(f'{p / 1e9:.0f}' for p in peaks)})\n")
+    print("| model | data | steps x seqs (timed) | mean len | ours tok/s | HF Trainer tok/s | ours / HF | "
+          "ours MFU | HF MFU | HF padding |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, cfg, repeats, mean_len, fpt, source, res in rows:
+        ours = statistics.median(r["tokens_per_s"] for r in res["ours"])
+        hf = statistics.median(r["tokens_per_s"] for r in res["hf"])
+        pad = statistics.median(r["padding"] for r in res["hf"])
+        print(f"| {name} | {source} | {cfg['steps']} x {cfg['global_batch']} ({cfg['steps'] - 1}), "
+              f"median of {repeats} | {mean_len:.0f} | {ours:.0f} | {hf:.0f} | {ours / hf:.2f}x | "
+              f"{ours * fpt / pk:.1%} | {hf * fpt / pk:.1%} | {pad:.0%} |")
+
+
+if __name__ == "__main__":
+    main()

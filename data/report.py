@@ -1,0 +1,354 @@
+"""The paper-style report of a continual-learning run: tables (Markdown) and figures (PNG) from run.py's results.
+
+Input (results.json, JSON-serialisable):
+
+    {"tasks": ["C-STANCE", "FOMC", ...],                    # stage order
+     "methods": {"replay": {"seeds": {"0": {"matrix": [[a00], [a10, a11], ...],   # matrix[i][j]: score (0..100)
+                                                                                   # of task j after stage i, j <= i
+                                            "loss_curves": [[loss per step of stage 0], ...]},   # optional
+                                      "1": {...}}},
+                 "opr-ru": {...}},
+     "meta": {...}}                                          # free-form, printed as-is
+
+    summarize(results)        numbers: mean/std over seeds of ACC, BWT and the final per-task scores, mean matrix
+    format_table(results)     the main table (Markdown; readable in a terminal), printed by run.py at the end
+    markdown_report(results)  the whole report.md text
+    write_report(results, out_dir) -> out_dir/report.md, plus the figures next to it
+
+ACC and BWT come from data.metrics.acc_bwt, once per seed; "std" is the population standard deviation over seeds
+(None with a single seed). A method may have fewer stages than there are tasks (a run in progress): its ACC/BWT
+then cover the stages it has, and the tasks it has not reached show as "-".
+"""
+import json
+import math
+import os
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+from data.metrics import acc_bwt
+
+REFERENCE = "replay"  # the baseline of the "delta vs replay" figure
+FIGURES = {  # file name -> what it shows (paper figure)
+    "fig_matrix.png": "accuracy matrices: score of each task (column) after each stage (row)",
+    "fig_trajectories.png": "per-task score across stages, from the stage that trains it (paper Fig. 3)",
+    "fig_loss.png": "training loss per step, each stage stretched to unit width (paper Fig. 4)",
+    "fig_delta_vs_replay.png": f"final per-task score minus the '{REFERENCE}' method's (paper Fig. 5)",
+    "fig_bwt_acc.png": "BWT vs ACC, one point per method (paper Fig. 1, right)",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Numbers
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_results(results) -> None:
+    """Raise ValueError naming the offending path (e.g. results['methods']['opr']['seeds']['0']['matrix'][2])."""
+    if not isinstance(results, dict):
+        raise ValueError(f"results: expected a dict, got {type(results).__name__}")
+    tasks = results.get("tasks")
+    if not isinstance(tasks, list) or not tasks or not all(isinstance(t, str) for t in tasks):
+        raise ValueError("results['tasks']: expected a non-empty list of task names")
+    methods = results.get("methods")
+    if not isinstance(methods, dict) or not methods:
+        raise ValueError("results['methods']: expected a non-empty dict {method: {'seeds': ...}}")
+    for m, entry in methods.items():
+        seeds = entry.get("seeds") if isinstance(entry, dict) else None
+        if not isinstance(seeds, dict) or not seeds:
+            raise ValueError(f"results['methods'][{m!r}]['seeds']: expected a non-empty dict {{seed: run}}")
+        n_stages = set()
+        for s, run in seeds.items():
+            where = f"results['methods'][{m!r}]['seeds'][{s!r}]"
+            matrix = run.get("matrix") if isinstance(run, dict) else None
+            if not isinstance(matrix, list) or not matrix:
+                raise ValueError(f"{where}['matrix']: expected a non-empty list of rows")
+            if len(matrix) > len(tasks):
+                raise ValueError(f"{where}['matrix']: {len(matrix)} stages but only {len(tasks)} tasks")
+            for i, row in enumerate(matrix):
+                if not isinstance(row, list) or len(row) < i + 1 or not all(_is_number(v) for v in row[:i + 1]):
+                    raise ValueError(f"{where}['matrix'][{i}]: expected at least {i + 1} finite numbers, got {row!r}")
+            for i, curve in enumerate(run.get("loss_curves") or []):
+                if not isinstance(curve, list) or not all(_is_number(v) for v in curve):
+                    raise ValueError(f"{where}['loss_curves'][{i}]: expected a list of finite numbers")
+            n_stages.add(len(matrix))
+        if len(n_stages) > 1:
+            raise ValueError(f"results['methods'][{m!r}]: seeds have different numbers of stages {sorted(n_stages)}")
+
+
+def mean_std(xs) -> dict:
+    """{"mean", "std"} of a list of numbers; std is the population std, None for a single value."""
+    return {"mean": statistics.fmean(xs), "std": statistics.pstdev(xs) if len(xs) > 1 else None}
+
+
+def summarize(results) -> dict:
+    """Per method, in the order of results['methods']:
+
+    {"seeds": [seed, ...], "stages": n,               # n = stages trained (rows of the matrix)
+     "acc": {"mean", "std"}, "bwt": {"mean", "std"},  # bwt mean/std None when n == 1
+     "per_seed": {seed: {"acc", "bwt"}},
+     "final": {task: {"mean", "std"}},                # last row, for the n tasks trained so far
+     "matrix": [[mean]] and "matrix_std": [[std]]}    # ragged like the input (row i has i+1 entries)
+    """
+    check_results(results)
+    tasks, out = results["tasks"], {}
+    for m, entry in results["methods"].items():
+        seeds = list(entry["seeds"])
+        matrices = [[row[:i + 1] for i, row in enumerate(entry["seeds"][s]["matrix"])] for s in seeds]
+        n = len(matrices[0])
+        per_seed = {s: dict(zip(("acc", "bwt"), acc_bwt(mx))) for s, mx in zip(seeds, matrices)}
+        cells = [[mean_std([mx[i][j] for mx in matrices]) for j in range(i + 1)] for i in range(n)]
+        out[m] = {
+            "seeds": seeds, "stages": n,
+            "acc": mean_std([r["acc"] for r in per_seed.values()]),
+            "bwt": mean_std([r["bwt"] for r in per_seed.values()]) if n > 1 else {"mean": None, "std": None},
+            "per_seed": per_seed,
+            "final": {tasks[j]: cells[n - 1][j] for j in range(n)},
+            "matrix": [[c["mean"] for c in row] for row in cells],
+            "matrix_std": [[c["std"] for c in row] for row in cells],
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tables
+
+
+def _fmt(ms: dict, with_std: bool = True) -> str:
+    if ms["mean"] is None:
+        return "-"
+    if with_std and ms["std"] is not None:
+        return f"{ms['mean']:.2f} ± {ms['std']:.2f}"
+    return f"{ms['mean']:.2f}"
+
+
+def format_table(results, summary=None) -> str:
+    """The main table: one row per method; ACC, BWT (mean ± std over seeds when there are several), then the final
+    score of each task (mean over seeds). Markdown, aligned so it also reads as plain text."""
+    summary = summary or summarize(results)
+    tasks = results["tasks"]
+    header = ["method", "seeds", "ACC", "BWT"] + tasks
+    rows = []
+    for m, s in summary.items():
+        rows.append([m, str(len(s["seeds"])), _fmt(s["acc"]), _fmt(s["bwt"])] +
+                    [_fmt(s["final"][t], with_std=False) if t in s["final"] else "-" for t in tasks])
+    widths = [max(len(r[c]) for r in [header] + rows) for c in range(len(header))]
+
+    def line(cells):  # method name left-aligned, numbers right-aligned
+        padded = [c.ljust(w) if k == 0 else c.rjust(w) for k, (c, w) in enumerate(zip(cells, widths))]
+        return "| " + " | ".join(padded) + " |"
+    rule = "|" + "|".join("-" * (w + 1) + ":" if k else "-" * (w + 2) for k, w in enumerate(widths)) + "|"
+    return "\n".join([line(header), rule] + [line(r) for r in rows])
+
+
+def matrix_table(tasks, s: dict) -> str:
+    """Markdown accuracy matrix of one method (mean over seeds): row i = after stage i, column j = task j."""
+    n = s["stages"]
+    lines = ["| after stage | " + " | ".join(tasks[:n]) + " |", "|---|" + "---:|" * n]
+    for i, row in enumerate(s["matrix"]):
+        cells = [f"{v:.2f}" for v in row] + ["-"] * (n - i - 1)
+        lines.append(f"| {i + 1}: {tasks[i]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_report(results, summary=None, figures=()) -> str:
+    """report.md: the main table with notes, each method's accuracy matrix, and links to `figures` (file names)."""
+    summary = summary or summarize(results)
+    tasks = results["tasks"]
+    out = ["# Continual SFT on " + ", ".join(tasks), ""]
+    for k, v in (results.get("meta") or {}).items():
+        out.append(f"- {k}: {v if isinstance(v, str) else json.dumps(v)}")
+    n_seeds = sorted({len(s["seeds"]) for s in summary.values()})
+    out += ["", "## Results", "", format_table(results, summary), "",
+            "- ACC: mean final score over the tasks trained so far; BWT: mean over all but the last of them of "
+            "(final score - score right after training it); negative BWT = forgetting. Scores are 0..100.",
+            f"- Seeds per method: {', '.join(map(str, n_seeds))}; 'a ± b' = mean ± population std over seeds; "
+            f"per-task columns are means."]
+    partial = [m for m, s in summary.items() if s["stages"] < len(tasks)]
+    if partial:
+        out.append(f"- Not all {len(tasks)} stages finished for: " +
+                   ", ".join(f"{m} ({summary[m]['stages']})" for m in partial) + "; their ACC/BWT cover those stages.")
+    if REFERENCE not in summary:
+        out.append(f"- No '{REFERENCE}' method, so no per-task comparison against it.")
+    out += ["", "## Accuracy matrices (mean over seeds)", ""]
+    for m, s in summary.items():
+        out += [f"### {m}", "", matrix_table(tasks, s), ""]
+    if figures:
+        out += ["## Figures", ""]
+        for f in figures:
+            out += [f"![{Path(f).stem}]({f})", "", f"*{FIGURES[f]}*", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Figures (matplotlib, Agg backend: no display needed)
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_matrices(tasks, summary, path: Path):
+    import numpy as np
+    plt = _plt()
+    k, n = len(summary), len(tasks)
+    fig, axes = plt.subplots(1, k, figsize=(0.9 * n * k + 1.5, 0.8 * n + 1.5), squeeze=False)
+    for k, (ax, (m, s)) in enumerate(zip(axes[0], summary.items())):
+        grid = np.full((n, n), np.nan)
+        for i, row in enumerate(s["matrix"]):
+            grid[i, :len(row)] = row
+        im = ax.imshow(grid, vmin=0, vmax=100, cmap="viridis")
+        for i, row in enumerate(s["matrix"]):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7, color="w" if v < 60 else "k")
+        ax.set_title(m)
+        ax.set_xticks(range(n), tasks, rotation=60, ha="right", fontsize=7)
+        ax.set_yticks(range(n), [f"{i + 1}" for i in range(n)], fontsize=7)
+        ax.set_xlabel("task")
+        if k == 0:  # later panels would overlap their left neighbour
+            ax.set_ylabel("after stage")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="score")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_trajectories(tasks, summary, path: Path):
+    plt = _plt()
+    n = len(tasks)
+    cols = min(4, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    for j, ax in enumerate(axes.flat):
+        if j >= n:
+            ax.axis("off")
+            continue
+        for m, s in summary.items():
+            stages = list(range(j, s["stages"]))  # task j exists from stage j on
+            if not stages:
+                continue
+            x = [i + 1 for i in stages]
+            y = [s["matrix"][i][j] for i in stages]
+            (line,) = ax.plot(x, y, marker="o", ms=3, label=m)
+            sd = [s["matrix_std"][i][j] for i in stages]
+            if sd[0] is not None:
+                ax.fill_between(x, [a - b for a, b in zip(y, sd)], [a + b for a, b in zip(y, sd)],
+                                color=line.get_color(), alpha=0.15, lw=0)
+        ax.set_title(tasks[j], fontsize=9)
+        ax.set_xlim(0.5, n + 0.5)
+        ax.set_xticks(range(1, n + 1))
+        ax.set_xlabel("after stage", fontsize=8)
+        ax.set_ylabel("score", fontsize=8)
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def mean_loss_curves(runs: list[dict]) -> list[list[float]]:
+    """Per stage, the per-step loss averaged over seeds (cut to the shortest seed's length for that stage)."""
+    curves = [r.get("loss_curves") or [] for r in runs]
+    out = []
+    for i in range(min(len(c) for c in curves)):
+        steps = min(len(c[i]) for c in curves)
+        out.append([statistics.fmean(c[i][t] for c in curves) for t in range(steps)])
+    return out
+
+
+def plot_loss(tasks, results, path: Path):
+    """Each stage occupies [i, i+1) on the x axis, whatever its step count (methods with replay take more steps)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(tasks)), 3.2))
+    for m, entry in results["methods"].items():
+        xs, ys = [], []
+        for i, curve in enumerate(mean_loss_curves(list(entry["seeds"].values()))):
+            xs += [i + t / len(curve) for t in range(len(curve))]
+            ys += curve
+        if xs:
+            ax.plot(xs, ys, lw=0.8, label=m)
+    for i in range(1, len(tasks)):
+        ax.axvline(i, color="0.6", ls=":", lw=0.8)
+    ax.set_xticks([i + 0.5 for i in range(len(tasks))], tasks, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("train loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_delta(tasks, summary, path: Path):
+    import numpy as np
+    plt = _plt()
+    ref = summary[REFERENCE]["final"]
+    others = [m for m in summary if m != REFERENCE]
+    shown = [t for t in tasks if t in ref]
+    width = 0.8 / max(1, len(others))
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(shown)), 3.2))
+    for k, m in enumerate(others):
+        d = [summary[m]["final"][t]["mean"] - ref[t]["mean"] if t in summary[m]["final"] else np.nan for t in shown]
+        ax.bar(np.arange(len(shown)) + (k - (len(others) - 1) / 2) * width, d, width, label=m)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(shown)), shown, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(f"final score - {REFERENCE}")
+    if others:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_bwt_acc(summary, path: Path):
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(4.5, 3.6))
+    for m, s in summary.items():
+        if s["bwt"]["mean"] is None:  # one stage: BWT undefined
+            continue
+        ax.errorbar(s["bwt"]["mean"], s["acc"]["mean"], xerr=s["bwt"]["std"], yerr=s["acc"]["std"], fmt="o",
+                    capsize=3, label=m)
+        ax.annotate(m, (s["bwt"]["mean"], s["acc"]["mean"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.axvline(0, color="0.6", ls=":", lw=0.8)
+    ax.set_xlabel("BWT")
+    ax.set_ylabel("ACC")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(results, out_dir) -> Path:
+    """Write out_dir/report.md and its figures (see FIGURES). Everything is rendered in a temporary directory first and
+    then moved into place, so a failure leaves the previous report untouched. A figure without data (no 'replay'
+    method, no loss curves, no method with two stages) is skipped and any stale copy removed. Returns report.md."""
+    summary = summarize(results)
+    tasks = results["tasks"]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = {
+        "fig_matrix.png": lambda p: plot_matrices(tasks, summary, p),
+        "fig_trajectories.png": lambda p: plot_trajectories(tasks, summary, p),
+    }
+    if any(mean_loss_curves(list(e["seeds"].values())) for e in results["methods"].values()):
+        plots["fig_loss.png"] = lambda p: plot_loss(tasks, results, p)
+    if REFERENCE in summary:
+        plots["fig_delta_vs_replay.png"] = lambda p: plot_delta(tasks, summary, p)
+    if any(s["bwt"]["mean"] is not None for s in summary.values()):
+        plots["fig_bwt_acc.png"] = lambda p: plot_bwt_acc(summary, p)
+
+    tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out_dir))
+    try:
+        for name, plot in plots.items():
+            plot(tmp / name)
+        (tmp / "report.md").write_text(markdown_report(results, summary, figures=list(plots)), encoding="utf-8")
+        for name in FIGURES:
+            if name not in plots and (out_dir / name).exists():
+                (out_dir / name).unlink()
+        for name in [*plots, "report.md"]:  # report.md last: it only ever links figures already in place
+            os.replace(tmp / name, out_dir / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir / "report.md"

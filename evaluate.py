@@ -1,0 +1,161 @@
+"""Evaluate one checkpoint on the TRACE test splits: one row of the accuracy matrix.
+
+    python evaluate.py --ckpt runs/stage3 --data /path/to/TRACE --tasks C-STANCE,FOMC,MeetingBank --out runs/stage3/eval
+
+For each task (in order):
+  1. load its TEST split and drop the over-long examples with training's length rule (chat-templated prompt + gold
+     answer > --max-len tokens); the counts are printed and recorded
+  2. render each prompt with the checkpoint's own chat template as a single user turn (+ generation prompt)
+Then, for all tasks at once:
+  3. sample --repeats responses per prompt in ONE generate call (temperature 0.1, top-p 1, <= 512 new tokens, stop at
+     end-of-turn/EOS); the K copies of a prompt are independent draws from the one seeded sampler of the call
+  4. score every response against its gold answer with the task's metric (data.metrics.score, 0..100)
+  5. write (atomically, only once everything above succeeded)
+       OUT/predictions.jsonl  one line per (example, repeat): task, idx, repeat, prompt, prediction, gold, score,
+                              finish_reason, num_tokens
+       OUT/scores.json        {"ckpt", "scores": {task: mean over examples and repeats}, "std_over_repeats":
+                              {task: population std of the K per-repeat means}, "n": {task: examples},
+                              "dropped_overlong": {task: n}, "temperature", "repeats", "seed", "max_new_tokens",
+                              "max_len", "engine", "data"}
+     scores.json is written last, so its presence means the evaluation finished.
+
+Engine handling, defaults and the embedded-benchmark fallback are the same as rollout.py's.
+"""
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+# ---- defaults: the paper's evaluation setup (each has a flag below) ---------------------------------------------
+TEMPERATURE = 0.1      # as for rollouts: near-greedy
+REPEATS = 1            # samples per test prompt; scores average over them
+MAX_NEW_TOKENS = 512   # response length cap
+MAX_LEN = 2048         # over-long filter on prompt+gold answer (chat-templated tokens), as in training
+SEED = 0               # sampling seed
+ENGINE = "auto"        # vllm when CUDA + vllm are present, else native
+TP = 1                 # vLLM tensor-parallel size
+BATCH_SIZE = 32        # native engine batch size
+# -----------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (HF layout, with tokenizer + chat template)")
+    p.add_argument("--data", default=None,
+                   help="TRACE root with <Task>/test.json (default: the embedded benchmark, generated into a cache)")
+    p.add_argument("--tasks", default=None,
+                   help="comma-separated tasks (default: every task with a test split under --data, in TRACE order)")
+    p.add_argument("--out", default=None,
+                   help="output directory for predictions.jsonl and scores.json (default: <ckpt>/eval)")
+    p.add_argument("--engine", default=ENGINE, choices=["auto", "native", "vllm"],
+                   help="auto = vllm when CUDA and vllm are present, else native (default: %(default)s)")
+    p.add_argument("--tp", type=int, default=TP, help="vLLM tensor-parallel size (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=TEMPERATURE,
+                   help="sampling temperature, 0 = greedy (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=REPEATS,
+                   help="sampled responses per test prompt; scores average over them (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                   help="response length cap (default: %(default)s)")
+    p.add_argument("--max-len", type=int, default=MAX_LEN,
+                   help="drop test examples whose chat-templated prompt+answer is longer, as training does "
+                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=SEED, help="sampling seed (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="at most this many test examples per task (smoke tests)")
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE,
+                   help="native engine batch size (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from tqdm import tqdm
+
+    from data.embedded import ensure_embedded
+    from data.jsonl import write_json, write_jsonl
+    from data.metrics import score
+    from data.tasks import parse_tasks
+    from data.trace import filter_overlong, filter_report, load_task, tasks_in
+    from model.checkpoint import load_config
+    from model.sampling import generate, resolve_engine
+    from model.tokenizer import ChatTokenizer
+
+    ckpt = Path(args.ckpt)
+    load_config(ckpt)  # fail before any work when the checkpoint is unusable
+    tok = ChatTokenizer.from_dir(ckpt)  # ValueError naming the directory when tokenizer.json is missing
+    root = Path(args.data) if args.data is not None else ensure_embedded()
+    tasks = parse_tasks(args.tasks) if args.tasks else tasks_in(root, "test")
+    if not tasks:
+        raise SystemExit(f"evaluate.py: no task directories with a test.json under {root}")
+    out_dir = Path(args.out) if args.out else ckpt / "eval"
+    engine = resolve_engine(args.engine)
+    K = args.repeats
+
+    # 1-2. test examples that fit the length limit, rendered with this checkpoint's chat template
+    examples, dropped = [], {}
+    for task in tasks:
+        exs = load_task(root, task, "test")
+        kept, dropped[task] = filter_overlong(exs, tok.sft_length, args.max_len)
+        print(filter_report(task, "test", len(exs), dropped[task], args.max_len))
+        if not kept:
+            raise SystemExit(f"evaluate.py: {root / task}/test.json: no example fits --max-len {args.max_len}")
+        examples += kept[:args.limit] if args.limit is not None else kept
+    # the K copies of a prompt sit next to each other: jobs[i] = (example, repeat)
+    jobs = [(ex, k) for ex in examples for k in range(K)]
+    prompts = [tok.prompt_ids(ex.prompt) for ex in examples]
+    print(f"evaluate: {len(examples)} test prompts x {K} repeats from {len(tasks)} tasks, engine={engine}, "
+          f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, seed={args.seed}")
+
+    # 3. all generations in one call (one model load, full batches)
+    t0 = time.perf_counter()
+    outs = generate(ckpt, [p for p in prompts for _ in range(K)], temperature=args.temperature,
+                    max_new_tokens=args.max_new_tokens, seed=args.seed, engine=engine, tp=args.tp,
+                    batch_size=args.batch_size, stop_ids=tok.stop_ids, progress=not args.quiet)
+    wall = time.perf_counter() - t0
+
+    # 4. per-example scores
+    records = []
+    for (ex, k), o in tqdm(list(zip(jobs, outs)), desc="score", unit="response", disable=args.quiet):
+        ids = o["token_ids"]
+        pred = tok.decode_response(ids)
+        records.append({"task": ex.task, "idx": ex.idx, "repeat": k, "prompt": ex.prompt, "prediction": pred,
+                        "gold": ex.answer, "score": float(score(ex.task, pred, ex.answer, ex.prompt)),
+                        "finish_reason": o["finish_reason"], "num_tokens": len(ids)})
+
+    def task_mean(task, k=None):
+        xs = [r["score"] for r in records if r["task"] == task and (k is None or r["repeat"] == k)]
+        return sum(xs) / len(xs)
+
+    summary = {
+        "ckpt": str(ckpt),
+        "scores": {t: task_mean(t) for t in tasks},
+        "std_over_repeats": {t: statistics.pstdev([task_mean(t, k) for k in range(K)]) for t in tasks},
+        "n": {t: sum(ex.task == t for ex in examples) for t in tasks},
+        "dropped_overlong": dropped,
+        "temperature": args.temperature, "repeats": K, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+        "max_len": args.max_len, "engine": engine, "data": str(root),
+    }
+
+    # 5. outputs: predictions first, scores.json last (its presence marks a finished evaluation)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out_dir / "predictions.jsonl", records)
+    write_json(out_dir / "scores.json", summary)
+
+    n_tok = sum(r["num_tokens"] for r in records)
+    print("| task | n | dropped | score | std over repeats | mean tokens | hit max tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for t in tasks:
+        rs = [r for r in records if r["task"] == t]
+        print(f"| {t} | {summary['n'][t]} | {dropped[t]} | {summary['scores'][t]:.2f} | "
+              f"{summary['std_over_repeats'][t]:.2f} | {sum(r['num_tokens'] for r in rs) / len(rs):.1f} | "
+              f"{sum(r['finish_reason'] == 'length' for r in rs)}/{len(rs)} |")
+    print(f"wrote {len(records)} predictions and scores.json to {out_dir} ({n_tok} tokens generated in {wall:.1f}s, "
+          f"{n_tok / max(wall, 1e-9):.1f} tok/s)")
+    return out_dir
+
+
+if __name__ == "__main__":
+    main()

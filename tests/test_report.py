@@ -1,0 +1,145 @@
+"""data/report.py on a hand-made run: ACC/BWT and their spread over seeds equal hand-computed values exactly, the
+tables show them, and every figure is a real PNG; single seed, no 'replay' method, a run in progress, bad input."""
+import copy
+import json
+
+import pytest
+
+from data.report import FIGURES, format_table, markdown_report, mean_loss_curves, summarize, write_report
+
+TASKS = ["C-STANCE", "FOMC", "MeetingBank"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# Values chosen so every mean/std below is exact in floating point.
+RESULTS = {
+    "tasks": TASKS,
+    "methods": {
+        "replay": {"seeds": {
+            "0": {"matrix": [[80], [60, 70], [50, 61, 90]], "loss_curves": [[2.0, 1.0], [3.0, 2.0, 1.0], [2.0, 1.5]]},
+            "1": {"matrix": [[84], [62, 74], [54, 66, 93]], "loss_curves": [[4.0, 3.0], [1.0, 2.0], [2.0, 0.5, 9.0]]},
+        }},
+        "opr-ru": {"seeds": {
+            "0": {"matrix": [[80], [75, 70], [78, 68, 91]], "loss_curves": [[2.0], [2.0], [2.0]]},
+            "1": {"matrix": [[84], [80, 74], [82, 72, 95]], "loss_curves": [[2.0], [2.0], [2.0]]},
+        }},
+    },
+    "meta": {"model": "tiny", "cfg": {"rho": 0.01, "lr": 2e-05}},
+}
+# by hand:
+#   replay  ACC per seed (50+61+90)/3 = 67, (54+66+93)/3 = 71         -> 69 ± 2
+#           BWT per seed ((50-80)+(61-70))/2 = -19.5, ((54-84)+(66-74))/2 = -19  -> -19.25 ± 0.25
+#           final C-STANCE (50+54)/2 = 52, FOMC (61+66)/2 = 63.5, MeetingBank (90+93)/2 = 91.5
+#   opr-ru  ACC 79, 83 -> 81 ± 2;  BWT -2, -2 -> -2 ± 0
+
+
+def test_summary_equals_hand_computed_values():
+    s = summarize(RESULTS)
+    assert list(s) == ["replay", "opr-ru"]
+    r, o = s["replay"], s["opr-ru"]
+    assert r["seeds"] == ["0", "1"] and r["stages"] == 3
+    assert r["per_seed"] == {"0": {"acc": 67.0, "bwt": -19.5}, "1": {"acc": 71.0, "bwt": -19.0}}
+    assert r["acc"] == {"mean": 69.0, "std": 2.0} and r["bwt"] == {"mean": -19.25, "std": 0.25}
+    assert r["final"] == {"C-STANCE": {"mean": 52.0, "std": 2.0}, "FOMC": {"mean": 63.5, "std": 2.5},
+                          "MeetingBank": {"mean": 91.5, "std": 1.5}}
+    assert r["matrix"] == [[82.0], [61.0, 72.0], [52.0, 63.5, 91.5]]
+    assert r["matrix_std"] == [[2.0], [1.0, 2.0], [2.0, 2.5, 1.5]]
+    assert o["acc"] == {"mean": 81.0, "std": 2.0} and o["bwt"] == {"mean": -2.0, "std": 0.0}
+    json.dumps(s)  # the summary is JSON-serialisable (run.py may store it)
+
+
+def test_tables_show_the_numbers():
+    table = format_table(RESULTS)
+    lines = table.splitlines()
+    assert len(lines) == 4 and len({len(x) for x in lines}) == 1  # header, rule, 2 methods; aligned columns
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["method", "seeds", "ACC", "BWT", *TASKS]
+    replay = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert replay == ["replay", "2", "69.00 ± 2.00", "-19.25 ± 0.25", "52.00", "63.50", "91.50"]
+    opr = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert opr[:4] == ["opr-ru", "2", "81.00 ± 2.00", "-2.00 ± 0.00"]
+
+    md = markdown_report(RESULTS)
+    assert table in md and "- model: tiny" in md and '- cfg: {"rho": 0.01, "lr": 2e-05}' in md
+    assert "| 3: MeetingBank | 52.00 | 63.50 | 91.50 |" in md  # replay's mean matrix, last row
+    assert "| 1: C-STANCE | 82.00 | - | - |" in md
+
+
+def test_mean_loss_curves_cut_each_stage_to_the_shortest_seed():
+    runs = list(RESULTS["methods"]["replay"]["seeds"].values())
+    assert mean_loss_curves(runs) == [[3.0, 2.0], [2.0, 2.0], [2.0, 1.0]]
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 1000, path
+    w, h = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")  # IHDR
+    assert w > 100 and h > 100, (path, w, h)
+
+
+def test_write_report_writes_all_five_figures(tmp_path):
+    md_path = write_report(RESULTS, tmp_path)
+    assert md_path == tmp_path / "report.md"
+    md = md_path.read_text()
+    assert len(FIGURES) == 5
+    for name in FIGURES:
+        assert_png(tmp_path / name)
+        assert f"]({name})" in md
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*FIGURES, "report.md"])  # no temp leftovers
+
+
+def test_single_seed_has_no_spread():
+    one = copy.deepcopy(RESULTS)
+    for m in one["methods"].values():
+        del m["seeds"]["1"]
+    s = summarize(one)
+    assert s["replay"]["acc"] == {"mean": 67.0, "std": None} and s["replay"]["bwt"] == {"mean": -19.5, "std": None}
+    assert s["replay"]["matrix_std"][2] == [None, None, None]
+    table = format_table(one)
+    assert "±" not in table and "| 67.00 |" in table and "| -19.50 |" in table
+
+
+def test_missing_replay_skips_the_delta_figure_and_removes_a_stale_one(tmp_path):
+    write_report(RESULTS, tmp_path)
+    no_replay = copy.deepcopy(RESULTS)
+    del no_replay["methods"]["replay"]
+    md = write_report(no_replay, tmp_path).read_text()
+    assert not (tmp_path / "fig_delta_vs_replay.png").exists()
+    assert "fig_delta_vs_replay.png" not in md and "No 'replay' method" in md
+    for name in FIGURES:
+        if name != "fig_delta_vs_replay.png":
+            assert_png(tmp_path / name)
+
+
+def test_run_in_progress_and_no_loss_curves(tmp_path):
+    """Methods at different stages; no loss curves -> no loss figure; one-stage method has no BWT."""
+    partial = {"tasks": TASKS, "methods": {
+        "replay": {"seeds": {"0": {"matrix": [[80], [60, 70]]}}},
+        "seq": {"seeds": {"0": {"matrix": [[90]]}}},
+    }}
+    s = summarize(partial)
+    assert s["replay"]["acc"]["mean"] == 65.0 and s["replay"]["bwt"]["mean"] == -20.0
+    assert s["seq"]["bwt"] == {"mean": None, "std": None} and s["seq"]["final"] == {"C-STANCE": {"mean": 90.0,
+                                                                                                  "std": None}}
+    row = [c.strip() for c in format_table(partial).splitlines()[3].strip("|").split("|")]
+    assert row == ["seq", "1", "90.00", "-", "90.00", "-", "-"]
+    md = write_report(partial, tmp_path).read_text()
+    assert "Not all 3 stages finished for: replay (2), seq (1)" in md
+    assert not (tmp_path / "fig_loss.png").exists()
+    for name in ("fig_matrix.png", "fig_trajectories.png", "fig_delta_vs_replay.png", "fig_bwt_acc.png"):
+        assert_png(tmp_path / name)
+
+
+@pytest.mark.parametrize("mutate, where", [
+    (lambda r: r["methods"]["replay"]["seeds"]["1"]["matrix"][2].pop(),
+     r"results\['methods'\]\['replay'\]\['seeds'\]\['1'\]\['matrix'\]\[2\]"),
+    (lambda r: r["methods"]["opr-ru"]["seeds"]["0"]["matrix"].pop(), r"results\['methods'\]\['opr-ru'\]: seeds"),
+    (lambda r: r["methods"]["opr-ru"]["seeds"]["0"]["matrix"][1].__setitem__(0, None),
+     r"\['opr-ru'\]\['seeds'\]\['0'\]\['matrix'\]\[1\]"),
+    (lambda r: r["methods"]["replay"]["seeds"]["0"]["loss_curves"][1].append("x"), r"\['loss_curves'\]\[1\]"),
+    (lambda r: r.__setitem__("tasks", []), r"results\['tasks'\]"),
+])
+def test_bad_results_name_the_field(tmp_path, mutate, where):
+    bad = copy.deepcopy(RESULTS)
+    mutate(bad)
+    with pytest.raises(ValueError, match=where):
+        write_report(bad, tmp_path)
+    assert list(tmp_path.iterdir()) == []

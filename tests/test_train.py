@@ -1,0 +1,332 @@
+"""train.py end to end on tiny checkpoints: packed loss = unpacked loss (values and gradients), world size 2 = world
+size 1 (untied and tied embeddings), SIGKILL + --resume = an uninterrupted run, over-long examples dropped and
+counted, bad data and NaN losses fail loudly without writing --out, the output loads in ours and transformers, SDFT.
+
+Every training run is a real subprocess (`python train.py`, or torchrun with 2 gloo ranks) with OMP_NUM_THREADS=1:
+tiny-tensor ops with 2 threads on a busy 2-core machine are many times slower than with one.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+transformers = pytest.importorskip("transformers")
+
+from data.jsonl import write_jsonl  # noqa: E402
+from data.packing import collate, pack, plan_steps, tokenize_sft  # noqa: E402
+from model.base import CHATML, train_tiny_tokenizer  # noqa: E402
+from model.checkpoint import load_model  # noqa: E402
+from model.tokenizer import ChatTokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_LEN = 48
+# 36 short records + 4 whose prompt alone is longer than MAX_LEN tokens -> 36 examples -> 5 steps/epoch of <= 8
+ARGS = ["--epochs", "3", "--global-batch", "8", "--micro-tokens", "96", "--max-len", str(MAX_LEN), "--lr", "1e-3",
+        "--seed", "0", "--save-every", "2", "--quiet"]
+N_STEPS = 15
+WORDS = "the cat sat on a mat and dog ran to park with red blue green ball one two three four five".split()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_checkpoint(path: Path, tied: bool) -> Path:
+    """A tiny random Llama (2 layers, GQA 4/2 heads) saved by transformers, with a byte-level BPE + ChatML tokenizer
+    and an SFT file data.jsonl (40 records, 4 of them longer than MAX_LEN tokens)."""
+    import random
+    rng = random.Random(0)
+    say = lambda lo, hi: " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))  # noqa: E731
+    path.mkdir(parents=True)
+    tok = train_tiny_tokenizer([say(5, 20) for _ in range(200)], 320)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>"}))
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied,
+        eos_token_id=tok.token_to_id("<|im_end|>"), pad_token_id=tok.token_to_id("<|endoftext|>"))
+    hf = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # HF initialises norms to 1: randomise them so they are exercised
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+    hf.save_pretrained(path)
+    records = [{"prompt": say(1, 12), "response": say(1, 10)} for _ in range(36)]
+    for i in (3, 11, 20, 30):
+        records.insert(i, {"prompt": say(60, 70), "response": say(1, 3)})
+    write_jsonl(path / "data.jsonl", records)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "untied", tied=False)
+
+
+@pytest.fixture(scope="module")
+def ckpt_tied(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tied", tied=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_cmd(ckpt: Path, out: Path, *extra, world: int = 1, data=None) -> list[str]:
+    launcher = [sys.executable]
+    if world > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port())]
+    return launcher + [str(REPO / "train.py"), "--model", str(ckpt), "--data", str(data or ckpt / "data.jsonl"),
+                       "--out", str(out), *ARGS, *extra]
+
+
+def env() -> dict:
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return {**e, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def train(ckpt, out, *extra, world=1, data=None, ok=True) -> subprocess.CompletedProcess:
+    r = subprocess.run(train_cmd(ckpt, out, *extra, world=world, data=data), cwd=REPO, env=env(),
+                       capture_output=True, text=True, timeout=600)
+    if ok and r.returncode != 0:
+        raise AssertionError(f"train.py failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def weights(out: Path) -> dict:
+    return load_file(out / "model.safetensors")
+
+
+def assert_close_rel(a: torch.Tensor, b: torch.Tensor, tol: float, what: str):
+    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+    assert err <= tol, f"{what}: max relative difference {err:.3g} > {tol}"
+
+
+def assert_same_weights(a: dict, b: dict, tol: float):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert_close_rel(a[k], b[k], tol, k)
+
+
+# Reference runs, shared by several tests (each subprocess costs seconds of imports).
+@pytest.fixture(scope="module")
+def ref(ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "ref"
+    train(ckpt, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref_tied(ckpt_tied, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "ref_tied"
+    train(ckpt_tied, out)
+    return out
+
+
+# --- packing is exact ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["ckpt", "ckpt_tied"])
+def test_packed_loss_and_grads_equal_one_by_one(which, request):
+    path = request.getfixturevalue(which)
+    model = load_model(path).train()
+    tok = ChatTokenizer.from_dir(path)
+    records = [json.loads(line) for line in (path / "data.jsonl").read_text().splitlines()]
+    examples, _ = tokenize_sft(records, tok, MAX_LEN)
+    examples = examples[:12]
+    lengths = [len(e.ids) for e in examples]
+    n_targets = sum(e.n_targets for e in examples)
+    micro = pack(list(range(len(examples))), lengths, 96, 1)[0]
+    assert len(micro) > 1 and any(len(mb) > 1 for mb in micro)  # several micro-batches, several docs in one
+
+    def grads():
+        g = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return g
+
+    packed_loss = 0.0
+    for mb in micro:
+        ids, pos, tgt, cu, max_len = collate([examples[i] for i in mb])
+        loss = model(ids, pos, labels=tgt, cu_seqlens=cu, max_seqlen=max_len) / n_targets
+        loss.backward()
+        packed_loss += loss.item()
+    packed = grads()
+
+    single_loss = 0.0
+    for e in examples:  # one forward per example, dense causal attention, no cu_seqlens
+        ids, tgt = torch.tensor([e.ids]), torch.tensor([e.targets])
+        loss = model(ids, torch.arange(len(e.ids))[None], labels=tgt) / n_targets
+        loss.backward()
+        single_loss += loss.item()
+    single = grads()
+
+    assert abs(packed_loss - single_loss) <= 1e-5 * abs(single_loss)
+    for n in single:
+        assert single[n].abs().max() > 0, n
+        assert_close_rel(packed[n], single[n], 1e-5, f"grad of {n}")
+
+
+# --- the training script ---------------------------------------------------------------------------------------------
+
+def first_step_loss(path: Path) -> float:
+    """Step 1's loss computed here, unsharded: catches any FSDP build/load mistake (a broken weight tie, rows
+    loaded into the wrong shard)."""
+    model = load_model(path)
+    examples, _ = tokenize_sft([json.loads(line) for line in (path / "data.jsonl").read_text().splitlines()],
+                               ChatTokenizer.from_dir(path), MAX_LEN)
+    batch = plan_steps(len(examples), 8, 3, 0)[0]
+    with torch.no_grad():
+        nll = sum(model(ids, pos, labels=tgt) for ids, pos, tgt, _, _ in (collate([examples[i]]) for i in batch))
+    return (nll / sum(examples[i].n_targets for i in batch)).item()
+
+
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_two_ranks_equal_one_process(which, request, tmp_path):
+    path = request.getfixturevalue("ckpt" if which == "untied" else "ckpt_tied")
+    one = request.getfixturevalue("ref" if which == "untied" else "ref_tied")
+    # the plan really splits steps unevenly across 2 ranks: some rank runs an empty (all-ignored) micro-batch
+    examples, _ = tokenize_sft([json.loads(line) for line in (path / "data.jsonl").read_text().splitlines()],
+                               ChatTokenizer.from_dir(path), MAX_LEN)
+    lengths = [len(e.ids) for e in examples]
+    plan = plan_steps(len(examples), 8, 3, 0)
+    assert any([] in rank for step in plan for rank in pack(step, lengths, 96, 2))
+
+    two = tmp_path / "two"
+    r = train(path, two, world=2)
+    assert "on 2 rank(s)" in r.stdout
+    log1, log2 = log(one), log(two)
+    assert [x["step"] for x in log1] == [x["step"] for x in log2] == list(range(1, N_STEPS + 1))
+    for a, b in zip(log1, log2):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (a, b)
+        assert a["target_tokens"] == b["target_tokens"]
+    assert abs(log1[0]["loss"] - first_step_loss(path)) <= 1e-5 * log1[0]["loss"]
+    w1, w2 = weights(one), weights(two)
+    assert ("lm_head.weight" in w1) == (which == "untied")  # a tied checkpoint stores the embeddings once
+    assert_same_weights(w1, w2, 1e-5)
+    w0 = load_file(path / "model.safetensors")
+    assert any(not torch.allclose(w0[k], w1[k]) for k in w1), "training did not change the weights"
+
+
+def test_sigkill_then_resume_equals_uninterrupted_run(ckpt, ref, tmp_path):
+    out = tmp_path / "killed"
+    state = tmp_path / "killed.partial" / "state" / "progress.pt"
+    p = subprocess.Popen(train_cmd(ckpt, out), cwd=REPO, env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not state.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        alive = p.poll() is None
+        p.send_signal(signal.SIGKILL)
+    finally:
+        p.kill()
+        output = p.communicate()[0]
+    assert alive, f"train.py ended before it could be killed:\n{output[-3000:]}"
+    assert not out.exists()
+    saved = torch.load(state, weights_only=False)["step"]
+    assert saved >= 2 and saved % 2 == 0 and saved < N_STEPS
+    with open(tmp_path / "killed.partial" / "train_log.jsonl", "a") as f:
+        f.write('{"step": 99, "loss": 1.')  # what a kill in the middle of a log write leaves
+
+    r = train(ckpt, out, "--resume")
+    assert not (tmp_path / "killed.partial").exists()
+    resumed, full = log(out), log(ref)
+    assert [x["step"] for x in resumed] == list(range(1, N_STEPS + 1)), "each step logged exactly once"
+    for a, b in zip(resumed, full):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]), (a, b)
+    assert_same_weights(weights(out), weights(ref), 1e-6)
+    assert json.loads((out / "train_summary.json").read_text())["trained_tokens_this_run"] == \
+        sum(x["tokens"] for x in full[saved:]), r.stdout
+
+
+def test_overlong_examples_are_dropped_and_reported(ckpt, ref):
+    tok = ChatTokenizer.from_dir(ckpt)
+    records = [json.loads(line) for line in (ckpt / "data.jsonl").read_text().splitlines()]
+    expected = sum(len(tok.encode_sft(r["prompt"], r["response"])[0]) > MAX_LEN for r in records)
+    assert expected == 4
+    summary = json.loads((ref / "train_summary.json").read_text())
+    assert summary["dropped_overlong"] == expected and summary["examples"] == len(records) - expected
+    assert summary["steps"] == N_STEPS
+
+
+def test_output_loads_in_ours_and_transformers(ckpt, ckpt_tied, ref, ref_tied):
+    for out in (ref, ref_tied):
+        ours = load_model(out)
+        ids = torch.randint(0, ours.cfg.vocab_size, (2, 20))
+        pos = torch.arange(20).expand(2, 20)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        with torch.no_grad():
+            a, b = ours(ids, pos), hf(input_ids=ids, position_ids=pos).logits
+        assert_close_rel(a, b, 1e-5, f"logits of {out.name}")
+        assert ChatTokenizer.from_dir(out).vocab_size == ChatTokenizer.from_dir(ckpt).vocab_size
+
+
+@pytest.mark.parametrize("content,where", [("", "file is empty"), ("bad", "line 3")])
+def test_bad_data_fails_naming_file_and_line(ckpt, tmp_path, content, where):
+    data = tmp_path / "data.jsonl"
+    if content:
+        good = json.dumps({"prompt": "the cat", "response": "sat"})
+        content = f"{good}\n{good}\n{{\"prompt\": \"the cat\", \"response\n{good}\n"
+    data.write_text(content)
+    out = tmp_path / "out"
+    r = train(ckpt, out, data=str(data), ok=False)
+    assert r.returncode != 0
+    assert str(data) in r.stderr and where in r.stderr, r.stderr[-2000:]
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+@pytest.mark.parametrize("how", ["nan_weight", "huge_lr"])
+def test_nan_loss_stops_without_a_checkpoint(ckpt, tmp_path, how):
+    extra = []
+    if how == "nan_weight":
+        bad = tmp_path / "bad"
+        bad.mkdir()
+        for f in ckpt.iterdir():
+            (bad / f.name).write_bytes(f.read_bytes())
+        w = load_file(ckpt / "model.safetensors")
+        w["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+        save_file(w, bad / "model.safetensors", metadata={"format": "pt"})
+        src = bad
+    else:
+        src, extra = ckpt, ["--lr", "1e30"]
+    out = tmp_path / "out"
+    r = train(src, out, *extra, ok=False)
+    assert r.returncode != 0
+    assert "non-finite loss" in r.stderr, r.stderr[-2000:]
+    assert not out.exists()
+    if how == "nan_weight":
+        assert "at step 1" in r.stderr
+
+
+def test_sdft_runs_and_kl_starts_at_zero(ckpt, ref, tmp_path):
+    out = tmp_path / "sdft"
+    train(ckpt, out, "--sdft-beta", "0.5", "--sdft-ema", "0.5")
+    records = log(out)
+    assert all("kl" in x for x in records) and "kl" not in log(ref)[0]
+    assert abs(records[0]["kl"]) <= 1e-6, "teacher == student at step 1"
+    assert all(x["kl"] > 1e-6 for x in records[1:]), "the EMA teacher lags the student after step 1"
+    assert abs(records[0]["loss"] - log(ref)[0]["loss"]) <= 1e-6 * records[0]["loss"]  # loss logs the NLL
+    w, w0 = weights(out), weights(ref)
+    assert any(not torch.allclose(w[k], w0[k]) for k in w), "beta > 0 must change the result"
