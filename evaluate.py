@@ -78,7 +78,7 @@ def main(argv=None):
     from data.jsonl import write_json, write_jsonl
     from data.metrics import score
     from data.tasks import parse_tasks
-    from data.trace import filter_overlong, filter_report, load_task, tasks_in
+    from data.trace import load_filtered, tasks_in
     from model.checkpoint import load_config
     from model.sampling import generate, resolve_engine
     from model.tokenizer import ChatTokenizer
@@ -95,14 +95,7 @@ def main(argv=None):
     K = args.repeats
 
     # 1-2. test examples that fit the length limit, rendered with this checkpoint's chat template
-    examples, dropped = [], {}
-    for task in tasks:
-        exs = load_task(root, task, "test")
-        kept, dropped[task] = filter_overlong(exs, tok.sft_length, args.max_len)
-        print(filter_report(task, "test", len(exs), dropped[task], args.max_len))
-        if not kept:
-            raise SystemExit(f"evaluate.py: {root / task}/test.json: no example fits --max-len {args.max_len}")
-        examples += kept[:args.limit] if args.limit is not None else kept
+    examples, dropped = load_filtered(root, tasks, "test", tok.sft_length, args.max_len, limit=args.limit)
     # the K copies of a prompt sit next to each other: jobs[i] = (example, repeat)
     jobs = [(ex, k) for ex in examples for k in range(K)]
     prompts = [tok.prompt_ids(ex.prompt) for ex in examples]

@@ -33,17 +33,8 @@ BATCH_SIZE = 32        # native engine batch size
 # -----------------------------------------------------------------------------------------------------------------
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show "(default: X)" only for real defaults; None/False defaults are explained in the help text."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.help is None:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ckpt", required=True, help="checkpoint directory (HF layout, with tokenizer + chat template)")
     p.add_argument("--data", default=None,
                    help="TRACE root <root>/<Task>/train.json (default: the embedded benchmark, generated into a cache)")
@@ -69,7 +60,7 @@ def main(argv=None):
     from data.embedded import ensure_embedded
     from data.jsonl import write_jsonl
     from data.tasks import parse_tasks
-    from data.trace import filter_overlong, filter_report, load_task, tasks_in
+    from data.trace import load_filtered, tasks_in
     from model.checkpoint import load_config
     from model.sampling import generate, resolve_engine
     from model.tokenizer import ChatTokenizer
@@ -85,15 +76,9 @@ def main(argv=None):
     engine = resolve_engine(args.engine)
 
     # 1-2. the training prompts each task trained on, rendered with this checkpoint's chat template
-    examples, prompts = [], []
-    for task in tasks:
-        exs = load_task(root, task, "train", max_train=args.max_train, seed=args.data_seed)
-        kept, dropped = filter_overlong(exs, tok.sft_length, args.max_len)
-        print(filter_report(task, "train", len(exs), dropped, args.max_len))
-        if args.limit is not None:
-            kept = kept[:args.limit]
-        examples += kept
-        prompts += [tok.prompt_ids(ex.prompt) for ex in kept]
+    examples, _ = load_filtered(root, tasks, "train", tok.sft_length, args.max_len, limit=args.limit,
+                                max_train=args.max_train, seed=args.data_seed)
+    prompts = [tok.prompt_ids(ex.prompt) for ex in examples]
     print(f"rollout: {len(prompts)} prompts from {len(tasks)} tasks, engine={engine}, T={args.temperature}, "
           f"max_new_tokens={args.max_new_tokens}, seed={args.seed}")
 

@@ -36,17 +36,8 @@ SEED = 0           # tie-breaking / random selection
 ROLLOUT_FIELDS = ("task", "idx", "prompt", "response", "logprobs")
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show "(default: X)" only for real defaults; None/False defaults are explained in the help text."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.help is None:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rollouts", required=True, help="rollout JSONL written by rollout.py")
     p.add_argument("--data", default=None,
                    help="TRACE root with <Task>/train.json, for the gold answers of --scorer ru "

@@ -70,3 +70,20 @@ def filter_overlong(examples, length_fn, max_len: int = 2048):
 def filter_report(task: str, split: str, n_total: int, n_dropped: int, max_len: int = 2048) -> str:
     """One log line, e.g. 'FOMC/train: kept 4990/5000 (dropped 10 over 2048 tokens)'."""
     return f"{task}/{split}: kept {n_total - n_dropped}/{n_total} (dropped {n_dropped} over {max_len} tokens)"
+
+
+def load_filtered(root, tasks, split: str, length_fn, max_len: int, *, limit=None, max_train: int = MAX_TRAIN,
+                  seed: int = 0):
+    """The examples of `split` for each task that pass the over-long filter, at most `limit` per task (after the
+    filter), with one report line printed per task. Shared by rollout.py and evaluate.py so both see exactly
+    what training sees. Returns (examples, {task: n_dropped}); a task with no example left is an error."""
+    examples, dropped = [], {}
+    for task in tasks:
+        exs = load_task(root, task, split, max_train=max_train, seed=seed)
+        kept, dropped[task] = filter_overlong(exs, length_fn, max_len)
+        print(filter_report(task, split, len(exs), dropped[task], max_len))
+        if not kept:
+            raise ValueError(f"{Path(root) / task}/{split}.json: no example fits max length {max_len}")
+        examples += kept[:limit] if limit is not None else kept
+    return examples, dropped
+

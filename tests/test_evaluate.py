@@ -128,7 +128,7 @@ def test_overlong_test_examples_are_dropped_and_counted(ckpt, data_root, tmp_pat
         assert summary["n"][t] == len(want[t]) and summary["dropped_overlong"][t] == 4 - len(want[t])
 
     # a limit that drops a whole task is an error, not a silent empty score
-    with pytest.raises(SystemExit, match="no example fits --max-len 5"):
+    with pytest.raises(ValueError, match="FOMC.test.json: no example fits max length 5"):
         evaluate("--ckpt", ckpt, "--data", data_root, "--tasks", "FOMC", "--max-len", "5", "--out", tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
