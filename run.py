@@ -1,0 +1,330 @@
+"""run.py — the whole continual-learning pipeline, every method, a paper-style report.
+
+    python run.py                                         # embedded default: tiny base, 8 synthetic tasks, CPU
+    python run.py --base smollm2                          # SmolLM2-135M-Instruct, budgets sized for CPU
+    python run.py --model DIR --data TRACE_ROOT --gpus 8  # the paper's setting (bf16, flash-attn, liger, vLLM)
+
+For each method and seed, stage i = 1..N:
+    mixture_i = train split of task i  (+ the replay buffer built after stage i-1)
+    ckpt_i    = train.py(ckpt_{i-1}, mixture_i)                       [torchrun when --gpus > 1]
+    row i     = evaluate.py(ckpt_i) on the test split of tasks 1..i   -> accuracy matrix a(i, j)
+    buffer    = replay: rho * n_{i+1} gold examples of tasks 1..i, split evenly
+                opr-*:  rollout.py(ckpt_i) on the training prompts of tasks 1..i, then
+                        score.py keeps the top (opr-ru: task metric, opr-sc: mean log-prob), the lowest
+                        (opr-low) or a random subset (opr-random) of rho * n_{i+1}
+Baselines: sft (no replay), mtl (all tasks at once: the upper bound), sdft (SFT + beta * KL to an EMA teacher).
+
+Every step runs as a subprocess writing into a temporary directory that is renamed into runs/NAME/steps/ and
+recorded in manifest.json when it succeeds. Steps are keyed by a hash of everything they depend on, so identical
+work (e.g. stage 1 of every method) runs once, and re-running the same command continues where it stopped:
+killing it anywhere loses at most the steps in progress.
+"""
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from pathlib import Path
+
+from tqdm import tqdm
+
+from data.jsonl import read_records, write_json, write_jsonl
+from data.replay import allocate, buffer_size, select
+from data.tasks import get_task, parse_tasks
+from data.trace import load_task
+
+HERE = Path(__file__).resolve().parent
+METHODS = ("sft", "replay", "opr-ru", "opr-sc", "opr-low", "opr-random", "mtl", "sdft")
+
+# ---- presets: the paper's setting and two CPU-sized ones --------------------------------------------------------
+PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=1e-5, global_batch=128, max_len=2048,
+             micro_tokens=16384, max_new_tokens=512, temperature=0.1, max_train=5000, eval_limit=None,
+             sdft_beta=0.5, epochs=None,  # epochs None: the task table's [5,3,7,5,3,5,5,7]
+             n_train=128, n_test=32)      # sizes of the embedded benchmark when no --data is given
+PRESETS = {
+    # tiny Llama on the embedded benchmark: 8 stages x 4 methods in minutes on 2 CPU cores
+    "tiny": dict(PAPER, rho=0.2, lr=5e-4, global_batch=4, max_len=512, micro_tokens=4096, max_new_tokens=40, epochs="8",
+                 n_train=128, n_test=32),
+    # SmolLM2-135M-Instruct on the embedded benchmark, sized for CPU
+    "smollm2": dict(PAPER, rho=0.2, lr=5e-5, global_batch=16, max_len=512, micro_tokens=4096, max_new_tokens=40,
+                    n_train=48, n_test=16, epochs="2"),
+    "paper": PAPER,
+}
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", help=f"comma-separated, from {', '.join(METHODS)} (default: sft,replay,opr-ru,opr-sc)")
+    p.add_argument("--rho", help="replay ratio(s): b = rho * n_next; a comma list sweeps (e.g. 0.01,0.02,0.05,0.1)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds; results are averaged (default: 0)")
+    p.add_argument("--tasks", help="comma-separated task order (default: all tasks in TRACE order)")
+    p.add_argument("--base", choices=["tiny", "smollm2"], help="named base model (default: tiny)")
+    p.add_argument("--model", help="base checkpoint directory (HF layout); selects the paper preset")
+    p.add_argument("--data", help="TRACE root <root>/<Task>/{train,eval,test}.json (default: the embedded benchmark)")
+    p.add_argument("--gpus", type=int, default=0, help="GPUs per node for train.py (torchrun) and vLLM (default: 0, CPU)")
+    p.add_argument("--launcher", help="command prefix that starts train.py on several nodes, e.g. "
+                                      "'srun -N2 torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d "
+                                      "--rdzv-endpoint HOST:29400' (default: torchrun on this node when --gpus > 1)")
+    p.add_argument("--engine", default="auto", choices=["auto", "native", "vllm"], help="rollout/eval engine")
+    p.add_argument("--epochs", help="epochs per stage: one int, or a comma list per task (default: task table)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: per preset; paper 1e-5)")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: per preset; paper 128)")
+    p.add_argument("--max-new-tokens", type=int, help="generation budget (default: per preset; paper 512)")
+    p.add_argument("--n-train", type=int, help="embedded benchmark: training examples per task")
+    p.add_argument("--eval-limit", type=int, help="evaluate at most this many test prompts per task")
+    p.add_argument("--sdft-beta", type=float, help="SDFT KL weight (default 0.5)")
+    p.add_argument("--jobs", type=int, help="steps run in parallel (default: 2 on CPU, 1 with GPUs)")
+    p.add_argument("--out", help="run directory (default: runs/<preset>)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def stable_hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+class Pipeline:
+    """A DAG of subprocess steps, executed with `jobs` in parallel, each committed atomically to the manifest."""
+
+    def __init__(self, run_dir: Path, jobs: int, env: dict, quiet: bool):
+        self.run_dir, self.jobs, self.env, self.quiet = run_dir, jobs, env, quiet
+        self.steps = {}  # key -> dict(kind, name, deps, build)
+        self.manifest_path = run_dir / "manifest.json"
+        self.manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
+        self.lock = threading.Lock()
+
+    def add(self, kind: str, name: str, spec: dict, deps: list[str], build) -> str:
+        """Register a step; `build(tmp_dir, dep_dirs) -> argv` writes its inputs and returns the command that
+        fills tmp_dir (or None when build itself produced the output). Returns the step key (identical specs -> identical keys -> run once)."""
+        key = f"{name}-{stable_hash([kind, spec, deps])}"
+        self.steps.setdefault(key, dict(kind=kind, deps=deps, build=build))
+        return key
+
+    def dir(self, key: str) -> Path:
+        return self.run_dir / "steps" / key
+
+    def done(self, key: str) -> bool:
+        return key in self.manifest and self.dir(key).is_dir()
+
+    def run_step(self, key: str):
+        step, final = self.steps[key], self.dir(key)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial output is never reused
+        tmp.mkdir(parents=True)
+        t0 = time.time()
+        argv = step["build"](tmp, {d: self.dir(d) for d in step["deps"]})
+        with open(tmp / "log.txt", "w") as log:
+            rc = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=HERE) if argv else 0
+        if rc != 0:
+            tail = (tmp / "log.txt").read_text()[-3000:]
+            raise RuntimeError(f"step {key} failed (exit {rc}): {' '.join(map(str, argv))}\n--- log tail ---\n{tail}")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        with self.lock:
+            self.manifest[key] = {"kind": step["kind"], "seconds": round(time.time() - t0, 2)}
+            write_json(self.manifest_path, self.manifest)
+
+    def execute(self):
+        todo = [k for k in self.steps if not self.done(k)]
+        bar = tqdm(total=len(self.steps), initial=len(self.steps) - len(todo), desc="pipeline", unit="step",
+                   disable=self.quiet)
+        running = {}
+        with ThreadPoolExecutor(self.jobs) as pool:
+            while todo or running:
+                for key in [k for k in todo if all(self.done(d) for d in self.steps[k]["deps"])]:
+                    if len(running) >= self.jobs:
+                        break
+                    todo.remove(key)
+                    running[pool.submit(self.run_step, key)] = key
+                if not running:
+                    raise RuntimeError(f"pipeline stuck: {todo[:3]} wait on steps that cannot run")
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    key = running.pop(fut)
+                    fut.result()  # re-raises a failed step
+                    bar.set_postfix_str(key[:40])
+                    bar.update()
+        bar.close()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    preset = "paper" if args.model else (args.base or "tiny")
+    cfg = dict(PRESETS[preset])
+    for k in ("methods", "rho", "lr", "global_batch", "max_new_tokens", "n_train", "eval_limit", "sdft_beta",
+              "epochs"):
+        if getattr(args, k, None) is not None:
+            cfg[k] = getattr(args, k)
+    methods = [m.strip() for m in str(cfg["methods"]).split(",")]
+    for m in methods:
+        if m not in METHODS:
+            raise SystemExit(f"run.py: unknown method {m!r} (known: {', '.join(METHODS)})")
+    rhos = [float(r) for r in str(cfg["rho"]).split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    run_dir = Path(args.out or f"runs/{preset}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    # the base model and the data, built once before anything runs in parallel
+    from data.embedded import ensure_embedded
+    from model.base import ensure_base
+    base = Path(args.model).resolve() if args.model else ensure_base(preset)
+    data_root = Path(args.data).resolve() if args.data else ensure_embedded(
+        n_train=cfg["n_train"], n_test=cfg["n_test"])
+    tasks = parse_tasks(args.tasks)
+    epochs = epochs_per_task(cfg["epochs"], tasks)
+    train_sets = {t: load_task(data_root, t, "train", max_train=cfg["max_train"]) for t in tasks}
+
+    gpus = args.gpus
+    jobs = args.jobs or (1 if gpus else 2)
+    env = dict(os.environ)
+    if not gpus:  # tiny CPU ops are far faster single-threaded; parallel steps share the cores
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // jobs))
+    pipe = Pipeline(run_dir, jobs, env, args.quiet)
+    engine = ["--engine", args.engine, "--tp", str(max(gpus, 1))]
+    py = [sys.executable]
+    trainer = args.launcher.split() if args.launcher else py if gpus <= 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+    gen = ["--temperature", str(cfg["temperature"]), "--max-new-tokens", str(cfg["max_new_tokens"]), "--quiet"]
+    common_data = ["--data", str(data_root), "--max-len", str(cfg["max_len"])]
+    # what generation depends on (keys eval/rollout steps): not the method list or rho, so adding a method or a rho
+    # to a run re-uses the evaluations and rollouts of the checkpoints it shares
+    gen_spec = dict(engine=engine, data=str(data_root), **{k: cfg[k] for k in (
+        "temperature", "max_new_tokens", "max_len", "max_train", "eval_limit")})
+
+    def train_step(prev, stage, task_list, buffer_key, seed, extra=(), n_epochs=None):
+        name = f"s{stage}-train-{task_list[-1] if len(task_list) == 1 else 'all'}"
+        spec = dict(tasks=task_list, seed=seed, lr=cfg["lr"], gb=cfg["global_batch"], extra=list(extra),
+                    ep=n_epochs or epochs[task_list[-1]], max_len=cfg["max_len"], mt=cfg["micro_tokens"],
+                    max_train=cfg["max_train"], data=str(data_root), base=None if prev else str(base))
+
+        def build(tmp, dirs):
+            records = [{"prompt": e.prompt, "response": e.answer, "task": e.task, "idx": e.idx}
+                       for t in task_list for e in train_sets[t]]
+            if buffer_key:
+                records += read_records(dirs[buffer_key] / "buffer.jsonl", required=("prompt", "response"))
+            write_jsonl(tmp / "mixture.jsonl", records)
+            model = dirs[prev] / "ckpt" if prev else base
+            return trainer + [str(HERE / "train.py"), "--model", str(model), "--data", str(tmp / "mixture.jsonl"),
+                              "--out", str(tmp / "ckpt"), "--epochs", str(spec["ep"]), "--lr", str(cfg["lr"]),
+                              "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
+                              "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", "0",
+                              "--quiet", *extra]
+        return pipe.add("train", name, spec, [d for d in (prev, buffer_key) if d], build)
+
+    def eval_step(train_key, stage, task_list, seed):
+        def build(tmp, dirs):
+            limit = ["--limit", str(cfg["eval_limit"])] if cfg["eval_limit"] else []
+            return py + [str(HERE / "evaluate.py"), "--ckpt", str(dirs[train_key] / "ckpt"), *common_data,
+                         "--tasks", ",".join(task_list), "--out", str(tmp / "eval"), "--seed", str(seed),
+                         *gen, *engine, *limit]
+        return pipe.add("eval", f"s{stage}-eval", dict(tasks=task_list, seed=seed, gen=gen_spec),
+                        [train_key], build)
+
+    def opr_buffer(train_key, stage, prior, scorer, mode, seed, n_next, rho):
+        def build_rollout(tmp, dirs):
+            return py + [str(HERE / "rollout.py"), "--ckpt", str(dirs[train_key] / "ckpt"), *common_data,
+                         "--tasks", ",".join(prior), "--out", str(tmp / "rollouts.jsonl"), "--seed", str(seed),
+                         "--max-train", str(cfg["max_train"]), *gen, *engine]
+        r_key = pipe.add("rollout", f"s{stage}-rollout", dict(prior=prior, seed=seed, gen=gen_spec), [train_key],
+                         build_rollout)
+
+        def build_score(tmp, dirs):
+            return py + [str(HERE / "score.py"), "--rollouts", str(dirs[r_key] / "rollouts.jsonl"), "--data",
+                         str(data_root), "--scorer", scorer, "--select", mode, "--rho", str(rho), "--n", str(n_next),
+                         "--tasks", ",".join(prior), "--seed", str(seed), "--out", str(tmp / "buffer.jsonl")]
+        return pipe.add("score", f"s{stage}-{scorer}-{mode}", dict(scorer=scorer, mode=mode, rho=rho, n=n_next,
+                                                                  seed=seed), [r_key], build_score)
+
+    def gold_buffer(stage, prior, seed, n_next, rho):
+        def build(tmp, dirs):
+            counts = allocate(buffer_size(rho, n_next), {t: len(train_sets[t]) for t in prior})
+            picked = [{"prompt": e.prompt, "response": e.answer, "task": t, "idx": e.idx, "source": "gold"}
+                      for t in prior for e in select(train_sets[t], [0.0] * len(train_sets[t]), counts[t],
+                                                     "random", f"{seed}:{stage}:{t}")]
+            write_jsonl(tmp / "buffer.jsonl", picked)
+            return None
+        spec = dict(prior=prior, seed=seed, n=n_next, rho=rho, data=str(data_root), max_train=cfg["max_train"])
+        return pipe.add("replay", f"s{stage}-gold", spec, [], build)  # no deps: the data must be in its key
+
+    # plan every (rho, method, seed) chain
+    runs = {}  # label -> seed -> list of (train_key, eval_key)
+    for rho in rhos:
+        for method in methods:
+            label = method if len(rhos) == 1 or method in ("sft", "mtl", "sdft") else f"{method}@{rho:g}"
+            if label in runs:
+                continue
+            runs[label] = {}
+            for seed in seeds:
+                chain = []
+                if method == "mtl":  # one run on every task at once, for the mean of the tasks' epochs
+                    n_ep = round(sum(epochs.values()) / len(epochs))
+                    t_key = train_step(None, len(tasks), tasks, None, seed, n_epochs=n_ep)
+                    chain.append((t_key, eval_step(t_key, len(tasks), tasks, seed)))
+                    runs[label][seed] = chain
+                    continue
+                extra = ["--sdft-beta", str(cfg["sdft_beta"])] if method == "sdft" else []
+                prev, buffer_key = None, None
+                for i, task in enumerate(tasks):
+                    t_key = train_step(prev, i + 1, [task], buffer_key, seed, extra)
+                    chain.append((t_key, eval_step(t_key, i + 1, tasks[:i + 1], seed)))
+                    prev, buffer_key = t_key, None
+                    if i + 1 < len(tasks):
+                        n_next, prior = len(train_sets[tasks[i + 1]]), tasks[:i + 1]
+                        if method == "replay":
+                            buffer_key = gold_buffer(i + 1, prior, seed, n_next, rho)
+                        elif method.startswith("opr-"):
+                            scorer, mode = {"opr-ru": ("ru", "top"), "opr-sc": ("sc", "top"),
+                                            "opr-low": ("ru", "low"), "opr-random": ("ru", "random")}[method]
+                            buffer_key = opr_buffer(t_key, i + 1, prior, scorer, mode, seed, n_next, rho)
+                runs[label][seed] = chain
+
+    print(f"run.py: preset {preset}, base {base}, data {data_root}, tasks {','.join(tasks)}, methods "
+          f"{','.join(runs)}, seeds {seeds}; {len(pipe.steps)} steps ({sum(pipe.done(k) for k in pipe.steps)} "
+          f"already done) in {run_dir}", flush=True)
+    t0 = time.time()
+    pipe.execute()
+
+    results = collect(pipe, runs, tasks, dict(preset=preset, base=str(base), data=str(data_root), cfg=cfg))
+    write_json(run_dir / "results.json", results)
+    from data.report import format_table, write_report
+    write_report(results, run_dir)
+    print(format_table(results))
+    print(f"run.py: done in {time.time() - t0:.0f}s; report: {run_dir / 'report.md'}")
+
+
+def epochs_per_task(spec, tasks) -> dict:
+    if spec is None:
+        return {t: get_task(t).epochs for t in tasks}
+    values = [int(e) for e in str(spec).split(",")]
+    if len(values) == 1:
+        return {t: values[0] for t in tasks}
+    if len(values) != len(tasks):
+        raise SystemExit(f"run.py: --epochs has {len(values)} values for {len(tasks)} tasks")
+    return dict(zip(tasks, values))
+
+
+def collect(pipe: Pipeline, runs: dict, tasks: list, meta: dict) -> dict:
+    """results.json: per method and seed, the accuracy matrix (row i: tasks 1..i after stage i) and the
+    per-step training loss of every stage."""
+    methods = {}
+    for label, by_seed in runs.items():
+        methods[label] = {"seeds": {}}
+        for seed, chain in by_seed.items():
+            matrix, losses = [], []
+            for t_key, e_key in chain:
+                scores = json.loads((pipe.dir(e_key) / "eval" / "scores.json").read_text())["scores"]
+                matrix.append([scores[t] for t in tasks if t in scores])
+                log = pipe.dir(t_key) / "ckpt" / "train_log.jsonl"
+                losses.append([json.loads(line)["loss"] for line in log.read_text().splitlines()])
+            methods[label]["seeds"][str(seed)] = {"matrix": matrix, "loss_curves": losses}
+    return {"tasks": tasks, "methods": methods, "meta": meta}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""End-to-end test of run.py: the whole continual-learning pipeline (train / evaluate / rollout / score steps) on a
+tiny untrained Llama, 3 tasks x 8 training examples, for sft, replay, opr-ru and opr-sc.
+
+One uninterrupted run (module fixture) is checked artefact by artefact: the accuracy matrices and loss curves, the
+replay buffers (sizes per task from data.replay.allocate; gold answers for replay, the checkpoint's own rollouts
+ranked by the method's score for OPR), each stage's training mixture (task data + the previous stage's buffer), the
+content-keyed dedupe (stage 1 trained once for all four methods; a subset of methods re-run on a copy runs nothing),
+ACC/BWT in report.md against data.metrics.acc_bwt, and the PNG figures. A second run of the same command is
+SIGKILLed mid-pipeline (driver and every child), resumed, and must reproduce the first run exactly (results and
+every step's output) while keeping the steps finished before the kill. The pipeline runs twice in total (about a
+minute each on 2 CPU cores). lr 1e-4 keeps the model babbling (non-empty rollouts to rank) rather than collapsing to
+empty answers.
+"""
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from data.metrics import acc_bwt
+from data.metrics import score as metric
+from data.replay import allocate, buffer_size
+from data.report import FIGURES, format_table, summarize
+from data.trace import load_task
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS = ["C-STANCE", "Py150", "NumGLUE-cm"]  # Py150 (code_fuzz) gives graded, non-zero scores
+METHODS = ["sft", "replay", "opr-ru", "opr-sc"]
+N_TRAIN, RHO, GLOBAL_BATCH = 8, 0.5, 4
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# steps of the plan: train 1+4+4 (stage 1 shared), eval 1+4+4, gold buffers 2 (replay), rollouts 1+2 (stage 1
+# shared by opr-ru and opr-sc), score 2+2
+N_STEPS = {"train": 9, "eval": 9, "replay": 2, "rollout": 3, "score": 4}
+
+
+def command(base: Path, out: Path, methods=",".join(METHODS)) -> list[str]:
+    return [sys.executable, str(REPO / "run.py"), "--model", str(base), "--tasks", ",".join(TASKS),
+            "--methods", methods, "--n-train", str(N_TRAIN), "--eval-limit", "4", "--epochs", "1",
+            "--global-batch", str(GLOBAL_BATCH), "--lr", "1e-4", "--max-new-tokens", "6", "--rho", str(RHO),
+            "--jobs", "2", "--quiet", "--out", str(out)]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def portable(path: Path) -> list[dict]:
+    """Records of a buffer / mixture file without the OPR "source" field (the path of its run's rollout file)."""
+    return [{k: v for k, v in r.items() if k != "source" or v == "gold"} for r in read_jsonl(path)]
+
+
+def step_dirs(run: Path, pattern: str) -> list[Path]:
+    return sorted(p for p in (run / "steps").glob(pattern) if p.is_dir() and not p.name.endswith(".tmp"))
+
+
+def example_key(r: dict) -> tuple:
+    return (r["task"], r["idx"], r["prompt"], r["response"])
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    from model.base import write_random_tiny
+    root = tmp_path_factory.mktemp("e2e")
+    write_random_tiny(root / "base")
+    e = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(root / "cache"))
+    return dict(root=root, base=root / "base", env=e)
+
+
+@pytest.fixture(scope="module")
+def run_a(env):
+    """The uninterrupted run, shared by the artefact checks and the kill/resume comparison."""
+    out = env["root"] / "run_a"
+    p = subprocess.run(command(env["base"], out), cwd=REPO, env=env["env"], capture_output=True, text=True)
+    assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def train_sets(env, run_a):
+    data_root = Path(json.loads((run_a / "results.json").read_text())["meta"]["data"])
+    assert data_root.is_relative_to(env["root"] / "cache"), "the embedded benchmark must be generated in $OPR_CACHE"
+    return {t: load_task(data_root, t, "train") for t in TASKS}
+
+
+def test_unknown_method_fails_before_running_anything(env):
+    out = env["root"] / "bad"
+    p = subprocess.run(command(env["base"], out, methods="sft,opr-bogus"), cwd=REPO, env=env["env"],
+                       capture_output=True, text=True)
+    assert p.returncode != 0
+    assert "unknown method 'opr-bogus'" in p.stderr and "opr-ru" in p.stderr  # names the culprit and the choices
+    assert not out.exists()  # nothing planned, nothing run
+
+
+def test_results_matrices_and_loss_curves(run_a):
+    results = json.loads((run_a / "results.json").read_text())
+    assert results["tasks"] == TASKS
+    assert list(results["methods"]) == METHODS
+    for m in METHODS:
+        assert list(results["methods"][m]["seeds"]) == ["0"]
+        run = results["methods"][m]["seeds"]["0"]
+        assert [len(row) for row in run["matrix"]] == [1, 2, 3], m
+        assert all(0 <= v <= 100 for row in run["matrix"] for v in row), m
+        # one loss per optimizer step: ceil(examples / global batch); stages 2-3 of the replay methods train on
+        # 8 task examples + a buffer of 4
+        n_examples = [N_TRAIN] + [N_TRAIN + (0 if m == "sft" else buffer_size(RHO, N_TRAIN))] * 2
+        assert [len(c) for c in run["loss_curves"]] == [-(-n // GLOBAL_BATCH) for n in n_examples], m
+    # stage 1 is the same step for every method: the same matrix row and the same loss curve
+    first = [(r["seeds"]["0"]["matrix"][0], r["seeds"]["0"]["loss_curves"][0]) for r in results["methods"].values()]
+    assert all(f == first[0] for f in first)
+
+
+def test_manifest_and_stage1_trained_once(run_a):
+    manifest = json.loads((run_a / "manifest.json").read_text())
+    assert Counter(v["kind"] for v in manifest.values()) == Counter(N_STEPS)
+    assert sorted(manifest) == sorted(p.name for p in (run_a / "steps").iterdir())  # every step committed, no .tmp
+    assert len(step_dirs(run_a, "s1-train-*")) == 1  # content-keyed: stage 1 of all four methods ran once
+    assert len(step_dirs(run_a, "s1-eval-*")) == 1
+    assert len(step_dirs(run_a, "s1-rollout-*")) == 1  # opr-ru and opr-sc roll out the same stage-1 checkpoint
+    assert len(step_dirs(run_a, "s2-train-*")) == len(step_dirs(run_a, "s3-train-*")) == 4
+
+
+def test_replay_buffers_sizes_and_contents(run_a, train_sets):
+    gold = {(e.task, e.idx): e for t in TASKS for e in train_sets[t]}
+    n_model_text = 0
+    for stage in (1, 2):  # buffers built after stages 1 and 2, for stages 2 and 3
+        prior = TASKS[:stage]
+        want = allocate(buffer_size(RHO, N_TRAIN), {t: N_TRAIN for t in prior})
+        assert sum(want.values()) == 4 and all(want.values())
+
+        buffers = {name: step_dirs(run_a, f"s{stage}-{name}-*") for name in ("gold", "ru-top", "sc-top")}
+        assert all(len(b) == 1 for b in buffers.values()), buffers
+        for name, (d,) in buffers.items():
+            buf = read_jsonl(d / "buffer.jsonl")
+            assert Counter(r["task"] for r in buf) == Counter(want), (name, stage)
+            assert len({(r["task"], r["idx"]) for r in buf}) == len(buf), "an example picked twice"
+            for r in buf:
+                assert r["prompt"] == gold[(r["task"], r["idx"])].prompt
+            if name == "gold":  # vanilla replay: the dataset's own answers
+                assert all(r["response"] == gold[(r["task"], r["idx"])].answer and r["source"] == "gold" for r in buf)
+                continue
+            # on-policy replay: the stage's checkpoint's own sampled responses to every prior training prompt, the
+            # best b_task of each task by the method's score (ru: task metric vs gold, 0 if empty; sc: mean log-prob
+            # of the sampled tokens, -inf if empty, written as null)
+            rollouts = {(r["task"], r["idx"]): r for r in read_jsonl(Path(buf[0]["source"]))}
+            assert Path(buf[0]["source"]).parent.name.startswith(f"s{stage}-rollout-")
+            assert sorted(rollouts) == sorted((t, i) for t in prior for i in range(N_TRAIN))
+
+            def expected(r):
+                g = gold[(r["task"], r["idx"])]
+                if name == "ru-top":
+                    return 0.0 if not r["response"].strip() else metric(r["task"], r["response"], g.answer, g.prompt)
+                return sum(r["logprobs"]) / len(r["logprobs"]) if r["response"].strip() else -math.inf
+
+            for t in prior:
+                picked = {r["idx"]: r for r in buf if r["task"] == t}
+                for i, r in picked.items():
+                    assert r["response"] == rollouts[(t, i)]["response"] and r["scorer"] == name[:2]
+                    s = -math.inf if r["score"] is None else r["score"]
+                    assert s == pytest.approx(expected(rollouts[(t, i)])), (name, t, i)
+                worst_picked = min(expected(rollouts[(t, i)]) for i in picked)
+                best_left = max(expected(rollouts[(t, i)]) for i in range(N_TRAIN) if i not in picked)
+                assert worst_picked >= best_left, (name, stage, t)
+            n_model_text += sum(1 for r in buf if r["response"].strip())
+    # the tiny model at lr 1e-4 still babbles, so the OPR buffers hold real (wrong) generations, not only empty ones
+    assert n_model_text > 0
+
+
+def test_each_stage_trains_on_task_data_plus_previous_buffer(run_a, train_sets):
+    for stage in (1, 2, 3):
+        task = TASKS[stage - 1]
+        task_part = [(task, e.idx, e.prompt, e.answer) for e in train_sets[task]]
+        tails = []
+        for d in step_dirs(run_a, f"s{stage}-train-{task}-*"):
+            mixture = [example_key(r) for r in read_jsonl(d / "mixture.jsonl")]
+            assert mixture[:N_TRAIN] == task_part, d.name
+            tails.append(tuple(sorted(mixture[N_TRAIN:])))
+        # sft trains on the task alone; replay / opr-ru / opr-sc each add the buffer built after the previous stage
+        buffers = [tuple(sorted(example_key(r) for r in read_jsonl(d / "buffer.jsonl")))
+                   for name in ("gold", "ru-top", "sc-top") for d in step_dirs(run_a, f"s{stage - 1}-{name}-*")]
+        assert Counter(tails) == Counter([()] + buffers if stage > 1 else [()]), stage
+        assert all(len(b) == buffer_size(RHO, N_TRAIN) for b in buffers)
+
+
+def test_report_acc_bwt_and_figures(run_a):
+    results = json.loads((run_a / "results.json").read_text())
+    summary = summarize(results)
+    report = (run_a / "report.md").read_text()
+    assert format_table(results, summary) in report
+    for m in METHODS:
+        acc, bwt = acc_bwt(results["methods"][m]["seeds"]["0"]["matrix"])
+        assert summary[m]["acc"]["mean"] == pytest.approx(acc) and summary[m]["bwt"]["mean"] == pytest.approx(bwt)
+        row = next(line for line in report.splitlines() if line.startswith(f"| {m} "))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[:4] == [m, "1", f"{acc:.2f}", f"{bwt:.2f}"], row
+        final = results["methods"][m]["seeds"]["0"]["matrix"][-1]
+        assert cells[4:] == [f"{v:.2f}" for v in final], row
+    for name in FIGURES:  # all five apply: a replay method, loss curves, three stages
+        assert (run_a / name).read_bytes()[:8] == PNG_MAGIC, name
+        assert f"]({name})" in report
+
+
+def test_a_subset_of_methods_reuses_every_step(env, run_a):
+    """Steps are keyed by content, not by the command line: re-running with fewer methods (on a copy of the run) finds
+    all 16 of their steps done (replay: 3 train, 3 eval, 2 gold; opr-sc: 2 more train and eval, 2 rollouts, 2 score)
+    and only re-collects the results."""
+    out = env["root"] / "run_subset"
+    shutil.copytree(run_a, out)
+    p = subprocess.run(command(env["base"], out, methods="replay,opr-sc"), cwd=REPO, env=env["env"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    assert re.search(r"; 16 steps \(16 already done\)", p.stdout), p.stdout[:2000]
+    assert (out / "manifest.json").read_text() == (run_a / "manifest.json").read_text()  # nothing ran
+    a = json.loads((run_a / "results.json").read_text())["methods"]
+    b = json.loads((out / "results.json").read_text())["methods"]
+    assert b == {m: a[m] for m in ("replay", "opr-sc")}
+
+
+def test_kill_and_resume_reproduces_the_uninterrupted_run(env, run_a):
+    out = env["root"] / "run_b"
+    cmd = command(env["base"], out)
+    driver = subprocess.Popen(cmd, cwd=REPO, env=env["env"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              start_new_session=True)  # its own process group: the kill reaches every child
+    manifest_path = out / "manifest.json"
+    try:
+        while True:  # wait until a train step is committed and another step is in progress
+            assert driver.poll() is None, f"run.py ended before it could be killed:\n{driver.stderr.read()[-3000:]}"
+            manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+            in_progress = list((out / "steps").glob("*.tmp")) if manifest else []
+            if any(v["kind"] == "train" for v in manifest.values()) and in_progress:
+                break
+            time.sleep(0.05)
+    finally:
+        try:
+            os.killpg(driver.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it already ended (the assert above says why)
+            pass
+        driver.wait()
+        driver.stderr.close()
+
+    killed = json.loads(manifest_path.read_text())  # written atomically: never half a file
+    assert 0 < len(killed) < sum(N_STEPS.values()) and not (out / "results.json").exists()
+    assert all((out / "steps" / k).is_dir() for k in killed)  # a recorded step is always complete
+    assert list((out / "steps").glob("*.tmp")), "the kill should have interrupted a step in progress"
+    stamps = {k: (out / "steps" / k).stat().st_ino for k in killed}
+
+    p = subprocess.run(cmd, cwd=REPO, env=env["env"], capture_output=True, text=True)
+    assert p.returncode == 0, f"resumed run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    assert f"({len(killed)} already done)" in p.stdout
+
+    manifest = json.loads(manifest_path.read_text())
+    assert sorted(manifest) == sorted(json.loads((run_a / "manifest.json").read_text()))  # same content keys
+    assert sorted(manifest) == sorted(p.name for p in (out / "steps").iterdir())  # complete, no *.tmp left
+    assert {k: manifest[k] for k in killed} == killed  # steps done before the kill were kept, not redone
+    assert {k: (out / "steps" / k).stat().st_ino for k in killed} == stamps
+
+    a = json.loads((run_a / "results.json").read_text())
+    b = json.loads((out / "results.json").read_text())
+    assert b["methods"] == a["methods"]  # matrices and loss curves, exactly
+    # and every step's output, bit for bit although the steps ran in another interleaving: trained weights, sampled
+    # tokens with their log-probs, predictions, buffers and mixtures ("source" names the run's own rollout file)
+    for key in manifest:
+        da, db = run_a / "steps" / key, out / "steps" / key
+        for rel in ("ckpt/model.safetensors", "eval/predictions.jsonl", "rollouts.jsonl"):
+            if (da / rel).exists():
+                assert (db / rel).read_bytes() == (da / rel).read_bytes(), f"{key}/{rel} differs"
+        for rel in ("buffer.jsonl", "mixture.jsonl"):
+            if (da / rel).exists():
+                assert portable(db / rel) == portable(da / rel), f"{key}/{rel} differs"
+    for name in ["report.md", *FIGURES]:
+        assert (out / name).is_file()
