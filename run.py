@@ -12,7 +12,8 @@ For each method and seed, stage i = 1..N:
                 opr-*:  rollout.py(ckpt_i) on the training prompts of tasks 1..i, then
                         score.py keeps the top (opr-ru: task metric, opr-sc: mean log-prob), the lowest
                         (opr-low) or a random subset (opr-random) of rho * n_{i+1}
-Baselines: sft (no replay), mtl (all tasks at once: the upper bound), sdft (SFT + beta * KL to an EMA teacher).
+Baselines: sft (no replay), mtl (stage i trains the base on tasks 1..i jointly: the upper bound), sdft (SFT +
+beta * KL to an EMA teacher).
 
 Every step runs as a subprocess writing into a temporary directory that is renamed into runs/NAME/steps/ and
 recorded in manifest.json when it succeeds. Steps are keyed by a hash of everything they depend on, so identical
@@ -198,7 +199,7 @@ def main(argv=None):
         "temperature", "max_new_tokens", "max_len", "max_train", "eval_limit")})
 
     def train_step(prev, stage, task_list, buffer_key, seed, extra=(), n_epochs=None):
-        name = f"s{stage}-train-{task_list[-1] if len(task_list) == 1 else 'all'}"
+        name = f"s{stage}-train-{task_list[-1] if len(task_list) == 1 else 'joint'}"
         spec = dict(tasks=task_list, seed=seed, lr=cfg["lr"], gb=cfg["global_batch"], extra=list(extra),
                     ep=n_epochs or epochs[task_list[-1]], max_len=cfg["max_len"], mt=cfg["micro_tokens"],
                     max_train=cfg["max_train"], data=str(data_root), base=None if prev else str(base))
@@ -262,10 +263,12 @@ def main(argv=None):
             runs[label] = {}
             for seed in seeds:
                 chain = []
-                if method == "mtl":  # one run on every task at once, for the mean of the tasks' epochs
-                    n_ep = round(sum(epochs.values()) / len(epochs))
-                    t_key = train_step(None, len(tasks), tasks, None, seed, n_epochs=n_ep)
-                    chain.append((t_key, eval_step(t_key, len(tasks), tasks, seed)))
+                if method == "mtl":  # row i: the base trained jointly on tasks 1..i (the upper bound so far)
+                    for i in range(len(tasks)):
+                        seen = tasks[:i + 1]
+                        n_ep = round(sum(epochs[t] for t in seen) / len(seen))
+                        t_key = train_step(None, i + 1, seen, None, seed, n_epochs=n_ep)
+                        chain.append((t_key, eval_step(t_key, i + 1, seen, seed)))
                     runs[label][seed] = chain
                     continue
                 extra = ["--sdft-beta", str(cfg["sdft_beta"])] if method == "sdft" else []
