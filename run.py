@@ -37,7 +37,8 @@ from tqdm import tqdm
 from data.jsonl import read_records, write_json, write_jsonl
 from data.replay import allocate, buffer_size, select
 from data.tasks import get_task, parse_tasks
-from data.trace import load_task
+from data.trace import filter_overlong, load_task
+from model.tokenizer import ChatTokenizer
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("sft", "replay", "opr-ru", "opr-sc", "opr-low", "opr-random", "mtl", "sdft")
@@ -80,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--n-train", type=int, help="embedded benchmark: training examples per task")
     p.add_argument("--eval-limit", type=int, help="evaluate at most this many test prompts per task")
     p.add_argument("--sdft-beta", type=float, help="SDFT KL weight (default 0.5)")
-    p.add_argument("--jobs", type=int, help="steps run in parallel (default: 2 on CPU, 1 with GPUs)")
+    p.add_argument("--jobs", type=int, help="steps run in parallel on CPU (default: 2; always 1 with GPUs)")
     p.add_argument("--out", help="run directory (default: runs/<preset>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -179,10 +180,14 @@ def main(argv=None):
         n_train=cfg["n_train"], n_test=cfg["n_test"])
     tasks = parse_tasks(args.tasks)
     epochs = epochs_per_task(cfg["epochs"], tasks)
-    train_sets = {t: load_task(data_root, t, "train", max_train=cfg["max_train"]) for t in tasks}
+    # the training examples that fit max_len, as train.py and rollout.py see them: gold replay draws from
+    # these too, and n_next counts them
+    tok = ChatTokenizer.from_dir(base)
+    train_sets = {t: filter_overlong(load_task(data_root, t, "train", max_train=cfg["max_train"]), tok.sft_length,
+                                     cfg["max_len"])[0] for t in tasks}
 
     gpus = args.gpus
-    jobs = args.jobs or (1 if gpus else 2)
+    jobs = 1 if gpus else (args.jobs or 2)  # steps on GPUs would contend for the same devices
     env = dict(os.environ)
     if not gpus:  # tiny CPU ops are far faster single-threaded; parallel steps share the cores
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // jobs))

@@ -17,6 +17,7 @@ The algorithm, top to bottom:
   5. periodic resumable training state; final weights as a Hugging Face checkpoint directory (--out)
 """
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -146,7 +147,7 @@ def measured_peak_flops(device) -> float:
     return 8 * 2 * 1024**3 / (time.perf_counter() - t)
 
 
-def save_state(model, opt, sched, step, workdir: Path, rank: int):
+def save_state(model, opt, sched, step, workdir: Path, rank: int, plan_id: str):
     """Resumable training state (sharded model + optimizer via torch.distributed.checkpoint, schedule, position),
     written to a temporary directory and renamed, so a crash never leaves a half-written state."""
     import torch.distributed.checkpoint as dcp
@@ -159,22 +160,25 @@ def save_state(model, opt, sched, step, workdir: Path, rank: int):
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
     if rank == 0:
-        torch.save({"step": step, "sched": sched.state_dict()}, tmp / "progress.pt")
+        torch.save({"step": step, "sched": sched.state_dict(), "plan": plan_id}, tmp / "progress.pt")
         replace_dir(tmp, final)
     dist.barrier()
 
 
-def load_state(model, opt, sched, workdir: Path) -> int:
+def load_state(model, opt, sched, workdir: Path, plan_id: str) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     state = workdir / "state"
     if not (state / "progress.pt").exists():
         return 0
+    progress = torch.load(state / "progress.pt", weights_only=False)
+    if progress.get("plan") != plan_id:
+        raise SystemExit(f"train.py: {state} was saved for a different run (data, epochs, batch, seed, lr or "
+                         f"max length differ); refusing to --resume from it")
     msd, osd = get_state_dict(model, opt)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(state))
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-    progress = torch.load(state / "progress.pt", weights_only=False)
     sched.load_state_dict(progress["sched"])
     return progress["step"]
 
@@ -204,8 +208,11 @@ def main(argv=None):
         raise SystemExit(f"train.py: no example of {args.data} fits --max-len {args.max_len}")
     lengths = [len(e.ids) for e in examples]
     steps = plan_steps(len(examples), args.global_batch, args.epochs, args.seed)
+    total_steps = len(steps)  # the schedule always spans the whole plan, also when --max-steps stops early
     if args.max_steps is not None:
         steps = steps[:args.max_steps]
+    plan_id = hashlib.sha256(json.dumps([args.data, lengths, args.epochs, args.global_batch, args.seed, args.lr,
+                                         args.max_len]).encode()).hexdigest()
 
     # 2. model (and the SDFT teacher, an EMA copy of the student)
     model = build_model(args.model, device, compute_dtype, args.activation_checkpointing)
@@ -216,13 +223,13 @@ def main(argv=None):
     # 3. optimizer and schedule
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay,
                             foreach=True)  # one kernel per op over all tensors: less per-step overhead
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, len(steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, total_steps))
     start = 0
     if rank == 0:
         workdir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     if args.resume:
-        start = load_state(model, opt, sched, workdir)
+        start = load_state(model, opt, sched, workdir, plan_id)
         if teacher is not None and start:
             raise SystemExit("train.py: --resume with SDFT is not supported (the EMA teacher is not checkpointed)")
     if rank == 0:  # keep the log consistent with the state we resume from
@@ -301,7 +308,7 @@ def main(argv=None):
             bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update()
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < len(steps):
-            save_state(model, opt, sched, step + 1, workdir, rank)
+            save_state(model, opt, sched, step + 1, workdir, rank, plan_id)
     bar.close()
 
     # 5. final weights: gather the full state dict to rank 0 and write a Hugging Face checkpoint directory

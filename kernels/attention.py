@@ -76,7 +76,8 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen):
         )
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"kernels/attention.py: cu_seqlens must be int32 (flash-attn layout), got {cu_seqlens.dtype}")
-    if _BACKEND == "flash" and (q.is_cuda or _FORCED):
+    # flash-attn has fp16/bf16 kernels only: fp32 CUDA tensors (train.py --dtype fp32) take the SDPA path
+    if _BACKEND == "flash" and (_FORCED or (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16))):
         return _flash(q, k, v, cu_seqlens, max_seqlen)
     return _sdpa(q, k, v, cu_seqlens, max_seqlen)
 

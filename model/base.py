@@ -98,15 +98,18 @@ def build_tiny(out: Path):
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=out.parent))
     print(f"building the tiny base model in {out} (first use only)", flush=True)
-    write_random_tiny(work / "random")
-    t = TINY_TUNE
-    mix = [{"prompt": r["prompt"], "response": r["answer"]} for r in general_mixture(t["n_examples"], t["seed"])]
-    write_jsonl(work / "mixture.jsonl", mix)
-    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), "--model", str(work / "random"),
-           "--data", str(work / "mixture.jsonl"), "--out", str(work / "tuned"), "--epochs", str(t["epochs"]),
-           "--lr", str(t["lr"]), "--global-batch", str(t["global_batch"]), "--max-len", "512",
-           "--micro-tokens", "4096", "--save-every", "0", "--seed", str(t["seed"])]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    subprocess.run(cmd, check=True, env=env)
-    replace_dir(work / "tuned", out)
-    shutil.rmtree(work, ignore_errors=True)
+    try:
+        write_random_tiny(work / "random")
+        t = TINY_TUNE
+        mix = [{"prompt": r["prompt"], "response": r["answer"]} for r in general_mixture(t["n_examples"], t["seed"])]
+        write_jsonl(work / "mixture.jsonl", mix)
+        cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), "--model", str(work / "random"),
+               "--data", str(work / "mixture.jsonl"), "--out", str(work / "tuned"), "--epochs", str(t["epochs"]),
+               "--lr", str(t["lr"]), "--global-batch", str(t["global_batch"]), "--max-len", "512",
+               "--micro-tokens", "4096", "--save-every", "0", "--seed", str(t["seed"])]
+        # a world of its own, even when called from rank 0 of a torchrun job
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        subprocess.run(cmd, check=True, env=env)
+        replace_dir(work / "tuned", out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

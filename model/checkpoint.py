@@ -74,16 +74,23 @@ def expected_state(model: Transformer) -> dict:
     return shapes
 
 
+def check_unexpected(model: Transformer, ckpt_dir):
+    """A checkpoint tensor the config does not account for (e.g. biases without attention_bias) is an error,
+    never silently dropped."""
+    unexpected = set(weight_files(ckpt_dir)) - set(expected_state(model)) - {"lm_head.weight"}
+    unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
+    if unexpected:
+        raise ValueError(f"{ckpt_dir}: unexpected weights for model_type {model.cfg.model_type!r}: "
+                         f"{sorted(unexpected)[:5]}")
+
+
 def load_model(ckpt_dir, device="cpu", dtype=torch.float32) -> Transformer:
     """Build the Transformer described by ckpt_dir/config.json and load its weights. Returns it in eval mode."""
     cfg = load_config(ckpt_dir)
     with torch.device("meta"):
         model = Transformer(cfg)
     shapes = expected_state(model)
-    unexpected = set(weight_files(ckpt_dir)) - set(shapes) - {"lm_head.weight"}
-    unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
-    if unexpected:
-        raise ValueError(f"{ckpt_dir}: unexpected weights for model_type {cfg.model_type!r}: {sorted(unexpected)[:5]}")
+    check_unexpected(model, ckpt_dir)
     state = read_weights(ckpt_dir, shapes, shapes, dtype, device)
     model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
     model.tie_weights()
@@ -96,6 +103,7 @@ def load_into(model: Transformer, ckpt_dir):
     from torch.distributed.tensor import DTensor
 
     shapes = expected_state(model)
+    check_unexpected(model, ckpt_dir)
     where = weight_files(ckpt_dir)
     missing = [n for n in shapes if n not in where]
     if missing:

@@ -2,7 +2,7 @@
 
 Parameter names are Hugging Face's, so an HF state dict loads with no key mapping. Three attention modes:
   packed   (training): B == 1, documents concatenated, `cu_seqlens` marks them, `position_ids` restart at 0
-  dense    (scoring):  plain causal attention over each row
+  dense    (reference): plain causal attention over each row (tests compare the other modes with it)
   cache    (sampling): a KVCache holds past keys/values; left padding is masked out through `cache.valid`
 """
 import math

@@ -261,6 +261,31 @@ def test_sigkill_then_resume_equals_uninterrupted_run(ckpt, ref, tmp_path):
         sum(x["tokens"] for x in full[saved:]), r.stdout
 
 
+def test_max_steps_keeps_the_whole_plans_schedule(ckpt, ref, tmp_path):
+    out = tmp_path / "stopped"
+    train(ckpt, out, "--max-steps", "3")
+    assert [x["lr"] for x in log(out)] == [x["lr"] for x in log(ref)[:3]]
+
+
+def test_resume_refuses_a_state_saved_for_another_plan(ckpt, tmp_path):
+    out = tmp_path / "k"
+    progress = tmp_path / "k.partial" / "state" / "progress.pt"
+    p = subprocess.Popen(train_cmd(ckpt, out), cwd=REPO, env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not progress.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        p.send_signal(signal.SIGKILL)
+    finally:
+        p.kill()
+        p.communicate()
+    assert progress.exists()
+    r = train(ckpt, out, "--resume", "--seed", "7", ok=False)  # another data order: another plan
+    assert r.returncode != 0 and "different run" in r.stdout + r.stderr
+    assert not out.exists() and progress.exists()
+
+
 def test_overlong_examples_are_dropped_and_reported(ckpt, ref):
     tok = ChatTokenizer.from_dir(ckpt)
     records = [json.loads(line) for line in (ckpt / "data.jsonl").read_text().splitlines()]
