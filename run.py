@@ -50,8 +50,8 @@ PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=1e-5, global_batch
              n_train=128, n_test=32)      # sizes of the embedded benchmark when no --data is given
 PRESETS = {
     # tiny Llama on the embedded benchmark: 8 stages x 4 methods in minutes on 2 CPU cores
-    "tiny": dict(PAPER, rho=0.2, lr=5e-4, global_batch=4, max_len=512, micro_tokens=4096, max_new_tokens=40, epochs="8",
-                 n_train=128, n_test=32),
+    "tiny": dict(PAPER, rho=0.2, lr=5e-4, global_batch=4, max_len=512, micro_tokens=4096, max_new_tokens=40,
+                 epochs="8"),
     # SmolLM2-135M-Instruct on the embedded benchmark, sized for CPU
     "smollm2": dict(PAPER, rho=0.2, lr=5e-5, global_batch=16, max_len=512, micro_tokens=4096, max_new_tokens=40,
                     n_train=48, n_test=16, epochs="2"),
@@ -79,6 +79,7 @@ def parse_args(argv=None):
     p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: per preset; paper 128)")
     p.add_argument("--max-new-tokens", type=int, help="generation budget (default: per preset; paper 512)")
     p.add_argument("--n-train", type=int, help="embedded benchmark: training examples per task")
+    p.add_argument("--n-test", type=int, help="embedded benchmark: test examples per task")
     p.add_argument("--eval-limit", type=int, help="evaluate at most this many test prompts per task")
     p.add_argument("--sdft-beta", type=float, help="SDFT KL weight (default 0.5)")
     p.add_argument("--jobs", type=int, help="steps run in parallel on CPU (default: 2; always 1 with GPUs)")
@@ -159,7 +160,7 @@ def main(argv=None):
     args = parse_args(argv)
     preset = "paper" if args.model else (args.base or "tiny")
     cfg = dict(PRESETS[preset])
-    for k in ("methods", "rho", "lr", "global_batch", "max_new_tokens", "n_train", "eval_limit", "sdft_beta",
+    for k in ("methods", "rho", "lr", "global_batch", "max_new_tokens", "n_train", "n_test", "eval_limit", "sdft_beta",
               "epochs"):
         if getattr(args, k, None) is not None:
             cfg[k] = getattr(args, k)
