@@ -268,8 +268,11 @@ def main(argv=None):
                 loss = nll
             else:
                 with torch.no_grad():
-                    t_logprobs = teacher(ids, pos, select=tgt != -100, **kw)
-                nll, kl = model(ids, pos, labels=tgt, teacher_logprobs=t_logprobs, kl_direction=args.sdft_kl, **kw)
+                    t_hidden = teacher(ids, pos, return_hidden=True, **kw)[tgt != -100]
+                # FSDP leaves the root unit (lm_head) unsharded after a forward, so its full weight is at hand;
+                # the student computes both sides' log-probs chunk by chunk
+                t_weight = teacher.lm_head.weight
+                nll, kl = model(ids, pos, labels=tgt, teacher=(t_hidden, t_weight), kl_direction=args.sdft_kl, **kw)
                 loss = nll + args.sdft_beta * kl
                 kl_sum += kl.detach()
             (loss / max(n_targets, 1)).backward()

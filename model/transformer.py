@@ -183,14 +183,13 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, position_ids, *, cu_seqlens=None, max_seqlen=None, labels=None, cache=None,
-                return_hidden=False, select=None, teacher_logprobs=None, kl_direction="reverse"):
+                return_hidden=False, teacher=None, kl_direction="reverse"):
         """input_ids, position_ids: [B,T] long. What comes back depends on the arguments:
 
         labels [B,T] (already shifted: labels[b,t] is the target of position t, -100 ignored)
             -> SUM of token NLL, fp32 scalar (the caller divides by the global token count);
-            with teacher_logprobs [M,V] (one row per non-ignored label, in order)
-            -> (NLL sum, KL sum) for self-distillation;
-        select [B,T] bool -> log-softmax [M,V] fp32 at the M selected positions (a teacher's targets);
+            with teacher = (hidden [M,H], lm_head weight [V,H]) of a teacher at the M non-ignored positions
+            -> (NLL sum, KL sum) for self-distillation (kernels.kl.chunked_kl);
         return_hidden -> final-normed hidden states [B,T,H]; otherwise -> logits [B,T,V].
         The loss is computed here, inside forward, so that under FSDP lm_head stays in the root unit.
         """
@@ -212,11 +211,9 @@ class Transformer(nn.Module):
         if labels is not None:
             h, labels = h.flatten(0, 1), labels.flatten()
             nll = fused_linear_cross_entropy(h, self.lm_head.weight, labels)
-            if teacher_logprobs is None:
+            if teacher is None:
                 return nll
-            return nll, chunked_kl(h[labels != -100], self.lm_head.weight, teacher_logprobs, kl_direction)
-        if select is not None:
-            return torch.log_softmax(self.lm_head(h[select]).float(), dim=-1)
+            return nll, chunked_kl(h[labels != -100], self.lm_head.weight, *teacher, kl_direction)
         if return_hidden:
             return h
         return self.lm_head(h)
