@@ -229,9 +229,10 @@ def test_two_ranks_equal_one_process(which, request, tmp_path):
     assert any(not torch.allclose(w0[k], w1[k]) for k in w1), "training did not change the weights"
 
 
-def test_sigkill_then_resume_equals_uninterrupted_run(ckpt, ref, tmp_path):
-    out = tmp_path / "killed"
-    state = tmp_path / "killed.partial" / "state" / "progress.pt"
+def kill_once_state_is_saved(ckpt, out: Path) -> tuple[bool, str, Path]:
+    """Start train.py, SIGKILL it as soon as a training state exists. Returns (was it still running, its output,
+    the state's progress.pt)."""
+    state = out.with_name(out.name + ".partial") / "state" / "progress.pt"
     p = subprocess.Popen(train_cmd(ckpt, out), cwd=REPO, env=env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:
@@ -243,6 +244,12 @@ def test_sigkill_then_resume_equals_uninterrupted_run(ckpt, ref, tmp_path):
     finally:
         p.kill()
         output = p.communicate()[0]
+    return alive, output, state
+
+
+def test_sigkill_then_resume_equals_uninterrupted_run(ckpt, ref, tmp_path):
+    out = tmp_path / "killed"
+    alive, output, state = kill_once_state_is_saved(ckpt, out)
     assert alive, f"train.py ended before it could be killed:\n{output[-3000:]}"
     assert not out.exists()
     saved = torch.load(state, weights_only=False)["step"]
@@ -269,17 +276,7 @@ def test_max_steps_keeps_the_whole_plans_schedule(ckpt, ref, tmp_path):
 
 def test_resume_refuses_a_state_saved_for_another_plan(ckpt, tmp_path):
     out = tmp_path / "k"
-    progress = tmp_path / "k.partial" / "state" / "progress.pt"
-    p = subprocess.Popen(train_cmd(ckpt, out), cwd=REPO, env=env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not progress.exists() and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        p.send_signal(signal.SIGKILL)
-    finally:
-        p.kill()
-        p.communicate()
+    _, _, progress = kill_once_state_is_saved(ckpt, out)
     assert progress.exists()
     r = train(ckpt, out, "--resume", "--seed", "7", ok=False)  # another data order: another plan
     assert r.returncode != 0 and "different run" in r.stdout + r.stderr
