@@ -47,25 +47,6 @@ def weight_files(ckpt_dir) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def read_weights(ckpt_dir, names, expected_shapes: dict, dtype, device="cpu") -> dict:
-    """Read `names` from the checkpoint, checking each against `expected_shapes`; errors name file and key."""
-    where = weight_files(ckpt_dir)
-    out, by_file = {}, {}
-    for name in names:
-        if name not in where:
-            raise KeyError(f"{ckpt_dir}: weight {name!r} is missing from the checkpoint (refusing to initialise it randomly)")
-        by_file.setdefault(where[name], []).append(name)
-    for path, keys in by_file.items():
-        with safe_open(path, framework="pt", device=str(device)) as f:
-            for name in keys:
-                t = f.get_tensor(name)
-                if tuple(t.shape) != tuple(expected_shapes[name]):
-                    raise ValueError(f"{path}: weight {name!r} has shape {tuple(t.shape)}, "
-                                     f"expected {tuple(expected_shapes[name])}")
-                out[name] = t.to(dtype)
-    return out
-
-
 def expected_state(model: Transformer) -> dict:
     """name -> shape of every tensor the checkpoint must provide (tied lm_head is not stored)."""
     shapes = {k: v.shape for k, v in model.state_dict().items()}
@@ -74,14 +55,31 @@ def expected_state(model: Transformer) -> dict:
     return shapes
 
 
-def check_unexpected(model: Transformer, ckpt_dir):
-    """A checkpoint tensor the config does not account for (e.g. biases without attention_bias) is an error,
-    never silently dropped."""
-    unexpected = set(weight_files(ckpt_dir)) - set(expected_state(model)) - {"lm_head.weight"}
-    unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
+def checkpoint_slices(model: Transformer, ckpt_dir):
+    """Yield (name, lazy safetensors slice) for every tensor `model` needs, after checking the checkpoint holds
+    exactly those, with the right shapes: an unexpected, missing or mis-shaped weight is an error naming file and
+    key, never silently dropped or randomly initialised."""
+    shapes = expected_state(model)
+    where = weight_files(ckpt_dir)
+    unexpected = {k for k in set(where) - set(shapes) - {"lm_head.weight"} if not k.endswith("rotary_emb.inv_freq")}
     if unexpected:
         raise ValueError(f"{ckpt_dir}: unexpected weights for model_type {model.cfg.model_type!r}: "
                          f"{sorted(unexpected)[:5]}")
+    missing = [n for n in shapes if n not in where]
+    if missing:
+        raise KeyError(f"{ckpt_dir}: weight {missing[0]!r} is missing from the checkpoint "
+                       f"(refusing to initialise it randomly)")
+    by_file = {}
+    for name in shapes:
+        by_file.setdefault(where[name], []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for name in names:
+                sl = f.get_slice(name)
+                if tuple(sl.get_shape()) != tuple(shapes[name]):
+                    raise ValueError(f"{path}: weight {name!r} has shape {tuple(sl.get_shape())}, "
+                                     f"expected {tuple(shapes[name])}")
+                yield name, sl
 
 
 def load_model(ckpt_dir, device="cpu", dtype=torch.float32) -> Transformer:
@@ -89,9 +87,7 @@ def load_model(ckpt_dir, device="cpu", dtype=torch.float32) -> Transformer:
     cfg = load_config(ckpt_dir)
     with torch.device("meta"):
         model = Transformer(cfg)
-    shapes = expected_state(model)
-    check_unexpected(model, ckpt_dir)
-    state = read_weights(ckpt_dir, shapes, shapes, dtype, device)
+    state = {name: sl[:].to(device=device, dtype=dtype) for name, sl in checkpoint_slices(model, ckpt_dir)}
     model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
     model.tie_weights()
     return model.eval()
@@ -99,37 +95,21 @@ def load_model(ckpt_dir, device="cpu", dtype=torch.float32) -> Transformer:
 
 def load_into(model: Transformer, ckpt_dir):
     """Copy checkpoint weights into a materialised model, possibly FSDP-sharded (parameters are DTensors
-    sharded on dim 0): each rank reads only its own rows of each tensor. Errors name file and key."""
+    sharded on dim 0): each rank reads only its own rows of each tensor."""
     from torch.distributed.tensor import DTensor
 
-    shapes = expected_state(model)
-    check_unexpected(model, ckpt_dir)
-    where = weight_files(ckpt_dir)
-    missing = [n for n in shapes if n not in where]
-    if missing:
-        raise KeyError(f"{ckpt_dir}: weight {missing[0]!r} is missing from the checkpoint "
-                       f"(refusing to initialise it randomly)")
     targets = model.state_dict()
-    by_file = {}
-    for name in shapes:
-        by_file.setdefault(where[name], []).append(name)
     with torch.no_grad():
-        for path, names in by_file.items():
-            with safe_open(path, framework="pt") as f:
-                for name in names:
-                    sl = f.get_slice(name)
-                    if tuple(sl.get_shape()) != tuple(shapes[name]):
-                        raise ValueError(f"{path}: weight {name!r} has shape {tuple(sl.get_shape())}, "
-                                         f"expected {tuple(shapes[name])}")
-                    t = targets[name]
-                    if isinstance(t, DTensor):  # fully_shard splits dim 0 like torch.chunk
-                        local = t.to_local()
-                        rows = -(-shapes[name][0] // t.device_mesh.size())
-                        start = t.device_mesh.get_local_rank() * rows
-                        if local.shape[0]:
-                            local.copy_(sl[start:start + local.shape[0]])
-                    else:
-                        t.copy_(sl[:])
+        for name, sl in checkpoint_slices(model, ckpt_dir):
+            t = targets[name]
+            if isinstance(t, DTensor):  # fully_shard splits dim 0 like torch.chunk
+                local = t.to_local()
+                rows = -(-t.shape[0] // t.device_mesh.size())
+                start = t.device_mesh.get_local_rank() * rows
+                if local.shape[0]:
+                    local.copy_(sl[start:start + local.shape[0]])
+            else:
+                t.copy_(sl[:])
 
 
 def save_checkpoint(state_dict: dict, src_dir, out_dir, max_shard_bytes: int = 5 * 2**30, dtype=None,
