@@ -34,6 +34,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+import rollout
+import train
+
 from data.jsonl import read_records, write_json, write_jsonl
 from data.replay import allocate, buffer_size, select
 from data.tasks import get_task, parse_tasks
@@ -44,8 +47,10 @@ HERE = Path(__file__).resolve().parent
 METHODS = ("sft", "replay", "opr-ru", "opr-sc", "opr-low", "opr-random", "mtl", "sdft")
 
 # ---- presets: the paper's setting and two CPU-sized ones --------------------------------------------------------
-PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=1e-5, global_batch=128, max_len=2048,
-             micro_tokens=16384, max_new_tokens=512, temperature=0.1, max_train=5000, eval_limit=None,
+# the paper's setting is the scripts' own defaults (train.py, rollout.py), not a second copy of them
+PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=train.LR, global_batch=train.GLOBAL_BATCH,
+             max_len=train.MAX_LEN, micro_tokens=train.MICRO_TOKENS, max_new_tokens=rollout.MAX_NEW_TOKENS,
+             temperature=rollout.TEMPERATURE, max_train=rollout.MAX_TRAIN, eval_limit=None,
              sdft_beta=0.5, epochs=None,  # epochs None: the task table's [5,3,7,5,3,5,5,7]
              n_train=128, n_test=32)      # sizes of the embedded benchmark when no --data is given
 PRESETS = {
