@@ -136,9 +136,9 @@ def cosine(step: int, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(step, total) / max(total, 1)))
 
 
-def measured_peak_flops(device) -> float:
-    if device.type == "cuda":
-        return 989e12  # H100 SXM bf16 dense
+def measured_peak_flops(device, dtype) -> float:
+    if device.type == "cuda":  # H100 SXM dense: bf16 tensor cores, or TF32 for fp32 matmuls
+        return 989e12 if dtype == torch.bfloat16 else 495e12
     a = torch.randn(1024, 1024)
     a @ a
     t = time.perf_counter()
@@ -238,7 +238,7 @@ def main(argv=None):
         log_path.write_text("".join(l + "\n" for l in kept))
 
     cfg = model.cfg
-    peak = (args.peak_tflops * 1e12) if args.peak_tflops else measured_peak_flops(device)
+    peak = (args.peak_tflops * 1e12) if args.peak_tflops else measured_peak_flops(device, compute_dtype)
     mean_doc = sum(lengths) / len(lengths)
     flops_per_token = 6 * cfg.num_params(embeddings=False) + 6 * cfg.vocab_size * cfg.hidden_size \
         + 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * mean_doc
@@ -320,7 +320,7 @@ def main(argv=None):
     elapsed = time.perf_counter() - t_start
     if rank == 0:
         summary = {"steps": len(steps), "examples": len(examples), "dropped_overlong": dropped,
-                   "tokens": sum(lengths) * args.epochs, "trained_tokens_this_run": tokens_seen,
+                   "tokens": sum(lengths[i] for batch in steps for i in batch), "trained_tokens_this_run": tokens_seen,
                    "seconds": elapsed, "tokens_per_s": tokens_seen / max(elapsed, 1e-9),
                    "packing_efficiency": packed_tokens / max(packed_slots, 1),
                    "world_size": world, "args": vars(args)}

@@ -86,7 +86,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        # The loss is usually the graph's root (grad_loss == 1); skip a [V, H] multiply then.
+        # Skip the [V, H] multiply when the loss sum is backpropagated as is (grad_loss == 1).
         if not bool(grad_loss == 1):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
             grad_weight = grad_weight * grad_loss.to(grad_weight.dtype) if grad_weight is not None else None
