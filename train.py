@@ -318,21 +318,31 @@ def main(argv=None):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     elapsed = time.perf_counter() - t_start
+    # rank 0 writes; every rank learns whether that worked, so none waits forever on a failed rank 0
+    error = None
     if rank == 0:
-        summary = {"steps": len(steps), "examples": len(examples), "dropped_overlong": dropped,
-                   "tokens": sum(lengths[i] for batch in steps for i in batch), "trained_tokens_this_run": tokens_seen,
-                   "seconds": elapsed, "tokens_per_s": tokens_seen / max(elapsed, 1e-9),
-                   "packing_efficiency": packed_tokens / max(packed_slots, 1),
-                   "world_size": world, "args": vars(args)}
-        (workdir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        save_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
-        save_checkpoint(full, args.model, out, dtype=save_dtype,
-                        extra_files=[log_path, workdir / "train_summary.json"])
-        shutil.rmtree(workdir, ignore_errors=True)
-        print(f"train.py: {len(steps)} steps, {tokens_seen} tokens in {elapsed:.1f}s "
-              f"({summary['tokens_per_s']:.0f} tok/s), dropped {dropped} over-long, packing efficiency "
-              f"{summary['packing_efficiency']:.1%} -> {out}", flush=True)
-    dist.barrier()
+        try:
+            summary = {"steps": len(steps), "examples": len(examples), "dropped_overlong": dropped,
+                       "tokens": sum(lengths[i] for batch in steps for i in batch), "trained_tokens_this_run": tokens_seen,
+                       "seconds": elapsed, "tokens_per_s": tokens_seen / max(elapsed, 1e-9),
+                       "packing_efficiency": packed_tokens / max(packed_slots, 1),
+                       "world_size": world, "args": vars(args)}
+            (workdir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            save_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
+            save_checkpoint(full, args.model, out, dtype=save_dtype,
+                            extra_files=[log_path, workdir / "train_summary.json"])
+            shutil.rmtree(workdir, ignore_errors=True)
+            print(f"train.py: {len(steps)} steps, {tokens_seen} tokens in {elapsed:.1f}s "
+                  f"({summary['tokens_per_s']:.0f} tok/s), dropped {dropped} over-long, packing efficiency "
+                  f"{summary['packing_efficiency']:.1%} -> {out}", flush=True)
+        except Exception as e:  # re-raised below, after the other ranks heard of it
+            error = e
+    ok = torch.tensor(float(error is None), device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if error is not None:
+        raise error
+    if not ok.item():
+        raise SystemExit("train.py: rank 0 failed to write the final checkpoint")
     dist.destroy_process_group()
 
 
