@@ -1,0 +1,164 @@
+"""Per-update drift on historical tasks: the KL between consecutive policies that bounds forgetting (paper Sec. 3.2).
+
+    python drift.py --ckpt runs/stage3 --ref runs/stage2 --data /path/to/TRACE --tasks C-STANCE,FOMC --out DIR
+
+For each given (prior) task:
+  1. load its TEST split (held out from every stage's training and replay), drop the over-long examples with
+     training's length rule, keep the first --limit
+  2. render each prompt with CUR's chat template (CUR and PREV must share one tokenizer)
+Then, for all prompts at once:
+  3. sample one response per prompt from CUR (temperature 1 by default: the KL is between the policies themselves,
+     so the responses are draws from pi_CUR; <= --max-new-tokens, stop at end-of-turn/EOS, seeded)
+  4. teacher-force CUR and PREV on the same prompt + response tokens and compute, at every response position, the
+     exact KL(pi_CUR || pi_PREV) over the full vocabulary (model/logprobs.py: logits chunk by chunk, never
+     [tokens x vocab] whole). Summed over a response it is an unbiased estimate of the sequence-level
+     KL(pi_CUR(.|x) || pi_PREV(.|x)) truncated to --max-new-tokens tokens
+  5. teacher-force both on the GOLD answers (prompt + answer + end-of-turn, as training sees them): per-token NLL
+  6. write (atomically, only once everything above succeeded)
+       OUT/drift_samples.jsonl  one line per prompt: task, idx, token_ids (sampled), num_tokens, seq_kl, kl (per
+                                token), gold_tokens, gold_nll_cur, gold_nll_ref (sums over the gold tokens)
+       OUT/drift.json           {"tasks": {task: {"n", "mean_seq_kl", "median_seq_kl", "kl_per_token" (total KL /
+                                total sampled tokens), "mean_tokens", "gold_nll_cur", "gold_nll_ref" (per gold token,
+                                token-weighted over the task)}}, "all": the same over every prompt, "ckpt", "ref",
+                                "temperature", "max_new_tokens", "seed", "limit", "max_len", "engine", "data"}
+     drift.json is written last, so its presence means the measurement finished.
+
+Engine handling and the embedded-benchmark fallback are the same as evaluate.py's.
+"""
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+# ---- defaults (each has a flag below) ----------------------------------------------------------------------------
+LIMIT = 32             # test prompts per task: a few dozen keep the step cheap next to training
+TEMPERATURE = 1.0      # sample from pi_CUR itself (see step 3)
+MAX_NEW_TOKENS = 512   # response length cap, as for rollouts
+MAX_LEN = 2048         # over-long filter on prompt+gold answer (chat-templated tokens), as in training
+SEED = 0               # sampling seed
+ENGINE = "auto"        # vllm when CUDA + vllm are present, else native
+TP = 1                 # vLLM tensor-parallel size
+BATCH_SIZE = 32        # native engine batch size
+# -----------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", required=True, help="CUR: the newer checkpoint (HF layout, tokenizer + chat template)")
+    p.add_argument("--ref", required=True, help="PREV: the checkpoint before the update (same tokenizer as --ckpt)")
+    p.add_argument("--data", default=None,
+                   help="TRACE root with <Task>/test.json (default: the embedded benchmark, generated into a cache)")
+    p.add_argument("--tasks", default=None,
+                   help="comma-separated prior tasks (default: every task with a test split under --data)")
+    p.add_argument("--out", default=None, help="output directory (default: <ckpt>/drift)")
+    p.add_argument("--limit", type=int, default=LIMIT, help="test prompts per task (0 = all) (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=TEMPERATURE, help="sampling temperature of CUR (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="response length cap (default: %(default)s)")
+    p.add_argument("--max-len", type=int, default=MAX_LEN, help="drop test examples whose templated length exceeds this (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=SEED, help="sampling seed (default: %(default)s)")
+    p.add_argument("--engine", default=ENGINE, choices=["auto", "native", "vllm"],
+                   help="sampling engine; auto = vllm when CUDA and vllm are present, else native (default: %(default)s)")
+    p.add_argument("--tp", type=int, default=TP, help="vLLM tensor-parallel size (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="native engine batch size (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if args.limit < 0:
+        p.error(f"--limit must be >= 0, got {args.limit}")
+    return args
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per-task (or overall) numbers from per-prompt rows; see the module docstring."""
+    seq_kl = [r["seq_kl"] for r in rows]
+    n_tok = sum(r["num_tokens"] for r in rows)
+    gold_tok = sum(r["gold_tokens"] for r in rows)
+    return {"n": len(rows), "mean_seq_kl": statistics.fmean(seq_kl), "median_seq_kl": statistics.median(seq_kl),
+            "kl_per_token": sum(seq_kl) / max(n_tok, 1), "mean_tokens": n_tok / len(rows),
+            "gold_nll_cur": sum(r["gold_nll_cur"] for r in rows) / max(gold_tok, 1),
+            "gold_nll_ref": sum(r["gold_nll_ref"] for r in rows) / max(gold_tok, 1)}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+
+    from data.embedded import ensure_embedded
+    from data.jsonl import write_json, write_jsonl
+    from data.tasks import parse_tasks
+    from data.trace import load_filtered, tasks_in
+    from model.checkpoint import load_config, load_model
+    from model.logprobs import response_stats
+    from model.sampling import generate, resolve_engine
+    from model.tokenizer import ChatTokenizer
+
+    cur_dir, ref_dir = Path(args.ckpt), Path(args.ref)
+    cur_cfg, ref_cfg = load_config(cur_dir), load_config(ref_dir)  # fail before any work on an unusable checkpoint
+    tok = ChatTokenizer.from_dir(cur_dir)
+    # a KL over two different vocabularies is meaningless: the tokenizers must be one
+    if (cur_dir / "tokenizer.json").read_bytes() != (ref_dir / "tokenizer.json").read_bytes() \
+            or cur_cfg.vocab_size != ref_cfg.vocab_size:
+        raise SystemExit(f"drift.py: --ckpt {cur_dir} and --ref {ref_dir} have different tokenizers or vocab sizes; "
+                         f"the per-token KL needs one vocabulary")
+    root = Path(args.data) if args.data is not None else ensure_embedded()
+    tasks = parse_tasks(args.tasks) if args.tasks else tasks_in(root, "test")
+    if not tasks:
+        raise SystemExit(f"drift.py: no task directories with a test.json under {root}")
+    out_dir = Path(args.out) if args.out else cur_dir / "drift"
+    engine = resolve_engine(args.engine)
+
+    # 1-2. held-out prompts of the prior tasks
+    examples, _ = load_filtered(root, tasks, "test", tok.sft_length, args.max_len, limit=args.limit or None)
+    prompts = [tok.prompt_ids(ex.prompt) for ex in examples]
+    print(f"drift: {len(examples)} test prompts from {len(tasks)} tasks, CUR={cur_dir}, PREV={ref_dir}, "
+          f"engine={engine}, T={args.temperature}, max_new_tokens={args.max_new_tokens}, seed={args.seed}")
+
+    # 3. one response per prompt, sampled from CUR
+    t0 = time.perf_counter()
+    outs = generate(cur_dir, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                    seed=args.seed, engine=engine, tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,
+                    progress=not args.quiet)
+    t_gen = time.perf_counter() - t0
+
+    # 4-5. both models teacher-forced on the sampled responses and on the gold answers
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    cur, ref = load_model(cur_dir, device, dtype), load_model(ref_dir, device, dtype)
+    sampled = response_stats(cur, [(p, o["token_ids"]) for p, o in zip(prompts, outs)], ref,
+                             progress=not args.quiet, desc="kl")
+    gold_seqs = []
+    for ex in examples:
+        ids, labels = tok.encode_sft(ex.prompt, ex.answer)
+        start = next(t for t, lab in enumerate(labels) if lab != -100)
+        end = max(t for t, lab in enumerate(labels) if lab != -100) + 1
+        gold_seqs.append((ids[:start], ids[start:end]))
+    gold = response_stats(cur, gold_seqs, ref, progress=not args.quiet, desc="gold nll")
+    t_all = time.perf_counter() - t0
+
+    rows = []
+    for ex, o, s, g, (_, gold_ids) in zip(examples, outs, sampled, gold, gold_seqs):
+        rows.append({"task": ex.task, "idx": ex.idx, "token_ids": o["token_ids"], "num_tokens": len(o["token_ids"]),
+                     "finish_reason": o["finish_reason"], "seq_kl": sum(s["kl"]), "kl": s["kl"],
+                     "gold_tokens": len(gold_ids), "gold_nll_cur": -sum(g["logprobs"]),
+                     "gold_nll_ref": -sum(g["ref_logprobs"])})
+    summary = {"tasks": {t: summarize([r for r in rows if r["task"] == t]) for t in tasks}, "all": summarize(rows),
+               "ckpt": str(cur_dir), "ref": str(ref_dir), "temperature": args.temperature,
+               "max_new_tokens": args.max_new_tokens, "seed": args.seed, "limit": args.limit,
+               "max_len": args.max_len, "engine": engine, "data": str(root),
+               "seconds": {"generate": t_gen, "total": t_all}}
+
+    # 6. outputs: samples first, drift.json last (its presence marks a finished measurement)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out_dir / "drift_samples.jsonl", rows)
+    write_json(out_dir / "drift.json", summary)
+
+    print("| task | n | mean seq KL | median seq KL | KL / token | mean tokens | gold NLL PREV | gold NLL CUR |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for t, s in [*summary["tasks"].items(), ("all", summary["all"])]:
+        print(f"| {t} | {s['n']} | {s['mean_seq_kl']:.4f} | {s['median_seq_kl']:.4f} | {s['kl_per_token']:.5f} | "
+              f"{s['mean_tokens']:.1f} | {s['gold_nll_ref']:.4f} | {s['gold_nll_cur']:.4f} |")
+    print(f"wrote drift.json and {len(rows)} samples to {out_dir} ({t_all:.1f}s, of which sampling {t_gen:.1f}s)")
+    return out_dir
+
+
+if __name__ == "__main__":
+    main()
