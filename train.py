@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from data.jsonl import read_records
 from data.packing import collate, pack, plan_steps, tokenize_sft
+from kernels import attention, cross_entropy
 from model.checkpoint import load_config, load_into, replace_dir, save_checkpoint
 from model.tokenizer import ChatTokenizer
 from model.transformer import Transformer
@@ -247,6 +248,8 @@ def main(argv=None):
         print(f"train.py: {len(examples)} examples ({dropped} longer than {args.max_len} dropped), {n_tok} tokens, "
               f"{len(steps)} steps of <= {args.global_batch} sequences on {world} rank(s), {device.type}, "
               f"{str(compute_dtype).removeprefix('torch.')}", flush=True)
+        print(f"train.py: kernels: attention {attention.describe()}; cross-entropy {cross_entropy.get_backend()}",
+              flush=True)
 
     # 4. the loop
     bar = tqdm(total=len(steps), initial=start, disable=rank != 0 or args.quiet, desc="train", unit="step")

@@ -3,18 +3,26 @@
 Several documents are concatenated into one [T, ...] sequence; cu_seqlens marks where each starts.
 A token attends to earlier tokens of its own document only.
 
-Backends (chosen once, at import):
-  "flash" flash_attn.flash_attn_varlen_func -- default when CUDA is available and flash_attn imports;
-          as a default it applies to CUDA tensors only (flash-attn has no CPU kernel).
-  "sdpa"  torch SDPA looped over documents with is_causal=True -- the default everywhere else.
+Backends, in order of preference (chosen once, at import; the first that can run is the default):
+  "flash"        flash_attn.flash_attn_varlen_func -- when CUDA is available and flash_attn imports.
+  "torch_varlen" torch.nn.attention.varlen.varlen_attn, PyTorch's own varlen flash kernel: no extra install.
+                 First shipped in torch 2.10 as varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=...);
+                 torch 2.11 replaced is_causal by window_size=(-1, 0) for causal; enable_gqa (kv heads shared
+                 by groups of q heads) arrived in 2.12. We read the installed signature once and, without
+                 enable_gqa, repeat the kv heads ourselves. Needs CUDA and an Ampere-or-newer GPU (sm80+).
+  "sdpa"         torch SDPA looped over documents with is_causal=True -- always available.
+As defaults, "flash" and "torch_varlen" apply to fp16/bf16 CUDA tensors only (both are fp16/bf16 CUDA kernels);
+anything else (CPU, fp32 on CUDA) takes the SDPA loop.
           On CPU this beat one SDPA call with a [T, T] block-diagonal mask (our notes). GQA repeats
           the kv heads: on a quiet CPU its forward was ~1.5-2x faster than SDPA's enable_gqa=True
           (which appears to take the math path); fwd+bwd was within noise on our shared 2-core box
           (bench/bench_loss_memory.py --attention).
-Force one with the env var KERNELS_ATTN_BACKEND=flash|sdpa (read at import) or set_backend(name);
+Force one with the env var KERNELS_ATTN_BACKEND=flash|torch_varlen|sdpa (read at import) or set_backend(name);
 a forced backend is used for every call, whatever the device (tests use this with a stand-in).
+describe() says which backend is in use and for what; train.py prints it.
 """
 
+import inspect
 import os
 
 import torch
@@ -32,6 +40,21 @@ def _flash(q, k, v, cu_seqlens, max_seqlen):
     )
 
 
+def _torch_varlen(q, k, v, cu_seqlens, max_seqlen):
+    kw = {}
+    if "enable_gqa" in _VARLEN_PARAMS:  # torch >= 2.12: the kernel shares kv heads itself
+        kw["enable_gqa"] = q.shape[1] != k.shape[1]
+    elif q.shape[1] != k.shape[1]:  # older: same head grouping as flash-attn, q head h uses kv head h // n_rep
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    if "window_size" in _VARLEN_PARAMS:  # torch >= 2.11: (-1, 0) = everything to the left, nothing to the right
+        kw["window_size"] = (-1, 0)
+    else:  # torch 2.10
+        kw["is_causal"] = True
+    # scale defaults to 1/sqrt(D) in every version, as in SDPA and flash-attn
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kw)
+
+
 def _sdpa(q, k, v, cu_seqlens, max_seqlen):
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
@@ -47,18 +70,48 @@ def _sdpa(q, k, v, cu_seqlens, max_seqlen):
     return torch.cat(out, dim=0)
 
 
+BACKENDS = ("flash", "torch_varlen", "sdpa")
+_KERNELS = {"flash": _flash, "torch_varlen": _torch_varlen, "sdpa": _sdpa}
+
+
+def available(name: str) -> str | None:
+    """None when backend `name` can run here (CUDA tensors for the GPU backends), else the reason it cannot."""
+    if name == "sdpa":
+        return None
+    if name == "flash" and flash_attn_varlen_func is None:
+        return "flash_attn does not import"
+    if name == "torch_varlen" and varlen_attn is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (first in torch 2.10)"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.cuda.get_device_capability() < (8, 0):
+        return f"GPU {torch.cuda.get_device_name()} is older than sm80 (flash kernels need Ampere or newer)"
+    return None
+
+
 def set_backend(name: str, forced: bool = True) -> None:
-    """Use backend "flash" or "sdpa" for all later calls (forced=False: "flash" only for CUDA tensors)."""
+    """Use `name` (one of BACKENDS) for all later calls (forced=False: the GPU backends for fp16/bf16 CUDA
+    tensors only, the SDPA loop for the rest)."""
     global _BACKEND, _FORCED
-    if name not in ("flash", "sdpa"):
-        raise ValueError(f"kernels/attention.py: unknown backend {name!r}; expected 'flash' or 'sdpa'")
+    if name not in BACKENDS:
+        raise ValueError(f"kernels/attention.py: unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")
     if name == "flash" and flash_attn_varlen_func is None:
         raise RuntimeError("kernels/attention.py: backend 'flash' requested but flash_attn does not import")
+    if name == "torch_varlen" and varlen_attn is None:
+        raise RuntimeError(f"kernels/attention.py: backend 'torch_varlen' requested but torch {torch.__version__} "
+                           f"has no torch.nn.attention.varlen.varlen_attn (first in torch 2.10)")
     _BACKEND, _FORCED = name, forced
 
 
 def get_backend() -> str:
     return _BACKEND
+
+
+def describe() -> str:
+    """One line for logs: the backend and which calls it serves."""
+    if _BACKEND == "sdpa" or _FORCED:
+        return f"{_BACKEND}{' (forced)' if _FORCED and _BACKEND != 'sdpa' else ''}"
+    return f"{_BACKEND} for fp16/bf16 CUDA tensors, sdpa otherwise"
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen):
@@ -76,9 +129,9 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen):
         )
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"kernels/attention.py: cu_seqlens must be int32 (flash-attn layout), got {cu_seqlens.dtype}")
-    # flash-attn has fp16/bf16 kernels only: fp32 CUDA tensors (train.py --dtype fp32) take the SDPA path
-    if _BACKEND == "flash" and (_FORCED or (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16))):
-        return _flash(q, k, v, cu_seqlens, max_seqlen)
+    # the flash kernels are fp16/bf16 only: fp32 CUDA tensors (train.py --dtype fp32) take the SDPA path
+    if _FORCED or (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return _KERNELS[_BACKEND](q, k, v, cu_seqlens, max_seqlen)
     return _sdpa(q, k, v, cu_seqlens, max_seqlen)
 
 
@@ -86,9 +139,14 @@ try:
     from flash_attn import flash_attn_varlen_func
 except Exception:  # ImportError, or a CUDA/ABI mismatch raising at import
     flash_attn_varlen_func = None
+try:
+    from torch.nn.attention.varlen import varlen_attn
+    _VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
+except Exception:  # torch < 2.10
+    varlen_attn, _VARLEN_PARAMS = None, frozenset()
 
 _BACKEND, _FORCED = None, False
 if os.environ.get("KERNELS_ATTN_BACKEND"):
     set_backend(os.environ["KERNELS_ATTN_BACKEND"])
 else:
-    set_backend("flash" if torch.cuda.is_available() and flash_attn_varlen_func is not None else "sdpa", forced=False)
+    set_backend(next(b for b in BACKENDS if available(b) is None), forced=False)

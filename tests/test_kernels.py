@@ -113,6 +113,114 @@ def test_varlen_attention_flash_wrapper_contract(monkeypatch):
     torch.testing.assert_close(out, varlen_attention(q, k, v, cu, max(lengths)), rtol=0, atol=1e-5)
 
 
+# The torch varlen signatures by release (torch/nn/attention/varlen.py): 2.10 is_causal; 2.11 window_size instead;
+# 2.12+ window_size and enable_gqa. Stand-ins with each signature compute the naive reference, refusing what
+# the real kernel of that release would refuse (unequal head counts without enable_gqa).
+def varlen_210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    assert is_causal is True
+    return _fake_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, gqa=False)
+
+
+def varlen_211(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+               window_size=(-1, -1)):
+    assert tuple(window_size) == (-1, 0)  # causal
+    return _fake_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, gqa=False)
+
+
+def varlen_212(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+               window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    assert tuple(window_size) == (-1, 0)
+    return _fake_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, gqa=enable_gqa)
+
+
+VARLEN_CALLS = []
+
+
+def _fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, gqa):
+    VARLEN_CALLS.append((tuple(q.shape), tuple(k.shape), gqa))
+    if not gqa and q.shape[1] != k.shape[1]:
+        raise ValueError("Expect query and key/value to have the same number of heads")
+    assert cu_q is cu_k and cu_q.dtype == torch.int32 and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+    return naive_varlen_attention(q, k, v, cu_q).to(q.dtype)
+
+
+@pytest.mark.parametrize("fake, kv_repeated", [(varlen_210, True), (varlen_211, True), (varlen_212, False)])
+@pytest.mark.parametrize("n_heads_q, n_heads_kv", [(4, 2), (4, 4)])
+def test_torch_varlen_wrapper_matches_sdpa_for_each_torch_signature(monkeypatch, fake, kv_repeated, n_heads_q,
+                                                                    n_heads_kv):
+    """The CUDA kernel cannot run here; the wrapper's job is the call: causal the way the installed release spells
+    it, and GQA either passed through (enable_gqa) or expanded first. Forward and backward equal the SDPA loop."""
+    import inspect
+    monkeypatch.setattr(attention, "varlen_attn", fake)
+    monkeypatch.setattr(attention, "_VARLEN_PARAMS", frozenset(inspect.signature(fake).parameters))
+    monkeypatch.setattr(attention, "_BACKEND", attention._BACKEND)
+    monkeypatch.setattr(attention, "_FORCED", attention._FORCED)
+    torch.manual_seed(0)
+    lengths = [5, 1, 9, 3]
+    cu = cu_seqlens_of(lengths)
+    T, D = sum(lengths), 8
+    q = torch.randn(T, n_heads_q, D, requires_grad=True)
+    k = torch.randn(T, n_heads_kv, D, requires_grad=True)
+    v = torch.randn(T, n_heads_kv, D, requires_grad=True)
+    g = torch.randn(T, n_heads_q, D)
+
+    VARLEN_CALLS.clear()
+    attention.set_backend("torch_varlen")
+    assert attention.describe() == "torch_varlen (forced)"
+    out = varlen_attention(q, k, v, cu, max(lengths))
+    grads = torch.autograd.grad((out * g).sum(), (q, k, v))
+    assert len(VARLEN_CALLS) == 1
+    q_shape, k_shape, gqa = VARLEN_CALLS[0]
+    expanded = kv_repeated and n_heads_q != n_heads_kv
+    assert k_shape == (T, n_heads_q if expanded else n_heads_kv, D)
+    assert gqa == (not kv_repeated and n_heads_q != n_heads_kv)
+
+    attention.set_backend("sdpa")
+    ref = varlen_attention(q, k, v, cu, max(lengths))
+    ref_grads = torch.autograd.grad((ref * g).sum(), (q, k, v))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    for name, a, b in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"grad of {name}")  # kv grads summed over the group
+
+
+def test_default_attention_backend_is_the_first_that_can_run(monkeypatch):
+    """flash -> torch_varlen -> sdpa; on this machine the reasons name what is missing."""
+    reasons = {b: attention.available(b) for b in attention.BACKENDS}
+    assert reasons["sdpa"] is None
+    default = next(b for b in attention.BACKENDS if reasons[b] is None)
+    if "KERNELS_ATTN_BACKEND" not in os.environ:
+        assert attention.get_backend() == default, reasons
+    if not torch.cuda.is_available():
+        assert reasons["torch_varlen"] in ("no CUDA device",) or "first in torch 2.10" in reasons["torch_varlen"]
+        # defaults never send CPU or fp32 tensors to a GPU kernel
+        monkeypatch.setattr(attention, "_BACKEND", "torch_varlen")
+        monkeypatch.setattr(attention, "_FORCED", False)
+        monkeypatch.setattr(attention, "varlen_attn", None)  # would raise TypeError if called
+        q = torch.randn(6, 2, 8)
+        varlen_attention(q, q, q, cu_seqlens_of([2, 4]), 4)
+    with pytest.raises(ValueError, match="torch_varlen"):
+        attention.set_backend("bogus")
+
+
+def test_attention_backend_forced_by_env_var_and_reported_by_train(tmp_path):
+    """KERNELS_ATTN_BACKEND is read at import (a bad value fails naming it); train.py's log names the backends."""
+    from data.jsonl import write_jsonl
+    from model.base import write_random_tiny
+    write_random_tiny(tmp_path / "base")
+    write_jsonl(tmp_path / "data.jsonl", [{"prompt": f"say {i}", "response": f"{i}"} for i in range(4)])
+    cmd = [sys.executable, str(REPO / "train.py"), "--model", str(tmp_path / "base"), "--data",
+           str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "out"), "--epochs", "1", "--global-batch", "2",
+           "--max-steps", "1", "--save-every", "0", "--quiet"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(env, KERNELS_ATTN_BACKEND="sdpa",
+                                                                                 KERNELS_CE_BACKEND="chunked"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "train.py: kernels: attention sdpa; cross-entropy chunked" in p.stdout, p.stdout
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(env, KERNELS_ATTN_BACKEND="nope"))
+    assert p.returncode != 0 and "unknown backend 'nope'" in p.stderr
+
+
 def test_varlen_attention_rejects_bad_cu_seqlens(sdpa_backend):
     q, k = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
     with pytest.raises(ValueError, match="int32"):
