@@ -9,14 +9,16 @@ For each task (in order):
 Then, for all tasks at once:
   3. sample --repeats responses per prompt in ONE generate call (temperature 0.1, top-p 1, <= 512 new tokens, stop at
      end-of-turn/EOS); the K copies of a prompt are independent draws from the one seeded sampler of the call
-  4. score every response against its gold answer with the task's metric (data.metrics.score, 0..100)
+  4. score every response against its gold answer with the task's metric (data.metrics.score, 0..100) under the
+     --scoring convention: lenient (default: reads the answer a small model means), paper (the official OPR code's
+     tools/eval.py) or trace (TRACE's metrics.py); see data/metrics.py
   5. write (atomically, only once everything above succeeded)
        OUT/predictions.jsonl  one line per (example, repeat): task, idx, repeat, prompt, prediction, gold, score,
                               finish_reason, num_tokens
        OUT/scores.json        {"ckpt", "scores": {task: mean over examples and repeats}, "std_over_repeats":
                               {task: population std of the K per-repeat means}, "n": {task: examples},
-                              "dropped_overlong": {task: n}, "temperature", "repeats", "seed", "max_new_tokens",
-                              "max_len", "engine", "data"}
+                              "dropped_overlong": {task: n}, "scoring", "temperature", "repeats", "seed",
+                              "max_new_tokens", "max_len", "engine", "data"}
      scores.json is written last, so its presence means the evaluation finished.
 
 Engine handling, defaults and the embedded-benchmark fallback are the same as rollout.py's.
@@ -28,7 +30,8 @@ from pathlib import Path
 
 # ---- defaults: the paper's evaluation setup (each has a flag below) ---------------------------------------------
 TEMPERATURE = 0.1      # as for rollouts: near-greedy
-REPEATS = 1            # samples per test prompt; scores average over them
+REPEATS = 1            # samples per test prompt; scores average over them (the official code: 8; run.py passes it)
+SCORING = "lenient"    # metric convention: lenient | paper (official OPR tools/eval.py) | trace (TRACE metrics.py)
 MAX_NEW_TOKENS = 512   # response length cap
 MAX_LEN = 2048         # over-long filter on prompt+gold answer (chat-templated tokens), as in training
 SEED = 0               # sampling seed
@@ -54,6 +57,9 @@ def parse_args(argv=None):
                    help="sampling temperature, 0 = greedy (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=REPEATS,
                    help="sampled responses per test prompt; scores average over them (default: %(default)s)")
+    p.add_argument("--scoring", default=SCORING, choices=["lenient", "paper", "trace"],
+                   help="metric convention: lenient reads the meant answer ('Answer: B' -> B); paper = the official "
+                        "OPR code's tools/eval.py; trace = TRACE's metrics.py (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
                    help="response length cap (default: %(default)s)")
     p.add_argument("--max-len", type=int, default=MAX_LEN,
@@ -99,7 +105,8 @@ def main(argv=None):
     # the K copies of a prompt sit next to each other: jobs[i] = (example, repeat)
     jobs = [(ex, k) for ex in examples for k in range(K)]
     prompts = [tok.prompt_ids(ex.prompt) for ex in examples]
-    print(f"evaluate: {len(examples)} test prompts x {K} repeats from {len(tasks)} tasks, engine={engine}, "
+    print(f"evaluate: {len(examples)} test prompts x {K} repeats from {len(tasks)} tasks, scoring={args.scoring}, "
+          f"engine={engine}, "
           f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, seed={args.seed}")
 
     # 3. all generations in one call (one model load, full batches)
@@ -114,9 +121,9 @@ def main(argv=None):
     for (ex, k), o in tqdm(list(zip(jobs, outs)), desc="score", unit="response", disable=args.quiet):
         ids = o["token_ids"]
         pred = tok.decode_response(ids)
+        s = float(score(ex.task, pred, ex.answer, ex.prompt, scoring=args.scoring))
         records.append({"task": ex.task, "idx": ex.idx, "repeat": k, "prompt": ex.prompt, "prediction": pred,
-                        "gold": ex.answer, "score": float(score(ex.task, pred, ex.answer, ex.prompt)),
-                        "finish_reason": o["finish_reason"], "num_tokens": len(ids)})
+                        "gold": ex.answer, "score": s, "finish_reason": o["finish_reason"], "num_tokens": len(ids)})
 
     def task_mean(task, k=None):
         xs = [r["score"] for r in records if r["task"] == task and (k is None or r["repeat"] == k)]
@@ -127,7 +134,7 @@ def main(argv=None):
         "scores": {t: task_mean(t) for t in tasks},
         "std_over_repeats": {t: statistics.pstdev([task_mean(t, k) for k in range(K)]) for t in tasks},
         "n": {t: sum(ex.task == t for ex in examples) for t in tasks},
-        "dropped_overlong": dropped,
+        "dropped_overlong": dropped, "scoring": args.scoring,
         "temperature": args.temperature, "repeats": K, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
         "max_len": args.max_len, "engine": engine, "data": str(root),
     }

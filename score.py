@@ -6,12 +6,16 @@
   1. read the rollouts written by rollout.py (one per historical training prompt)
   2. score each one
        ru (OPR-RU): the task's own metric (data.metrics.score, 0..100) of the response against the gold answer of the
-                    same training record (looked up by task + idx in <data>/<task>/train.json)
+                    same training record (looked up by task + idx in <data>/<task>/train.json), under --scoring:
+                    lenient (default), paper (the official code's generate_opr_ru.py rules) or trace (TRACE's)
        sc (OPR-SC): self-confidence = mean raw log-prob of the sampled tokens
      An empty (all-whitespace) response gets the lowest score: 0 for ru (the metric's minimum; TRACE's metrics
-     score empty predictions 0 too), -inf for sc (written as null).
+     score empty predictions 0 too; under --scoring paper/trace the metric alone decides, as in those sources),
+     -inf for sc (written as null).
   3. budget b = --budget, or round(rho * n) with --rho/--n (0.01 * 5000 = 50); split equally over the prior tasks,
-     remainder to the earliest tasks, each capped by its rollouts, shortfall moved to the others (data.replay.allocate)
+     remainder to the earliest tasks, each capped by its rollouts, shortfall moved to the others (data.replay.allocate).
+     --task-budgets T=K,... instead gives each task its own count (run.py --replay-budget per-task: rho times that
+     task's own training-set size), capped by its rollouts, no shortfall moved
   4. per task keep the b_task highest-scoring rollouts (ties broken by a seeded shuffle); --select low / random pick
      the lowest / a seeded random sample instead (ablations)
   5. write the buffer atomically as SFT examples {"prompt", "response"} (what train.py reads) plus task, idx, score,
@@ -30,6 +34,7 @@ SCORER = "ru"      # ru = task metric against gold, sc = mean log-prob
 RHO = 0.01         # buffer ratio: b = rho * n_next
 N_NEXT = 5000      # size of the next stage's training set
 SELECT = "top"     # keep the highest-scoring rollouts
+SCORING = "lenient"  # ru's metric convention: lenient | paper (official OPR code) | trace (TRACE's metrics.py)
 SEED = 0           # tie-breaking / random selection
 # -----------------------------------------------------------------------------------------------------------------
 
@@ -44,7 +49,12 @@ def parse_args(argv=None):
                         "(default: the embedded benchmark, as in rollout.py)")
     p.add_argument("--scorer", default=SCORER, choices=["ru", "sc"],
                    help="ru = task metric against the gold answer, sc = mean raw log-prob")
+    p.add_argument("--scoring", default=SCORING, choices=["lenient", "paper", "trace"],
+                   help="metric convention for ru: lenient reads the meant answer; paper = the official OPR code's "
+                        "rules; trace = TRACE's metrics.py (see data/metrics.py)")
     p.add_argument("--budget", type=int, default=None, help="total buffer size b (overrides --rho/--n)")
+    p.add_argument("--task-budgets", default=None,
+                   help="per-task counts 'TASK=K,TASK=K' instead of one split budget (each capped by its rollouts)")
     p.add_argument("--rho", type=float, default=None, help=f"buffer ratio (default {RHO}); b = rho * n")
     p.add_argument("--n", type=int, default=None, help=f"next stage's training-set size (default {N_NEXT})")
     p.add_argument("--tasks", default=None, help="comma-separated prior tasks in order (default: as in the file)")
@@ -55,7 +65,28 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.budget is not None and (args.rho is not None or args.n is not None):
         p.error("give either --budget or --rho/--n, not both")
+    if args.task_budgets is not None:
+        if args.budget is not None or args.rho is not None or args.n is not None:
+            p.error("give either --task-budgets or --budget / --rho/--n, not both")
+        args.task_budgets = parse_task_budgets(args.task_budgets, p.error)
     return args
+
+
+def parse_task_budgets(spec: str, error) -> dict:
+    """'C-STANCE=40,FOMC=25' -> {"C-STANCE": 40, "FOMC": 25}; a bad item -> error(message naming it)."""
+    from data.tasks import get_task
+    out = {}
+    for item in spec.split(","):
+        name, _, count = item.partition("=")
+        try:
+            get_task(name.strip())
+            k = int(count)
+            if k < 0:
+                raise ValueError(f"count must be >= 0, got {k}")
+        except ValueError as e:
+            error(f"--task-budgets: bad item {item!r} (want TASK=COUNT): {e}")
+        out[name.strip()] = k
+    return out
 
 
 def read_rollouts(path: Path) -> list[dict]:
@@ -86,8 +117,9 @@ def sc_score(r: dict) -> float:
     return sum(r["logprobs"]) / len(r["logprobs"])
 
 
-def ru_scores(records: list[dict], root: Path) -> list[float]:
-    """Task metric (0..100) of each response against the gold answer of its training record; 0 for empty."""
+def ru_scores(records: list[dict], root: Path, scoring: str = SCORING) -> list[float]:
+    """Task metric (0..100, convention `scoring`) of each response against the gold answer of its training record;
+    0 for an empty response under lenient scoring (paper / trace: whatever their metric gives)."""
     from data.metrics import score
     from data.trace import load_task
     gold = {}
@@ -102,7 +134,10 @@ def ru_scores(records: list[dict], root: Path) -> list[float]:
         if ex.prompt != r["prompt"]:
             raise ValueError(f"{r['_where']}: prompt differs from {root / r['task']}/train.json record {r['idx']} "
                              f"(rollouts from another data root?)")
-        out.append(0.0 if is_empty(r["response"]) else float(score(r["task"], r["response"], ex.answer, ex.prompt)))
+        if scoring == "lenient" and is_empty(r["response"]):
+            out.append(0.0)
+        else:
+            out.append(float(score(r["task"], r["response"], ex.answer, ex.prompt, scoring=scoring)))
     return out
 
 
@@ -130,15 +165,23 @@ def main(argv=None):
     if args.scorer == "ru":
         from data.embedded import ensure_embedded
         root = Path(args.data) if args.data is not None else ensure_embedded()
-        scores = ru_scores(records, root)
+        scores = ru_scores(records, root, args.scoring)
     else:
         scores = [sc_score(r) for r in records]
     by_task = {t: [i for i, r in enumerate(records) if r["task"] == t] for t in tasks}
 
-    # 3. budget and its split over the prior tasks
-    budget = args.budget if args.budget is not None else buffer_size(
-        RHO if args.rho is None else args.rho, N_NEXT if args.n is None else args.n)
-    alloc = allocate(budget, {t: len(ix) for t, ix in by_task.items()})
+    # 3. budget and its split over the prior tasks (or each task's own count)
+    if args.task_budgets is not None:
+        unknown = [t for t in args.task_budgets if t not in by_task]
+        if unknown or len(args.task_budgets) != len(by_task):
+            raise ValueError(f"--task-budgets names {', '.join(args.task_budgets)} but {rollout_path} (with --tasks) "
+                             f"holds rollouts of {', '.join(by_task)}")
+        alloc = {t: min(args.task_budgets[t], len(ix)) for t, ix in by_task.items()}
+        budget = sum(args.task_budgets.values())
+    else:
+        budget = args.budget if args.budget is not None else buffer_size(
+            RHO if args.rho is None else args.rho, N_NEXT if args.n is None else args.n)
+        alloc = allocate(budget, {t: len(ix) for t, ix in by_task.items()})
 
     # 4. selection within each task
     buffer, rows = [], []
@@ -150,6 +193,7 @@ def main(argv=None):
             r, s = records[i], scores[i]
             buffer.append({"prompt": r["prompt"], "response": r["response"], "task": t, "idx": r["idx"],
                            "score": s if math.isfinite(s) else None, "scorer": args.scorer, "select": args.select,
+                           "scoring": args.scoring if args.scorer == "ru" else None,
                            "source": str(rollout_path)})
         med = statistics.median(task_scores)
         passed = sum((s == 100.0) if args.scorer == "ru" else (s > med) for s in task_scores)
@@ -159,7 +203,9 @@ def main(argv=None):
     # 5. write (atomic), then report
     write_jsonl(out_path, buffer)
     passed_rule = "score == 100" if args.scorer == "ru" else "score > task median"
-    print(f"scorer={args.scorer} select={args.select} budget={budget} (passed: {passed_rule})")
+    print(f"scorer={args.scorer} select={args.select} budget={budget}"
+          f"{' (per task)' if args.task_budgets is not None else ''}"
+          f"{f' scoring={args.scoring}' if args.scorer == 'ru' else ''} (passed: {passed_rule})")
     print("| task | available | selected | min | median | max | passed | empty |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for t, n, k, lo, med, hi, passed, empty in rows:

@@ -63,7 +63,8 @@ def test_evaluate_script_end_to_end(ckpt, data_root):
     tasks = ["FOMC", "Py150", "NumGLUE-cm"]  # every task under --data, in TRACE order
     assert [t for t in TASK_ORDER if t in tasks] == tasks
 
-    assert set(summary) >= {"ckpt", "scores", "std_over_repeats", "n", "dropped_overlong", "temperature", "repeats"}
+    assert set(summary) >= {"ckpt", "scores", "std_over_repeats", "n", "dropped_overlong", "scoring", "temperature",
+                            "repeats"}
     assert summary["ckpt"] == str(ckpt) and summary["temperature"] == 1.0 and summary["repeats"] == 2
     for key in ("scores", "std_over_repeats", "n", "dropped_overlong"):
         assert list(summary[key]) == tasks, key
@@ -101,13 +102,21 @@ def test_evaluate_script_end_to_end(ckpt, data_root):
 
 
 def test_evaluate_is_reproducible(ckpt, data_root, tmp_path):
-    for name in ("a", "b"):
+    """The same seed gives the same predictions; --scoring only changes how they are scored (and is recorded)."""
+    for name, scoring in (("a", "lenient"), ("b", "trace")):
         evaluate("--ckpt", ckpt, "--data", data_root, "--tasks", "NumGLUE-cm,FOMC", "--max-new-tokens", "4",
-                 "--temperature", "1.0", "--seed", "3", "--out", tmp_path / name)
-    assert (tmp_path / "a" / "predictions.jsonl").read_text() == (tmp_path / "b" / "predictions.jsonl").read_text()
+                 "--temperature", "1.0", "--seed", "3", "--out", tmp_path / name, "--scoring", scoring)
+    a, b = read_predictions(tmp_path / "a"), read_predictions(tmp_path / "b")
+    assert [{k: v for k, v in x.items() if k != "score"} for x in a] == \
+        [{k: v for k, v in x.items() if k != "score"} for x in b]
+    for x, y in zip(a, b):
+        assert x["score"] == score(x["task"], x["prediction"], x["gold"], x["prompt"], scoring="lenient")
+        assert y["score"] == score(y["task"], y["prediction"], y["gold"], y["prompt"], scoring="trace")
     summary = json.loads((tmp_path / "a" / "scores.json").read_text())
     assert list(summary["scores"]) == ["NumGLUE-cm", "FOMC"]  # --tasks order is kept
     assert summary["repeats"] == 1 and summary["std_over_repeats"] == {"NumGLUE-cm": 0.0, "FOMC": 0.0}
+    assert summary["scoring"] == "lenient" and json.loads((tmp_path / "b" / "scores.json").read_text())["scoring"] == \
+        "trace"
 
 
 def test_overlong_test_examples_are_dropped_and_counted(ckpt, data_root, tmp_path):

@@ -131,6 +131,40 @@ def test_score_ru_picks_correct_rollouts(files, capsys):
     assert "| NumGLUE-cm | 5 | 2 | 0.000 | 0.000 | 100.000 | 2 | 0 |" in table
 
 
+def test_score_ru_scoring_conventions(files, capsys):
+    """--scoring reaches the RU metric: "The answer is 0." is right when read leniently, wrong under the official
+    code's rule (its last number string is "0.", not the gold "0") and under TRACE's (whole string != "0")."""
+    tmp, path = files
+    for scoring, numglue_passed in (("lenient", 2), ("paper", 0), ("trace", 0)):
+        buf = read(score.main(["--rollouts", str(path), "--data", str(tmp / "trace"), "--scorer", "ru", "--budget",
+                               "11", "--scoring", scoring, "--out", str(tmp / f"{scoring}.jsonl")]))
+        assert {b["scoring"] for b in buf} == {scoring}
+        numglue = {b["idx"]: b["score"] for b in buf if b["task"] == "NumGLUE-cm"}
+        assert numglue == {0: 100.0 * (numglue_passed > 0), 1: 100.0 * (numglue_passed > 0), 2: 0.0, 3: 0.0, 4: 0.0}
+        fomc = {b["idx"]: b["score"] for b in buf if b["task"] == "FOMC"}  # bare letters: the same in all three
+        assert fomc == {0: 100.0, 1: 0.0, 2: 100.0, 3: 0.0, 4: 100.0, 5: 0.0}
+        out = capsys.readouterr().out
+        best = "100.000" if numglue_passed else "0.000"
+        assert f"scoring={scoring}" in out and f"| NumGLUE-cm | 5 | 5 | 0.000 | 0.000 | {best} | {numglue_passed} | 0 |" in out
+
+
+def test_score_task_budgets_each_task_its_own_count(files):
+    tmp, path = files
+    buf = read(score.main(["--rollouts", str(path), "--data", str(tmp / "trace"), "--scorer", "ru",
+                           "--task-budgets", "FOMC=2,NumGLUE-cm=9", "--out", str(tmp / "b.jsonl")]))
+    # FOMC: 2 of its three right answers; NumGLUE-cm: capped at its 5 rollouts, nothing moves to FOMC
+    assert [b["task"] for b in buf] == ["FOMC"] * 2 + ["NumGLUE-cm"] * 5
+    assert {b["idx"] for b in buf if b["task"] == "FOMC"} <= {0, 2, 4}
+    with pytest.raises(ValueError, match="names FOMC but .* holds rollouts of FOMC, NumGLUE-cm"):
+        score.main(["--rollouts", str(path), "--scorer", "sc", "--task-budgets", "FOMC=2", "--out",
+                    str(tmp / "c.jsonl")])
+    with pytest.raises(SystemExit):
+        score.main(["--rollouts", str(path), "--scorer", "sc", "--task-budgets", "FOMC=2", "--budget", "3"])
+    with pytest.raises(SystemExit):
+        score.main(["--rollouts", str(path), "--scorer", "sc", "--task-budgets", "FOMC=x"])
+    assert not (tmp / "c.jsonl").exists()
+
+
 def test_score_sc_mean_logprob_and_empty_is_lowest(files):
     tmp, path = files
     out = score.main(["--rollouts", str(path), "--scorer", "sc", "--budget", "11", "--select", "low",
