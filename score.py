@@ -18,8 +18,17 @@
      task's own training-set size), capped by its rollouts, no shortfall moved
   4. per task keep the b_task highest-scoring rollouts (ties broken by a seeded shuffle); --select low / random pick
      the lowest / a seeded random sample instead (ablations)
-  5. write the buffer atomically as SFT examples {"prompt", "response"} (what train.py reads) plus task, idx, score,
-     scorer, select and source (the rollout file); nothing is written when any step fails
+  5. the buffer's loss bound (paper Eq. 3): per task, the per-token NLL l = -mean(logprobs) of each rollout under the
+     checkpoint that produced it (= -SC score; the sampled end-of-turn token counts, as training's loss does), its
+     mean and max (l_max) over the selected and over the rejected rollouts, and the Spearman rank correlation of
+     the RU and SC scores (the paper's assumption that task-correct rollouts are high-likelihood; RU needs the
+     gold answers, so with --scorer sc it is computed only when --data is given)
+  6. write the buffer atomically as SFT examples {"prompt", "response"} (what train.py reads) plus task, idx, score,
+     scorer, select and source (the rollout file), and the numbers of step 5 as <buffer stem>_stats.json:
+       {"scorer", "select", "budget", "spearman_ru_sc", "tasks": {task: {"n", "spearman_ru_sc",
+        "selected": {"n", "nll_mean", "nll_max", "token_nll_max"}, "rejected": {same}}}, "all": {"selected",
+        "rejected"}}          (null where a set is empty or a correlation undefined)
+     nothing is written when any step fails
 
 Task order (for the remainder) is --tasks when given, else the order of first appearance in the rollout file.
 The summary's "passed" column: ru -> score == 100 (exactly right); sc -> score above the task's median score.
@@ -89,6 +98,11 @@ def parse_task_budgets(spec: str, error) -> dict:
     return out
 
 
+def stats_path(buffer_path: Path) -> Path:
+    """Where the buffer's loss-bound summary goes: buffer.jsonl -> buffer_stats.json."""
+    return buffer_path.with_name(buffer_path.stem + "_stats.json")
+
+
 def read_rollouts(path: Path) -> list[dict]:
     """Rollout records, validated; each gets a "_where" ("<file>: record i (line n)") for later error messages."""
     from data.jsonl import read_records
@@ -141,9 +155,45 @@ def ru_scores(records: list[dict], root: Path, scoring: str = SCORING) -> list[f
     return out
 
 
+def spearman(xs, ys):
+    """Spearman rank correlation (Pearson on average ranks, so ties are handled); None when either side is constant
+    or has fewer than 2 values. -inf is a value like any other (the lowest)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r, i = [0.0] * len(v), 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    if len(xs) != len(ys):
+        raise ValueError(f"spearman: {len(xs)} vs {len(ys)} values")
+    if len(xs) < 2:
+        return None
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+
+
+def nll_stats(records: list[dict]) -> dict:
+    """Per-token NLL under the producing checkpoint: l = -mean(logprobs) per rollout; its mean and max over the
+    records, and the largest single-token NLL. Records without log-probs are skipped."""
+    rs = [r for r in records if r["logprobs"]]
+    if not rs:
+        return {"n": len(records), "nll_mean": None, "nll_max": None, "token_nll_max": None}
+    per = [-sum(r["logprobs"]) / len(r["logprobs"]) for r in rs]
+    return {"n": len(records), "nll_mean": sum(per) / len(per), "nll_max": max(per),
+            "token_nll_max": max(-x for r in rs for x in r["logprobs"])}
+
+
 def main(argv=None):
     args = parse_args(argv)
-    from data.jsonl import write_jsonl
+    from data.jsonl import write_json, write_jsonl
     from data.replay import allocate, buffer_size, select
     from data.tasks import parse_tasks
 
@@ -161,13 +211,13 @@ def main(argv=None):
     else:
         tasks = list(dict.fromkeys(r["task"] for r in records))
 
-    # 2. scores
-    if args.scorer == "ru":
+    # 2. scores (both, when the gold answers are at hand: step 5 correlates them)
+    sc = [sc_score(r) for r in records]
+    ru = None
+    if args.scorer == "ru" or args.data is not None:
         from data.embedded import ensure_embedded
-        root = Path(args.data) if args.data is not None else ensure_embedded()
-        scores = ru_scores(records, root, args.scoring)
-    else:
-        scores = [sc_score(r) for r in records]
+        ru = ru_scores(records, Path(args.data) if args.data is not None else ensure_embedded(), args.scoring)
+    scores = ru if args.scorer == "ru" else sc
     by_task = {t: [i for i, r in enumerate(records) if r["task"] == t] for t in tasks}
 
     # 3. budget and its split over the prior tasks (or each task's own count)
@@ -184,7 +234,7 @@ def main(argv=None):
         alloc = allocate(budget, {t: len(ix) for t, ix in by_task.items()})
 
     # 4. selection within each task
-    buffer, rows = [], []
+    buffer, rows, task_stats, picked = [], [], {}, set()
     for t in tasks:
         ix = by_task[t]
         task_scores = [scores[i] for i in ix]
@@ -195,21 +245,39 @@ def main(argv=None):
                            "score": s if math.isfinite(s) else None, "scorer": args.scorer, "select": args.select,
                            "scoring": args.scoring if args.scorer == "ru" else None,
                            "source": str(rollout_path)})
+        picked.update(chosen)
+        task_stats[t] = {"n": len(ix), "spearman_ru_sc": spearman([ru[i] for i in ix], [sc[i] for i in ix])
+                         if ru is not None else None,
+                         "selected": nll_stats([records[i] for i in chosen]),
+                         "rejected": nll_stats([records[i] for i in ix if i not in picked])}
         med = statistics.median(task_scores)
         passed = sum((s == 100.0) if args.scorer == "ru" else (s > med) for s in task_scores)
         rows.append((t, len(ix), len(chosen), min(task_scores), med, max(task_scores), passed,
                      sum(not records[i]["response"].strip() for i in ix)))
 
-    # 5. write (atomic), then report
+    # 5. the buffer's loss bound
+    stats = {"scorer": args.scorer, "select": args.select, "budget": budget,
+             "spearman_ru_sc": spearman(ru, sc) if ru is not None else None, "tasks": task_stats,
+             "all": {"selected": nll_stats([r for i, r in enumerate(records) if i in picked]),
+                     "rejected": nll_stats([r for i, r in enumerate(records) if i not in picked])}}
+
+    # 6. write (atomic), then report
     write_jsonl(out_path, buffer)
+    write_json(stats_path(out_path), stats)
     passed_rule = "score == 100" if args.scorer == "ru" else "score > task median"
     print(f"scorer={args.scorer} select={args.select} budget={budget}"
           f"{' (per task)' if args.task_budgets is not None else ''}"
           f"{f' scoring={args.scoring}' if args.scorer == 'ru' else ''} (passed: {passed_rule})")
-    print("| task | available | selected | min | median | max | passed | empty |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| task | available | selected | min | median | max | passed | empty | NLL/token selected mean | "
+          "selected max | rejected mean | Spearman RU-SC |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     for t, n, k, lo, med, hi, passed, empty in rows:
-        print(f"| {t} | {n} | {k} | {lo:.3f} | {med:.3f} | {hi:.3f} | {passed} | {empty} |")
+        st = task_stats[t]
+        print(f"| {t} | {n} | {k} | {lo:.3f} | {med:.3f} | {hi:.3f} | {passed} | {empty} | "
+              f"{fmt(st['selected']['nll_mean'])} | {fmt(st['selected']['nll_max'])} | "
+              f"{fmt(st['rejected']['nll_mean'])} | {fmt(st['spearman_ru_sc'])} |")
+    print(f"Spearman(RU, SC) over all rollouts: {fmt(stats['spearman_ru_sc'])}; buffer stats: {stats_path(out_path)}")
     print(f"wrote {len(buffer)} replay examples to {out_path}")
     return out_path
 

@@ -250,3 +250,67 @@ def test_score_ru_against_real_trace_gold(tmp_path):
     buf = read(score.main(["--rollouts", str(path), "--data", str(SHARED_TRACE), "--scorer", "ru", "--budget", "8",
                            "--out", str(tmp_path / "b.jsonl")]))
     assert len(buf) == 8 and all(b["score"] == 100.0 and b["response"] for b in buf)
+
+
+# --- the buffer's loss bound (Eq. 3) and the RU/SC rank correlation ------------------------------------------------
+
+def test_spearman_exact_values_and_ties():
+    assert score.spearman([1, 2, 3, 4], [10, 20, 30, 45]) == pytest.approx(1.0)
+    assert score.spearman([1, 2, 3, 4], [4, 3, 2, -math.inf]) == pytest.approx(-1.0)
+    assert score.spearman([5, 5, 5], [1, 2, 3]) is None and score.spearman([1], [2]) is None
+    # ties get average ranks: x ranks [1.5, 1.5, 3, 4], y ranks [1, 2, 3, 4] -> 4.5 / sqrt(4.5 * 5)
+    assert score.spearman([0, 0, 1, 2], [1, 2, 3, 4]) == pytest.approx(4.5 / math.sqrt(4.5 * 5))
+    scipy_stats = pytest.importorskip("scipy.stats")
+    xs, ys = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]
+    assert score.spearman(xs, ys) == pytest.approx(scipy_stats.spearmanr(xs, ys).statistic)
+
+
+def test_score_records_nll_bound_and_rank_correlation(files, capsys):
+    """Hand-checked: FOMC rollout i has l = 0.1 (i + 1) and is right on 0, 2, 4 (5 is empty); NumGLUE-cm rollout i
+    has logprobs [-0.5 + 0.1 i, -0.2], so l = 0.35 - 0.05 i, right on 0, 1."""
+    tmp, path = files
+    out = score.main(["--rollouts", str(path), "--data", str(tmp / "trace"), "--scorer", "ru", "--budget", "5",
+                      "--out", str(tmp / "buf.jsonl")])
+    stats = json.loads((tmp / "buf_stats.json").read_text())
+    assert score.stats_path(out) == tmp / "buf_stats.json"
+    assert stats["scorer"] == "ru" and stats["select"] == "top" and stats["budget"] == 5
+    fomc, ng = stats["tasks"]["FOMC"], stats["tasks"]["NumGLUE-cm"]
+    assert fomc["n"] == 6 and fomc["selected"]["n"] == 3 and fomc["rejected"]["n"] == 3
+    assert fomc["selected"]["nll_mean"] == pytest.approx(0.3) and fomc["selected"]["nll_max"] == pytest.approx(0.5)
+    assert fomc["selected"]["token_nll_max"] == pytest.approx(0.5)
+    assert fomc["rejected"]["nll_mean"] == pytest.approx(0.4) and fomc["rejected"]["nll_max"] == pytest.approx(0.6)
+    assert ng["selected"]["nll_mean"] == pytest.approx(0.325) and ng["selected"]["nll_max"] == pytest.approx(0.35)
+    assert ng["selected"]["token_nll_max"] == pytest.approx(0.5)
+    assert ng["rejected"]["nll_mean"] == pytest.approx(0.2) and ng["rejected"]["nll_max"] == pytest.approx(0.25)
+    assert ng["rejected"]["token_nll_max"] == pytest.approx(0.3)
+    # FOMC: RU ranks [4,1,4,1,4,1], SC ranks [5,4,3,2,1,0] (the empty one is -inf) -> 4.5 / sqrt(13.5 * 17.5)
+    assert fomc["spearman_ru_sc"] == pytest.approx(4.5 / math.sqrt(13.5 * 17.5))
+    # NumGLUE-cm: RU ranks [3.5,3.5,1,1,1], SC ranks [0,1,2,3,4] -> -7.5 / sqrt(7.5 * 10)
+    assert ng["spearman_ru_sc"] == pytest.approx(-7.5 / math.sqrt(75))
+    scipy_stats = pytest.importorskip("scipy.stats")
+    ru = [100, 0, 100, 0, 100, 0, 100, 100, 0, 0, 0]
+    sc = [max(score.sc_score(r), -1e9) for r in read(path)]  # the file's own floats: -0.3 may tie or not
+    assert stats["spearman_ru_sc"] == pytest.approx(scipy_stats.spearmanr(ru, sc).statistic)
+    assert stats["all"]["selected"]["n"] == 5 and stats["all"]["rejected"]["n"] == 6
+    assert stats["all"]["selected"]["nll_max"] == pytest.approx(0.5)
+    assert stats["all"]["rejected"]["nll_mean"] == pytest.approx((0.2 + 0.4 + 0.6 + 0.25 + 0.2 + 0.15) / 6)
+    assert "| FOMC | 6 | 3 | 0.000 | 50.000 | 100.000 | 3 | 1 | 0.300 | 0.500 | 0.400 | 0.293 |" in \
+        capsys.readouterr().out
+
+
+def test_score_low_selection_breaks_the_bound_and_sc_without_gold_has_no_correlation(files):
+    tmp, path = files
+    score.main(["--rollouts", str(path), "--scorer", "sc", "--budget", "4", "--select", "low",
+                "--out", str(tmp / "low.jsonl")])
+    stats = json.loads((tmp / "low_stats.json").read_text())
+    assert stats["spearman_ru_sc"] is None and stats["tasks"]["FOMC"]["spearman_ru_sc"] is None  # no --data
+    # lowest SC = highest l: FOMC keeps 5 (empty, l 0.6) and 4 (l 0.5); NumGLUE-cm keeps 0 and 1
+    assert stats["tasks"]["FOMC"]["selected"]["nll_mean"] == pytest.approx(0.55)
+    assert stats["tasks"]["FOMC"]["selected"]["nll_max"] == pytest.approx(0.6)
+    assert stats["tasks"]["FOMC"]["rejected"]["nll_max"] == pytest.approx(0.4)
+    assert stats["all"]["selected"]["nll_mean"] > stats["all"]["rejected"]["nll_mean"]
+    # sc with --data: the gold answers are read, so the correlation is there
+    score.main(["--rollouts", str(path), "--scorer", "sc", "--data", str(tmp / "trace"), "--budget", "4",
+                "--out", str(tmp / "top.jsonl")])
+    assert json.loads((tmp / "top_stats.json").read_text())["tasks"]["NumGLUE-cm"]["spearman_ru_sc"] == \
+        pytest.approx(-7.5 / math.sqrt(75))
