@@ -15,6 +15,11 @@ The algorithm, top to bottom:
      so gradients do not depend on world size, micro-batch split or packing
   4. AdamW, cosine decay to 0 with no warmup, grad-norm clip; optional SDFT term beta * KL to an EMA teacher
   5. periodic resumable training state; final weights as a Hugging Face checkpoint directory (--out)
+
+Records that carry a "source" field (the replay buffers score.py and run.py write) are replay examples, the others
+the stage's own task examples; when the mixture has both, each step's log also holds loss_task and loss_replay (each
+source's NLL per response token of that source) and target_tokens_replay, so that
+    loss * target_tokens == loss_task * (target_tokens - target_tokens_replay) + loss_replay * target_tokens_replay
 """
 import argparse
 import hashlib
@@ -106,7 +111,8 @@ def load_mixture(paths: list[str]) -> list[dict]:
     for path in paths:
         for r in read_records(path, required=("prompt",), any_of=("response", "answer")):
             response = r["response"] if isinstance(r.get("response"), str) else r["answer"]
-            records.append({"prompt": r["prompt"], "response": response})
+            # a record with a "source" (score.py's buffers, run.py's gold replay) is replay: its loss is logged apart
+            records.append({"prompt": r["prompt"], "response": response, "replay": "source" in r})
     return records
 
 
@@ -131,6 +137,16 @@ def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False)
     model.to_empty(device=device)
     load_into(model, ckpt_dir)
     return model
+
+
+def replay_split(examples, device):
+    """How a micro-batch's NLL splits by source: (None, 0) or (None, 1) when all its examples are task (0) or replay
+    (1) examples, else (a [1,T] bool mask of the replay tokens, None), so that only mixed micro-batches pay for it."""
+    flags = {e.replay for e in examples}
+    if len(flags) < 2:
+        return None, int(flags.pop()) if flags else 0
+    mask = torch.tensor([e.replay for e in examples for _ in e.ids], dtype=torch.bool, device=device)[None]
+    return mask, None
 
 
 def cosine(step: int, total: int) -> float:
@@ -208,6 +224,7 @@ def main(argv=None):
     if not examples:
         raise SystemExit(f"train.py: no example of {args.data} fits --max-len {args.max_len}")
     lengths = [len(e.ids) for e in examples]
+    has_replay = 0 < sum(e.replay for e in examples) < len(examples)  # log the loss per source
     steps = plan_steps(len(examples), args.global_batch, args.epochs, args.seed)
     total_steps = len(steps)  # the schedule always spans the whole plan, also when --max-steps stops early
     if args.max_steps is not None:
@@ -263,26 +280,33 @@ def main(argv=None):
         packed_slots += len(micro) * args.micro_tokens
         nll_sum = torch.zeros((), device=device)
         kl_sum = torch.zeros((), device=device)
+        src_sum = torch.zeros(2, device=device)  # NLL sums of task and replay examples
         for mb in micro:
             ids, pos, tgt, cu, max_len = collate([examples[i] for i in mb], device)
             kw = dict(cu_seqlens=cu, max_seqlen=max_len)
+            mask, slot = replay_split([examples[i] for i in mb], device) if has_replay else (None, 0)
             if teacher is None:
-                nll = model(ids, pos, labels=tgt, **kw)
-                loss = nll
+                nll = model(ids, pos, labels=tgt, replay_mask=mask, **kw)
             else:
                 with torch.no_grad():
                     t_hidden = teacher(ids, pos, return_hidden=True, **kw)[tgt != -100]
                 # FSDP leaves the root unit (lm_head) unsharded after a forward, so its full weight is at hand;
                 # the student computes both sides' log-probs chunk by chunk
                 t_weight = teacher.lm_head.weight
-                nll, kl = model(ids, pos, labels=tgt, teacher=(t_hidden, t_weight), kl_direction=args.sdft_kl, **kw)
-                loss = nll + args.sdft_beta * kl
+                nll, kl = model(ids, pos, labels=tgt, teacher=(t_hidden, t_weight), kl_direction=args.sdft_kl,
+                                replay_mask=mask, **kw)
                 kl_sum += kl.detach()
+            if mask is None:
+                src_sum[slot] += nll.detach()
+            else:  # a micro-batch of both sources: the forward returned (task, replay) sums
+                src_sum += nll.detach()
+                nll = nll.sum()
+            loss = nll if teacher is None else nll + args.sdft_beta * kl
             (loss / max(n_targets, 1)).backward()
             nll_sum += nll.detach()
-        sums = torch.stack([nll_sum, kl_sum])
+        sums = torch.cat([torch.stack([nll_sum, kl_sum]), src_sum])
         dist.all_reduce(sums)
-        train_loss, kl_mean = (sums / max(n_targets, 1)).tolist()
+        train_loss, kl_mean, task_nll, replay_nll = (sums / max(n_targets, 1)).tolist()
         if not math.isfinite(train_loss):
             raise SystemExit(f"train.py: non-finite loss {train_loss} at step {step + 1}; stopping. The last good "
                              f"training state (if any) is intact in {workdir / 'state'}")
@@ -308,6 +332,11 @@ def main(argv=None):
                   "mfu": step_tokens * flops_per_token / dt / peak / world}
         if teacher is not None:
             record["kl"] = kl_mean
+        if has_replay:  # per source: that source's NLL per response token of that source
+            n_replay = sum(examples[i].n_targets for i in batch if examples[i].replay)
+            record["loss_task"] = task_nll * n_targets / (n_targets - n_replay) if n_targets > n_replay else None
+            record["loss_replay"] = replay_nll * n_targets / n_replay if n_replay else None
+            record["target_tokens_replay"] = n_replay
         if rank == 0:
             with open(log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -18,27 +18,28 @@ IGNORE = -100
 class Example:
     ids: list[int]
     targets: list[int]  # targets[t] = ids[t+1] on response tokens, IGNORE elsewhere (already shifted)
+    replay: bool = False  # a replayed example (its record has a "source"), logged apart from the task's own
 
     @property
     def n_targets(self) -> int:
         return sum(t != IGNORE for t in self.targets)
 
 
-def sft_example(ids: list[int], labels: list[int]) -> Example:
+def sft_example(ids: list[int], labels: list[int], replay: bool = False) -> Example:
     """From unshifted labels (labels[t] = ids[t] on the response, IGNORE elsewhere) to shifted targets."""
-    return Example(ids, labels[1:] + [IGNORE])
+    return Example(ids, labels[1:] + [IGNORE], replay)
 
 
 def tokenize_sft(records, tok, max_len: int):
     """Chat-template each {"prompt","response"} record. Examples longer than max_len are dropped, never
-    truncated. Returns (examples, n_dropped)."""
+    truncated. A record's truthy "replay" field marks its example as replay. Returns (examples, n_dropped)."""
     examples, dropped = [], 0
     for r in records:
         ids, labels = tok.encode_sft(r["prompt"], r["response"])
         if len(ids) > max_len:
             dropped += 1
             continue
-        examples.append(sft_example(ids, labels))
+        examples.append(sft_example(ids, labels, bool(r.get("replay"))))
     return examples, dropped
 
 

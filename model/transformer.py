@@ -183,13 +183,15 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, position_ids, *, cu_seqlens=None, max_seqlen=None, labels=None, cache=None,
-                return_hidden=False, teacher=None, kl_direction="reverse"):
+                return_hidden=False, teacher=None, kl_direction="reverse", replay_mask=None):
         """input_ids, position_ids: [B,T] long. What comes back depends on the arguments:
 
         labels [B,T] (already shifted: labels[b,t] is the target of position t, -100 ignored)
             -> SUM of token NLL, fp32 scalar (the caller divides by the global token count);
             with teacher = (hidden [M,H], lm_head weight [V,H]) of a teacher at the M non-ignored positions
             -> (NLL sum, KL sum) for self-distillation (kernels.kl.chunked_kl);
+            with replay_mask [B,T] bool, the NLL sum comes as a [2] tensor: (sum over positions where the mask is
+            False, sum where it is True), each token still entering the loss kernel once (task vs replay loss);
         return_hidden -> final-normed hidden states [B,T,H]; otherwise -> logits [B,T,V].
         The loss is computed here, inside forward, so that under FSDP lm_head stays in the root unit.
         """
@@ -210,7 +212,12 @@ class Transformer(nn.Module):
         h = self.model.norm(x)
         if labels is not None:
             h, labels = h.flatten(0, 1), labels.flatten()
-            nll = fused_linear_cross_entropy(h, self.lm_head.weight, labels)
+            if replay_mask is None:
+                nll = fused_linear_cross_entropy(h, self.lm_head.weight, labels)
+            else:
+                m = replay_mask.flatten()
+                nll = torch.stack([fused_linear_cross_entropy(h[~m], self.lm_head.weight, labels[~m]),
+                                   fused_linear_cross_entropy(h[m], self.lm_head.weight, labels[m])])
             if teacher is None:
                 return nll
             return nll, chunked_kl(h[labels != -100], self.lm_head.weight, *teacher, kl_direction)

@@ -352,3 +352,38 @@ def test_sdft_runs_and_kl_starts_at_zero(ckpt, ref, tmp_path):
     assert abs(records[0]["loss"] - log(ref)[0]["loss"]) <= 1e-6 * records[0]["loss"]  # loss logs the NLL
     w, w0 = weights(out), weights(ref)
     assert any(not torch.allclose(w[k], w0[k]) for k in w), "beta > 0 must change the result"
+
+
+def test_loss_per_source_adds_up_and_changes_nothing_else(ckpt, ref, tmp_path):
+    """Records with a "source" are replay: the log splits each step's NLL into task and replay parts that add up to
+    the loss, step 1's parts equal a direct per-source computation, and the run's losses and weights are those of
+    the same data without the marks (the split is bookkeeping, not a different objective)."""
+    records = [json.loads(line) for line in (ckpt / "data.jsonl").read_text().splitlines()]
+    marked = [dict(r, source="gold") if i % 3 == 0 else r for i, r in enumerate(records)]
+    write_jsonl(tmp_path / "mix.jsonl", marked)
+    out = tmp_path / "mix"
+    train(ckpt, out, data=tmp_path / "mix.jsonl")
+    got, plain = log(out), log(ref)
+    assert len(got) == len(plain) == N_STEPS
+    for a, b in zip(got, plain):
+        n, nr = a["target_tokens"], a["target_tokens_replay"]
+        assert 0 < nr < n or a["loss_task"] is None or a["loss_replay"] is None
+        parts = (a["loss_task"] or 0) * (n - nr) + (a["loss_replay"] or 0) * nr
+        assert abs(parts - a["loss"] * n) <= 1e-5 * a["loss"] * n, a
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"] and "loss_task" not in b
+    assert_same_weights(weights(out), weights(ref), 1e-5)
+
+    # step 1 by hand: its batch really mixes both sources inside one micro-batch, and each part is that source's
+    # NLL per token under the initial weights
+    tok = ChatTokenizer.from_dir(ckpt)
+    examples, _ = tokenize_sft([dict(r, replay="source" in r) for r in marked], tok, MAX_LEN)
+    batch = plan_steps(len(examples), 8, 3, 0)[0]
+    micro = pack(batch, [len(e.ids) for e in examples], 96, 1)[0]
+    assert any(len({examples[i].replay for i in mb}) == 2 for mb in micro)
+    model = load_model(ckpt)
+    with torch.no_grad():
+        for flag, key in ((False, "loss_task"), (True, "loss_replay")):
+            mine = [examples[i] for i in batch if examples[i].replay == flag]
+            want = sum(model(*collate([e])[:2], labels=collate([e])[2]) for e in mine) / sum(e.n_targets for e in mine)
+            assert abs(got[0][key] - want.item()) <= 1e-5 * want.item(), key
+    assert got[0]["target_tokens_replay"] == sum(examples[i].n_targets for i in batch if examples[i].replay)
