@@ -11,12 +11,22 @@ Then, for all prompts at once:
      stopping at end-of-turn/EOS, seeded; keep each sampled token's RAW log-prob (log_softmax before temperature)
   4. write one JSONL line per rollout (atomically): task, idx (record number in the task's train file), prompt,
      response (decoded text, stop token removed), token_ids, logprobs, mean_logprob, num_tokens, finish_reason
+  5. log-prob agreement (--check-logprobs K, on by default): re-score K random rollouts with the training model's own
+     teacher-forced forward pass (our Transformer, in train.py's compute dtype) and compare its log-prob of every
+     sampled token with the engine's: mean and max |d| per token and a k3 estimate mean(exp(d) - 1 - d), d =
+     logp_trainer - logp_engine (>= 0, 0 iff they agree; Schulman's estimator of KL(engine || trainer) for tokens
+     drawn at temperature 1). OPR-SC ranks rollouts by these log-probs, and engines can disagree with the trainer
+     (vLLM in bf16 by up to ~0.3 nats on single tokens, vllm issue 18352), so a warning is printed when the mean
+     |d| exceeds LOGPROB_TOL_MEAN or the max exceeds LOGPROB_TOL_MAX
+  6. write <out stem>_summary.json: per-task counts, tokens, mean log-prob, and the numbers of step 5
 score.py then ranks the rollouts and builds the replay buffer for the next stage.
 
 Engine: vLLM on a GPU machine with vLLM installed, else the native KV-cache sampler (model/sampling.py). Without
 --data, the embedded synthetic 8-task benchmark (data/embedded.py) is generated once into a cache directory.
 """
 import argparse
+import math
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +40,9 @@ SEED = 0               # sampling seed
 ENGINE = "auto"        # vllm when CUDA + vllm are present, else native
 TP = 1                 # vLLM tensor-parallel size
 BATCH_SIZE = 32        # native engine batch size
+CHECK_LOGPROBS = 8     # rollouts re-scored by the trainer's forward pass (0 = no check)
+LOGPROB_TOL_MEAN = 0.01  # nats per token: warn above this mean |engine - trainer| (an SC score moves by at most it)
+LOGPROB_TOL_MAX = 0.5    # nats: warn when one token's log-prob is off by more (its probability by a factor 1.65)
 # -----------------------------------------------------------------------------------------------------------------
 
 
@@ -51,14 +64,44 @@ def parse_args(argv=None):
     p.add_argument("--max-train", type=int, default=MAX_TRAIN, help="per-task training subsample size")
     p.add_argument("--data-seed", type=int, default=DATA_SEED, help="seed of the training subsample")
     p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="native engine batch size")
+    p.add_argument("--check-logprobs", type=int, default=CHECK_LOGPROBS, metavar="K",
+                   help="re-score K random rollouts with the trainer's forward pass and compare log-probs (0 = off)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
+
+
+def summary_path(rollouts_path: Path) -> Path:
+    """rollouts.jsonl -> rollouts_summary.json"""
+    return rollouts_path.with_name(rollouts_path.stem + "_summary.json")
+
+
+def logprob_check(ckpt, prompts, outs, k: int, seed: int) -> dict:
+    """Step 5: the engine's log-probs of K random rollouts (seeded) against a teacher-forced forward pass of the
+    training model on the same tokens. Returns the numbers that go into the summary."""
+    import random
+
+    import torch
+
+    from model.checkpoint import load_model
+    from model.logprobs import response_stats
+    picked = sorted(random.Random(seed).sample(range(len(outs)), min(k, len(outs))))
+    cuda = torch.cuda.is_available()
+    model = load_model(ckpt, "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)  # train.py's dtype
+    trainer = response_stats(model, [(prompts[i], outs[i]["token_ids"]) for i in picked])
+    d = [t - e for i, s in zip(picked, trainer) for t, e in zip(s["logprobs"], outs[i]["logprobs"])]
+    n = max(len(d), 1)
+    res = {"k": len(picked), "tokens": len(d), "mean_abs_dlogp": sum(abs(x) for x in d) / n,
+           "max_abs_dlogp": max((abs(x) for x in d), default=0.0),
+           "k3_kl": sum(math.expm1(x) - x for x in d) / n, "tol_mean": LOGPROB_TOL_MEAN, "tol_max": LOGPROB_TOL_MAX,
+           "checked": picked}
+    res["warned"] = res["mean_abs_dlogp"] > LOGPROB_TOL_MEAN or res["max_abs_dlogp"] > LOGPROB_TOL_MAX
+    return res
 
 
 def main(argv=None):
     args = parse_args(argv)
     from data.embedded import ensure_embedded
-    from data.jsonl import write_jsonl
+    from data.jsonl import write_json, write_jsonl
     from data.tasks import parse_tasks
     from data.trace import load_filtered, tasks_in
     from model.checkpoint import load_config
@@ -96,9 +139,23 @@ def main(argv=None):
         records.append({"task": ex.task, "idx": ex.idx, "prompt": ex.prompt, "response": tok.decode_response(ids),
                         "token_ids": ids, "logprobs": lps, "mean_logprob": sum(lps) / len(lps) if lps else None,
                         "num_tokens": len(ids), "finish_reason": o["finish_reason"]})
-    write_jsonl(out_path, records)
+    # 5. engine vs trainer log-probs
+    check = logprob_check(ckpt, prompts, outs, args.check_logprobs, args.seed) if args.check_logprobs > 0 else None
 
+    # 6. outputs: rollouts, then the summary
     n_tok = sum(r["num_tokens"] for r in records)
+    summary = {"ckpt": str(ckpt), "engine": engine, "temperature": args.temperature,
+               "max_new_tokens": args.max_new_tokens, "seed": args.seed, "n": len(records), "tokens": n_tok,
+               "seconds": wall, "tasks": {}, "logprob_check": check}
+    for task in tasks:
+        rs = [r for r in records if r["task"] == task]
+        lps = [r["mean_logprob"] for r in rs if r["mean_logprob"] is not None]
+        summary["tasks"][task] = {"n": len(rs), "mean_tokens": sum(r["num_tokens"] for r in rs) / max(len(rs), 1),
+                                  "stopped": sum(r["finish_reason"] == "stop" for r in rs),
+                                  "mean_logprob": sum(lps) / len(lps) if lps else None}
+    write_jsonl(out_path, records)
+    write_json(summary_path(out_path), summary)
+
     print(f"{'task':<12} {'rollouts':>8} {'mean tokens':>11} {'stopped':>8} {'mean logprob':>12}")
     for task in tasks:
         rs = [r for r in records if r["task"] == task]
@@ -106,6 +163,14 @@ def main(argv=None):
             print(f"{task:<12} {len(rs):>8} {sum(r['num_tokens'] for r in rs) / len(rs):>11.1f} "
                   f"{sum(r['finish_reason'] == 'stop' for r in rs):>8} "
                   f"{sum(r['mean_logprob'] for r in rs) / len(rs):>12.3f}")
+    if check is not None:
+        print(f"log-prob check ({check['k']} rollouts, {check['tokens']} tokens, engine {engine} vs trainer): mean "
+              f"|d| {check['mean_abs_dlogp']:.2e}, max |d| {check['max_abs_dlogp']:.2e}, k3 KL {check['k3_kl']:.2e}")
+        if check["warned"]:
+            print(f"rollout.py: WARNING: the {engine} engine's log-probs disagree with the trainer's forward pass "
+                  f"(mean |d| {check['mean_abs_dlogp']:.3g} > {LOGPROB_TOL_MEAN} or max |d| "
+                  f"{check['max_abs_dlogp']:.3g} > {LOGPROB_TOL_MAX} nats); OPR-SC scores built on them are off by "
+                  f"as much", file=sys.stderr)
     print(f"wrote {len(records)} rollouts to {out_path} ({n_tok} tokens in {wall:.1f}s, "
           f"{n_tok / max(wall, 1e-9):.1f} tok/s, {len(records) / max(wall, 1e-9):.2f} prompts/s)")
     return out_path

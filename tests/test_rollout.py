@@ -344,3 +344,50 @@ def test_rollout_with_vllm_stand_in(monkeypatch, ckpt, data_root, tmp_path):
         assert x["logprobs"] == [-1.0 - i, -1.5 - i, -2.0 - i]
         assert x["response"] == tok.decode(x["token_ids"][:-1] if x["token_ids"][-1] in tok.stop_ids
                                            else x["token_ids"])
+
+
+# --- rollout.py --check-logprobs: engine vs trainer ----------------------------------------------------------------
+
+def test_check_logprobs_native_engine_agrees(ckpt, data_root, tmp_path, capsys):
+    import rollout
+    out = rollout.main(["--ckpt", str(ckpt), "--data", str(data_root), "--max-new-tokens", "6", "--engine", "native",
+                        "--temperature", "1.0", "--check-logprobs", "4", "--out", str(tmp_path / "r.jsonl"),
+                        "--quiet"])
+    summary = json.loads(rollout.summary_path(out).read_text())
+    check = summary["logprob_check"]
+    assert check["k"] == 4 and len(set(check["checked"])) == 4 and check["tokens"] >= 4
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert check["tokens"] == sum(rows[i]["num_tokens"] for i in check["checked"])
+    assert check["max_abs_dlogp"] <= 1e-4 and check["mean_abs_dlogp"] <= 1e-4 and abs(check["k3_kl"]) <= 1e-8
+    assert not check["warned"] and "WARNING" not in capsys.readouterr().err
+    assert summary["n"] == len(rows) == 9 and summary["tasks"]["FOMC"]["n"] == 5
+    # off: no check, no model load
+    out = rollout.main(["--ckpt", str(ckpt), "--data", str(data_root), "--max-new-tokens", "2", "--engine", "native",
+                        "--check-logprobs", "0", "--out", str(tmp_path / "r0.jsonl"), "--quiet"])
+    assert json.loads(rollout.summary_path(out).read_text())["logprob_check"] is None
+
+
+def test_check_logprobs_reports_and_warns_on_a_stand_in_engine_with_planted_errors(monkeypatch, ckpt, data_root,
+                                                                                  tmp_path, capsys):
+    """The stand-in is the native engine whose reported log-prob of every rollout's first token is 0.4 too high."""
+    import rollout
+    real = sampling.generate
+
+    def planted(*a, **kw):
+        outs = real(*a, **kw)
+        for o in outs:
+            o["logprobs"][0] += 0.4
+        return outs
+    monkeypatch.setattr(sampling, "generate", planted)
+    out = rollout.main(["--ckpt", str(ckpt), "--data", str(data_root), "--max-new-tokens", "5", "--engine", "native",
+                        "--temperature", "1.0", "--check-logprobs", "6", "--seed", "2", "--out",
+                        str(tmp_path / "r.jsonl"), "--quiet"])
+    check = json.loads(rollout.summary_path(out).read_text())["logprob_check"]
+    n = check["tokens"]
+    assert check["k"] == 6 and n > 6  # some rollouts have more than the one planted token
+    assert check["max_abs_dlogp"] == pytest.approx(0.4, abs=1e-4)
+    assert check["mean_abs_dlogp"] == pytest.approx(6 * 0.4 / n, abs=1e-4)
+    assert check["k3_kl"] == pytest.approx(6 * (math.exp(-0.4) - 1 + 0.4) / n, abs=1e-4)
+    assert check["warned"]  # mean 2.4 / n > 0.01 for any n this small
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "disagree with the trainer" in err
