@@ -16,9 +16,15 @@ Baselines: sft (no replay), mtl (stage i trains the base on tasks 1..i jointly: 
 beta * KL to an EMA teacher).
 
 Every step runs as a subprocess writing into a temporary directory that is renamed into runs/NAME/steps/ and
-recorded in manifest.json when it succeeds. Steps are keyed by a hash of everything they depend on, so identical
-work (e.g. stage 1 of every method) runs once, and re-running the same command continues where it stopped:
-killing it anywhere loses at most the steps in progress.
+recorded in manifest.json when it succeeds. A step's key hashes everything that changes its numbers: its settings,
+the keys of the steps it reads, the content of the files it reads (data files, the base checkpoint; digests cached
+by size and mtime) and the numerics (CPU threads per step, torch version). Identical work (e.g. stage 1 of every
+method) runs once, re-running the same command continues where it stopped (killing it anywhere loses at most the
+steps in progress), and an edited data file re-runs exactly the steps that read it.
+
+Determinism: results are a function of the command, its inputs and its seeds. Every CPU step runs with the same
+pinned thread count (THREADS below, or --threads, or the caller's explicit OMP_NUM_THREADS), whatever --jobs or
+the machine's core count, and the tiny base is always built single-threaded.
 """
 import argparse
 import hashlib
@@ -37,14 +43,19 @@ from tqdm import tqdm
 import rollout
 import train
 
+from data.digest import Digests
 from data.jsonl import read_records, write_json, write_jsonl
 from data.replay import allocate, buffer_size, select
 from data.tasks import get_task, parse_tasks
-from data.trace import filter_overlong, load_task
+from data.trace import filter_overlong, load_task, task_file
 from model.tokenizer import ChatTokenizer
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("sft", "replay", "opr-ru", "opr-sc", "opr-low", "opr-random", "mtl", "sdft")
+# CPU threads per step: float results depend on the thread count, so it is pinned (and part of every step's key)
+# rather than derived from the core count; 1 is also the fastest for the tiny model's small ops. Overridden by
+# --threads, or by an OMP_NUM_THREADS the caller set explicitly.
+THREADS = 1
 
 # ---- presets: the paper's setting and two CPU-sized ones --------------------------------------------------------
 # the paper's setting is the scripts' own defaults (train.py, rollout.py), not a second copy of them
@@ -87,7 +98,10 @@ def parse_args(argv=None):
     p.add_argument("--n-test", type=int, help="embedded benchmark: test examples per task")
     p.add_argument("--eval-limit", type=int, help="evaluate at most this many test prompts per task")
     p.add_argument("--sdft-beta", type=float, help="SDFT KL weight (default 0.5)")
-    p.add_argument("--jobs", type=int, help="steps run in parallel on CPU (default: 2; always 1 with GPUs)")
+    p.add_argument("--jobs", type=int, help="steps run in parallel on CPU (default: cores // threads; always 1 with "
+                                            "GPUs); never changes results")
+    p.add_argument("--threads", type=int, help=f"CPU threads per step (default: $OMP_NUM_THREADS if set, else "
+                                               f"{THREADS}); part of every step's key, since it changes float results")
     p.add_argument("--out", help="run directory (default: runs/<preset>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -100,17 +114,20 @@ def stable_hash(obj) -> str:
 class Pipeline:
     """A DAG of subprocess steps, executed with `jobs` in parallel, each committed atomically to the manifest."""
 
-    def __init__(self, run_dir: Path, jobs: int, env: dict, quiet: bool):
-        self.run_dir, self.jobs, self.env, self.quiet = run_dir, jobs, env, quiet
+    def __init__(self, run_dir: Path, jobs: int, env: dict, quiet: bool, numerics: dict):
+        self.run_dir, self.jobs, self.env, self.quiet, self.numerics = run_dir, jobs, env, quiet, numerics
         self.steps = {}  # key -> dict(kind, name, deps, build)
+        self.digests = Digests(run_dir / "digests.json")
         self.manifest_path = run_dir / "manifest.json"
         self.manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
         self.lock = threading.Lock()
 
-    def add(self, kind: str, name: str, spec: dict, deps: list[str], build) -> str:
+    def add(self, kind: str, name: str, spec: dict, deps: list[str], build, reads=()) -> str:
         """Register a step; `build(tmp_dir, dep_dirs) -> argv` writes its inputs and returns the command that
-        fills tmp_dir (or None when build itself produced the output). Returns the step key (identical specs -> identical keys -> run once)."""
-        key = f"{name}-{stable_hash([kind, spec, deps])}"
+        fills tmp_dir (or None when build itself produced the output). `spec` holds every setting that changes the
+        step's numbers, `deps` the steps whose outputs it reads, `reads` the other files and directories it reads
+        (their content goes into the key). Returns the step key (identical inputs -> identical keys -> run once)."""
+        key = f"{name}-{stable_hash([kind, spec, deps, self.numerics, self.digests.of(reads)])}"
         self.steps.setdefault(key, dict(kind=kind, deps=deps, build=build))
         return key
 
@@ -163,6 +180,8 @@ class Pipeline:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"run.py: --threads must be >= 1, got {args.threads}")
     preset = "paper" if args.model else (args.base or "tiny")
     cfg = dict(PRESETS[preset])
     for k in ("methods", "rho", "lr", "global_batch", "max_new_tokens", "n_train", "n_test", "eval_limit", "sdft_beta",
@@ -193,11 +212,18 @@ def main(argv=None):
                                      cfg["max_len"])[0] for t in tasks}
 
     gpus = args.gpus
-    jobs = 1 if gpus else (args.jobs or 2)  # steps on GPUs would contend for the same devices
-    env = dict(os.environ)
-    if not gpus:  # tiny CPU ops are far faster single-threaded; parallel steps share the cores
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // jobs))
-    pipe = Pipeline(run_dir, jobs, env, args.quiet)
+    threads = args.threads or pinned_threads(os.environ.get("OMP_NUM_THREADS"))
+    jobs = 1 if gpus else (args.jobs or max(1, (os.cpu_count() or 2) // threads))  # GPU steps share the devices
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    import torch
+    # everything besides the settings that changes float results: part of every step's key and of results.json
+    numerics = dict(threads=threads, torch=torch.__version__, gpus=gpus,
+                    device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+    pipe = Pipeline(run_dir, jobs, env, args.quiet, numerics)
+    base_files = [base]  # the base checkpoint: every chain starts from it, and gold replay uses its tokenizer
+
+    def files(split, task_list):
+        return [task_file(data_root, t, split) for t in task_list]
     engine = ["--engine", args.engine, "--tp", str(max(gpus, 1))]
     py = [sys.executable]
     trainer = args.launcher.split() if args.launcher else py if gpus <= 1 else [
@@ -206,14 +232,14 @@ def main(argv=None):
     common_data = ["--data", str(data_root), "--max-len", str(cfg["max_len"])]
     # what generation depends on (keys eval/rollout steps): not the method list or rho, so adding a method or a rho
     # to a run re-uses the evaluations and rollouts of the checkpoints it shares
-    gen_spec = dict(engine=engine, data=str(data_root), **{k: cfg[k] for k in (
+    gen_spec = dict(engine=engine, **{k: cfg[k] for k in (
         "temperature", "max_new_tokens", "max_len", "max_train", "eval_limit")})
 
     def train_step(prev, stage, task_list, buffer_key, seed, extra=(), n_epochs=None):
         name = f"s{stage}-train-{task_list[-1] if len(task_list) == 1 else 'joint'}"
         spec = dict(tasks=task_list, seed=seed, lr=cfg["lr"], gb=cfg["global_batch"], extra=list(extra),
                     ep=n_epochs or epochs[task_list[-1]], max_len=cfg["max_len"], mt=cfg["micro_tokens"],
-                    max_train=cfg["max_train"], data=str(data_root), base=None if prev else str(base))
+                    max_train=cfg["max_train"])
 
         def build(tmp, dirs):
             records = [{"prompt": e.prompt, "response": e.answer, "task": e.task, "idx": e.idx}
@@ -227,7 +253,8 @@ def main(argv=None):
                               "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
                               "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", "0",
                               "--quiet", *extra]
-        return pipe.add("train", name, spec, [d for d in (prev, buffer_key) if d], build)
+        return pipe.add("train", name, spec, [d for d in (prev, buffer_key) if d], build,
+                        reads=files("train", task_list) + ([] if prev else base_files))
 
     def eval_step(train_key, stage, task_list, seed):
         def build(tmp, dirs):
@@ -236,7 +263,7 @@ def main(argv=None):
                          "--tasks", ",".join(task_list), "--out", str(tmp / "eval"), "--seed", str(seed),
                          *gen, *engine, *limit]
         return pipe.add("eval", f"s{stage}-eval", dict(tasks=task_list, seed=seed, gen=gen_spec),
-                        [train_key], build)
+                        [train_key], build, reads=files("test", task_list))
 
     def opr_buffer(train_key, stage, prior, scorer, mode, seed, n_next, rho):
         def build_rollout(tmp, dirs):
@@ -244,14 +271,15 @@ def main(argv=None):
                          "--tasks", ",".join(prior), "--out", str(tmp / "rollouts.jsonl"), "--seed", str(seed),
                          "--max-train", str(cfg["max_train"]), *gen, *engine]
         r_key = pipe.add("rollout", f"s{stage}-rollout", dict(prior=prior, seed=seed, gen=gen_spec), [train_key],
-                         build_rollout)
+                         build_rollout, reads=files("train", prior))
 
         def build_score(tmp, dirs):
             return py + [str(HERE / "score.py"), "--rollouts", str(dirs[r_key] / "rollouts.jsonl"), "--data",
                          str(data_root), "--scorer", scorer, "--select", mode, "--rho", str(rho), "--n", str(n_next),
                          "--tasks", ",".join(prior), "--seed", str(seed), "--out", str(tmp / "buffer.jsonl")]
         return pipe.add("score", f"s{stage}-{scorer}-{mode}", dict(scorer=scorer, mode=mode, rho=rho, n=n_next,
-                                                                  seed=seed), [r_key], build_score)
+                                                                  seed=seed), [r_key], build_score,
+                        reads=files("train", prior))
 
     def gold_buffer(stage, prior, seed, n_next, rho):
         def build(tmp, dirs):
@@ -261,8 +289,8 @@ def main(argv=None):
                                                      "random", f"{seed}:{stage}:{t}")]
             write_jsonl(tmp / "buffer.jsonl", picked)
             return None
-        spec = dict(prior=prior, seed=seed, n=n_next, rho=rho, data=str(data_root), max_train=cfg["max_train"])
-        return pipe.add("replay", f"s{stage}-gold", spec, [], build)  # no deps: the data must be in its key
+        spec = dict(prior=prior, seed=seed, n=n_next, rho=rho, max_len=cfg["max_len"], max_train=cfg["max_train"])
+        return pipe.add("replay", f"s{stage}-gold", spec, [], build, reads=files("train", prior) + base_files)
 
     # plan every (rho, method, seed) chain
     runs = {}  # label -> seed -> list of (train_key, eval_key)
@@ -301,15 +329,26 @@ def main(argv=None):
     print(f"run.py: preset {preset}, base {base}, data {data_root}, tasks {','.join(tasks)}, methods "
           f"{','.join(runs)}, seeds {seeds}; {len(pipe.steps)} steps ({sum(pipe.done(k) for k in pipe.steps)} "
           f"already done) in {run_dir}", flush=True)
+    pipe.digests.save()
     t0 = time.time()
     pipe.execute()
 
-    results = collect(pipe, runs, tasks, dict(preset=preset, base=str(base), data=str(data_root), cfg=cfg))
+    results = collect(pipe, runs, tasks, dict(preset=preset, base=str(base), data=str(data_root), cfg=cfg,
+                                              numerics=numerics))
     write_json(run_dir / "results.json", results)
     from data.report import format_table, write_report
     write_report(results, run_dir)
     print(format_table(results))
     print(f"run.py: done in {time.time() - t0:.0f}s; report: {run_dir / 'report.md'}")
+
+
+def pinned_threads(omp_env) -> int:
+    """THREADS, or the caller's explicit OMP_NUM_THREADS."""
+    if not omp_env:
+        return THREADS
+    if not omp_env.strip().isdigit() or int(omp_env) < 1:
+        raise SystemExit(f"run.py: OMP_NUM_THREADS={omp_env!r} is not a positive integer; unset it or pass --threads N")
+    return int(omp_env)
 
 
 def epochs_per_task(spec, tasks) -> dict:

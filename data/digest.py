@@ -1,0 +1,66 @@
+"""Content digests of the files a pipeline step reads, so a step's key changes when its inputs change, not only
+when their paths do.
+
+    digests = Digests(run_dir / "digests.json")   # cache: path -> (size, mtime_ns, sha256)
+    digests.of([data_root / "FOMC" / "train.json", base_dir])  -> ["3f2a...", "9c1e..."]
+    digests.save()
+
+A file is hashed once; re-runs reuse the cached digest while its size and modification time are unchanged, so a
+7B checkpoint costs one read per run directory, not one per step. A directory's digest covers every file under it
+(relative path and content), in sorted order. The paths themselves are not part of a digest: moving the data
+elsewhere keeps every result.
+"""
+import hashlib
+import json
+from pathlib import Path
+
+from data.jsonl import write_json
+
+CHUNK = 1 << 22  # 4 MiB reads
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Digests:
+    def __init__(self, cache_path=None):
+        self.cache_path = Path(cache_path) if cache_path else None
+        self.cache = {}
+        if self.cache_path and self.cache_path.is_file():
+            try:
+                self.cache = json.loads(self.cache_path.read_text())
+            except ValueError:  # a damaged cache is only a lost speed-up
+                self.cache = {}
+
+    def file(self, path: Path) -> str:
+        st = path.stat()
+        key = str(path.resolve())
+        hit = self.cache.get(key)
+        if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
+            return hit[2]
+        digest = file_sha256(path)
+        self.cache[key] = [st.st_size, st.st_mtime_ns, digest]
+        return digest
+
+    def path(self, path) -> str:
+        """sha256 of a file, or of a directory's (relative path, file digest) list; a missing path is an error."""
+        path = Path(path)
+        if path.is_file():
+            return self.file(path)
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+            listing = [[str(p.relative_to(path)), self.file(p)] for p in files]
+            return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+        raise FileNotFoundError(f"{path}: not found (a pipeline step reads it)")
+
+    def of(self, paths) -> list[str]:
+        return [self.path(p) for p in paths]
+
+    def save(self):
+        if self.cache_path:
+            write_json(self.cache_path, self.cache)
