@@ -336,7 +336,7 @@ def main(argv=None):
     results = collect(pipe, runs, tasks, dict(preset=preset, base=str(base), data=str(data_root), cfg=cfg,
                                               numerics=numerics))
     write_json(run_dir / "results.json", results)
-    from data.report import format_table, write_report
+    from report import format_table, write_report
     write_report(results, run_dir)
     print(format_table(results))
     print(f"run.py: done in {time.time() - t0:.0f}s; report: {run_dir / 'report.md'}")

@@ -1,11 +1,11 @@
-"""data/report.py on a hand-made run: ACC/BWT and their spread over seeds equal hand-computed values exactly, the
+"""report.py on a hand-made run: ACC/BWT and their spread over seeds equal hand-computed values exactly, the
 tables show them, and every figure is a real PNG; single seed, no 'replay' method, a run in progress, bad input."""
 import copy
 import json
 
 import pytest
 
-from data.report import FIGURES, format_table, markdown_report, mean_loss_curves, summarize, write_report
+from report import FIGURES, format_table, markdown_report, mean_loss_curves, summarize, write_report
 
 TASKS = ["C-STANCE", "FOMC", "MeetingBank"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -143,3 +143,29 @@ def test_bad_results_name_the_field(tmp_path, mutate, where):
     with pytest.raises(ValueError, match=where):
         write_report(bad, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_command_line_rebuilds_the_report_from_results_json(tmp_path):
+    """`python report.py RUN_DIR` writes what write_report writes; a missing or broken results.json is one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "results.json").write_text(json.dumps(RESULTS))
+    p = subprocess.run([sys.executable, str(repo / "report.py"), str(tmp_path)], cwd=repo, capture_output=True,
+                       text=True)
+    assert p.returncode == 0, p.stderr
+    assert format_table(RESULTS) in p.stdout
+    assert (tmp_path / "report.md").read_text() == markdown_report(RESULTS, figures=list(FIGURES))
+    for name in FIGURES:
+        assert_png(tmp_path / name)
+    for content, says in [(None, "results.json: not found"), ("{", "results.json: not valid JSON"),
+                          (json.dumps({"tasks": []}), "results['tasks']")]:
+        bad = tmp_path / f"bad{len(says)}"
+        bad.mkdir()
+        if content is not None:
+            (bad / "results.json").write_text(content)
+        p = subprocess.run([sys.executable, str(repo / "report.py"), str(bad)], cwd=repo, capture_output=True,
+                           text=True)
+        assert p.returncode != 0 and "Traceback" not in p.stderr and says in p.stderr, p.stderr
+        assert p.stderr.count("\n") == 1 and not (bad / "report.md").exists()

@@ -28,7 +28,7 @@ import pytest
 from data.metrics import acc_bwt
 from data.metrics import score as metric
 from data.replay import allocate, buffer_size
-from data.report import FIGURES, format_table, summarize
+from report import FIGURES, format_table, summarize
 from data.trace import load_task
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,33 +1,47 @@
-"""The paper-style report of a continual-learning run: tables (Markdown) and figures (PNG) from run.py's results.
+"""report.py — the paper-style report of a continual-learning run: tables (Markdown) and figures (PNG).
 
-Input (results.json, JSON-serialisable):
+    python report.py runs/tiny            # rebuilds runs/tiny/report.md and its figures from runs/tiny/results.json
+
+run.py calls write_report() and format_table() at the end of every run; this script redoes that step alone, e.g.
+after a change to the report or on a results.json copied from another machine. Nothing is recomputed but the
+report: the numbers come from results.json only.
+
+results.json (written by run.py's collect; JSON):
 
     {"tasks": ["C-STANCE", "FOMC", ...],                    # stage order
-     "methods": {"replay": {"seeds": {"0": {"matrix": [[a00], [a10, a11], ...],   # matrix[i][j]: score (0..100)
-                                                                                   # of task j after stage i, j <= i
-                                            "loss_curves": [[loss per step of stage 0], ...]},   # optional
-                                      "1": {...}}},
-                 "opr-ru": {...}},
-     "meta": {...}}                                          # free-form, printed as-is
+     "methods": {label: {"seeds": {seed: run}}},            # label: a method, or "method@rho" in a rho sweep;
+                                                            # seed: the seed as a string ("0", "1", ...)
+     "meta": {...}}                                         # settings, printed as-is at the top of the report
+
+    run = {"matrix": [[a00], [a10, a11], ...],              # matrix[i][j]: score (0..100) of task j after stage i,
+                                                            # j <= i (ragged rows)
+           "loss_curves": [[loss per step of stage 0], ...]}  # optional
 
     summarize(results)        numbers: mean/std over seeds of ACC, BWT and the final per-task scores, mean matrix
     format_table(results)     the main table (Markdown; readable in a terminal), printed by run.py at the end
     markdown_report(results)  the whole report.md text
     write_report(results, out_dir) -> out_dir/report.md, plus the figures next to it
 
-ACC and BWT come from data.metrics.acc_bwt, once per seed; "std" is the population standard deviation over seeds
-(None with a single seed). A method may have fewer stages than there are tasks (a run in progress): its ACC/BWT
-then cover the stages it has, and the tasks it has not reached show as "-".
+ACC and BWT come from data.metrics.acc_bwt, once per seed; statistics over seeds come from data.stats. A method may
+have fewer stages than there are tasks (a run in progress): its ACC/BWT then cover the stages it has, and the tasks
+it has not reached show as "-".
+
+The file is organised in sections (numbers, tables and report text, figures and writing, command line): a new part
+of the report adds its numbers, its table and its figure to the matching sections and its fields to the schema
+above.
 """
+import argparse
 import json
 import math
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 from data.metrics import acc_bwt
+from data.stats import mean_std
 
 REFERENCE = "replay"  # the baseline of the "delta vs replay" figure
 FIGURES = {  # file name -> what it shows (paper figure)
@@ -78,11 +92,6 @@ def check_results(results) -> None:
             n_stages.add(len(matrix))
         if len(n_stages) > 1:
             raise ValueError(f"results['methods'][{m!r}]: seeds have different numbers of stages {sorted(n_stages)}")
-
-
-def mean_std(xs) -> dict:
-    """{"mean", "std"} of a list of numbers; std is the population std, None for a single value."""
-    return {"mean": statistics.fmean(xs), "std": statistics.pstdev(xs) if len(xs) > 1 else None}
 
 
 def summarize(results) -> dict:
@@ -352,3 +361,32 @@ def write_report(results, out_dir) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir / "report.md"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", help="run directory holding results.json (run.py --out); report.md and the figures "
+                                   "are written next to it")
+    args = p.parse_args(argv)
+    path = Path(args.run_dir) / "results.json"
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SystemExit(f"report.py: {path}: not found (is {args.run_dir} a run.py --out directory?)")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"report.py: {path}: not valid JSON ({e})")
+    try:
+        md = write_report(results, args.run_dir)
+    except ValueError as e:
+        raise SystemExit(f"report.py: {path}: {e}")
+    print(format_table(results))
+    print(f"report.py: wrote {md}", file=sys.stderr)
+    return md
+
+
+if __name__ == "__main__":
+    main()
