@@ -4,14 +4,20 @@
     python run.py --base smollm2                          # SmolLM2-135M-Instruct, budgets sized for CPU
     python run.py --model DIR --data TRACE_ROOT --gpus 8  # the paper's setting (bf16, flash-attn, liger, vLLM)
 
+Row 0 = evaluate.py(base) on the test split of every task (once per base and seed, shared by all methods).
 For each method and seed, stage i = 1..N:
     mixture_i = train split of task i  (+ the replay buffer built after stage i-1)
     ckpt_i    = train.py(ckpt_{i-1}, mixture_i)                       [torchrun when --gpus > 1]
     row i     = evaluate.py(ckpt_i) on the test split of tasks 1..i   -> accuracy matrix a(i, j)
-    buffer    = replay: rho * n_{i+1} gold examples of tasks 1..i, split evenly
+                (and of task i+1, not yet trained on: a(i, i+1) for FWT)
+    buffer    = replay: b gold examples of tasks 1..i
                 opr-*:  rollout.py(ckpt_i) on the training prompts of tasks 1..i, then
                         score.py keeps the top (opr-ru: task metric, opr-sc: mean log-prob), the lowest
-                        (opr-low) or a random subset (opr-random) of rho * n_{i+1}
+                        (opr-low) or a random subset (opr-random) of b
+    b         = --replay-budget total (default): rho * n_{i+1} (rounded half up) split evenly over tasks 1..i,
+                n_{i+1} = task i+1's training subsample size (5,000 on TRACE) BEFORE the over-long filter, as the
+                official code's int(5000 * rho); per-task: rho * n_j of each prior task j (TRACE's
+                past_task_ratio), each capped by what the task has
 Baselines: sft (no replay), mtl (stage i trains the base on tasks 1..i jointly: the upper bound), sdft (SFT +
 beta * KL to an EMA teacher).
 
@@ -45,7 +51,7 @@ import train
 
 from data.digest import Digests
 from data.jsonl import read_records, write_json, write_jsonl
-from data.replay import allocate, buffer_size, select
+from data.replay import replay_budget, replay_counts, select
 from data.tasks import get_task, parse_tasks
 from data.trace import filter_overlong, load_task, task_file
 from model.tokenizer import ChatTokenizer
@@ -62,15 +68,18 @@ THREADS = 1
 PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=train.LR, global_batch=train.GLOBAL_BATCH,
              max_len=train.MAX_LEN, micro_tokens=train.MICRO_TOKENS, max_new_tokens=rollout.MAX_NEW_TOKENS,
              temperature=rollout.TEMPERATURE, max_train=rollout.MAX_TRAIN, eval_limit=None,
+             eval_repeats=8,           # the official tools/eval.py: 8 samples per test prompt, scores averaged
+             scoring="paper",          # the official tools/eval.py rules (data/metrics.py); CPU presets: lenient
+             replay_budget="total",    # the equal-budget comparison of the paper's budget table
              sdft_beta=0.5, epochs=None,  # epochs None: the task table's [5,3,7,5,3,5,5,7]
              n_train=128, n_test=32)      # sizes of the embedded benchmark when no --data is given
 PRESETS = {
     # tiny Llama on the embedded benchmark: 8 stages x 4 methods in minutes on 2 CPU cores
     "tiny": dict(PAPER, rho=0.2, lr=5e-4, global_batch=4, max_len=512, micro_tokens=4096, max_new_tokens=40,
-                 epochs="8"),
+                 epochs="8", eval_repeats=1, scoring="lenient"),
     # SmolLM2-135M-Instruct on the embedded benchmark, sized for CPU
     "smollm2": dict(PAPER, rho=0.2, lr=5e-5, global_batch=16, max_len=512, micro_tokens=4096, max_new_tokens=40,
-                    n_train=48, n_test=16, epochs="2"),
+                    n_train=48, n_test=16, epochs="2", eval_repeats=1, scoring="lenient"),
     "paper": PAPER,
 }
 # ------------------------------------------------------------------------------------------------------------------
@@ -94,9 +103,24 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, help="peak learning rate (default: per preset; paper 1e-5)")
     p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: per preset; paper 128)")
     p.add_argument("--max-new-tokens", type=int, help="generation budget (default: per preset; paper 512)")
-    p.add_argument("--n-train", type=int, help="embedded benchmark: training examples per task")
-    p.add_argument("--n-test", type=int, help="embedded benchmark: test examples per task")
-    p.add_argument("--eval-limit", type=int, help="evaluate at most this many test prompts per task")
+    p.add_argument("--n-train", type=int, help="embedded benchmark only: training examples per task it generates "
+                                                "(with --data use --max-train)")
+    p.add_argument("--n-test", type=int, help="embedded benchmark only: test examples per task it generates "
+                                               "(with --data use --eval-limit)")
+    p.add_argument("--max-train", type=int, help="per-task training subsample of a TRACE root (seeded; default "
+                                                  "5000 as in TRACE); also the n of the budget rule")
+    p.add_argument("--eval-limit", type=int, help="evaluate at most this many test prompts per task (the first ones "
+                                                  "that fit --max-len; TRACE's test splits hold up to 2,000)")
+    p.add_argument("--eval-repeats", type=int, help="sampled responses per test prompt, averaged (default: per "
+                                                    "preset; paper 8, CPU presets 1)")
+    p.add_argument("--scoring", choices=["lenient", "paper", "trace"],
+                   help="metric convention for evaluation and OPR-RU: lenient reads the meant answer, paper = the "
+                        "official OPR code's tools/eval.py, trace = TRACE's metrics.py (default: per preset; paper "
+                        "preset: paper, CPU presets: lenient)")
+    p.add_argument("--replay-budget", choices=["total", "per-task"],
+                   help="total: b = rho * n_next split over the prior tasks (the equal-budget comparison, "
+                        "default); per-task: rho times each prior task's own training-set size (TRACE's "
+                        "past_task_ratio), for replay and the OPR methods alike")
     p.add_argument("--sdft-beta", type=float, help="SDFT KL weight (default 0.5)")
     p.add_argument("--jobs", type=int, help="steps run in parallel on CPU (default: cores // threads; always 1 with "
                                             "GPUs); never changes results")
@@ -185,7 +209,7 @@ def main(argv=None):
     preset = "paper" if args.model else (args.base or "tiny")
     cfg = dict(PRESETS[preset])
     for k in ("methods", "rho", "lr", "global_batch", "max_new_tokens", "n_train", "n_test", "eval_limit", "sdft_beta",
-              "epochs"):
+              "epochs", "max_train", "eval_repeats", "scoring", "replay_budget"):
         if getattr(args, k, None) is not None:
             cfg[k] = getattr(args, k)
     methods = [m.strip() for m in str(cfg["methods"]).split(",")]
@@ -193,6 +217,12 @@ def main(argv=None):
         if m not in METHODS:
             raise SystemExit(f"run.py: unknown method {m!r} (known: {', '.join(METHODS)})")
     rhos = [float(r) for r in str(cfg["rho"]).split(",")]
+    if args.data and (args.n_train is not None or args.n_test is not None):
+        raise SystemExit("run.py: --n-train/--n-test size the embedded benchmark; with --data use --max-train "
+                         "(training subsample per task) and --eval-limit (test prompts per task)")
+    for k in ("max_train", "eval_repeats"):
+        if cfg[k] is not None and cfg[k] < 1:
+            raise SystemExit(f"run.py: --{k.replace('_', '-')} must be >= 1, got {cfg[k]}")
     seeds = [int(s) for s in args.seeds.split(",")]
     run_dir = Path(args.out or f"runs/{preset}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -205,11 +235,12 @@ def main(argv=None):
         n_train=cfg["n_train"], n_test=cfg["n_test"])
     tasks = parse_tasks(args.tasks)
     epochs = epochs_per_task(cfg["epochs"], tasks)
-    # the training examples that fit max_len, as train.py and rollout.py see them: gold replay draws from
-    # these too, and n_next counts them
+    # the training examples that fit max_len, as train.py and rollout.py see them: gold replay draws from these.
+    # The budget rule counts the subsample BEFORE that filter (5,000 per TRACE task), as the official code does
     tok = ChatTokenizer.from_dir(base)
-    train_sets = {t: filter_overlong(load_task(data_root, t, "train", max_train=cfg["max_train"]), tok.sft_length,
-                                     cfg["max_len"])[0] for t in tasks}
+    subsamples = {t: load_task(data_root, t, "train", max_train=cfg["max_train"]) for t in tasks}
+    train_sizes = {t: len(exs) for t, exs in subsamples.items()}
+    train_sets = {t: filter_overlong(exs, tok.sft_length, cfg["max_len"])[0] for t, exs in subsamples.items()}
 
     gpus = args.gpus
     threads = args.threads or pinned_threads(os.environ.get("OMP_NUM_THREADS"))
@@ -257,15 +288,25 @@ def main(argv=None):
                         reads=files("train", task_list) + ([] if prev else base_files))
 
     def eval_step(train_key, stage, task_list, seed):
+        """Row `stage` of the matrix: the checkpoint of `train_key` (None: the base model, row 0) on `task_list`."""
         def build(tmp, dirs):
             limit = ["--limit", str(cfg["eval_limit"])] if cfg["eval_limit"] else []
-            return py + [str(HERE / "evaluate.py"), "--ckpt", str(dirs[train_key] / "ckpt"), *common_data,
+            ckpt = dirs[train_key] / "ckpt" if train_key else base
+            return py + [str(HERE / "evaluate.py"), "--ckpt", str(ckpt), *common_data,
                          "--tasks", ",".join(task_list), "--out", str(tmp / "eval"), "--seed", str(seed),
-                         *gen, *engine, *limit]
-        return pipe.add("eval", f"s{stage}-eval", dict(tasks=task_list, seed=seed, gen=gen_spec),
-                        [train_key], build, reads=files("test", task_list))
+                         "--repeats", str(cfg["eval_repeats"]), "--scoring", cfg["scoring"], *gen, *engine, *limit]
+        spec = dict(tasks=task_list, seed=seed, gen=gen_spec, repeats=cfg["eval_repeats"], scoring=cfg["scoring"])
+        return pipe.add("eval", f"s{stage}-eval", spec, [train_key] if train_key else [], build,
+                        reads=files("test", task_list) + ([] if train_key else base_files))
 
-    def opr_buffer(train_key, stage, prior, scorer, mode, seed, n_next, rho):
+    def budget_args(prior, next_task, rho):
+        """(score.py flags, the budget) of the replay buffer built after the stage that trained prior[-1]."""
+        budget = replay_budget(cfg["replay_budget"], rho, prior, train_sizes, next_task)
+        if "per_task" in budget:
+            return ["--task-budgets", ",".join(f"{t}={k}" for t, k in budget["per_task"].items())], budget
+        return ["--budget", str(budget["total"])], budget
+
+    def opr_buffer(train_key, stage, prior, scorer, mode, seed, next_task, rho):
         def build_rollout(tmp, dirs):
             return py + [str(HERE / "rollout.py"), "--ckpt", str(dirs[train_key] / "ckpt"), *common_data,
                          "--tasks", ",".join(prior), "--out", str(tmp / "rollouts.jsonl"), "--seed", str(seed),
@@ -273,27 +314,33 @@ def main(argv=None):
         r_key = pipe.add("rollout", f"s{stage}-rollout", dict(prior=prior, seed=seed, gen=gen_spec), [train_key],
                          build_rollout, reads=files("train", prior))
 
+        flags, budget = budget_args(prior, next_task, rho)
+        scoring = ["--scoring", cfg["scoring"]]  # ru's metric (sc: only the RU-SC correlation in the stats)
+
         def build_score(tmp, dirs):
             return py + [str(HERE / "score.py"), "--rollouts", str(dirs[r_key] / "rollouts.jsonl"), "--data",
-                         str(data_root), "--scorer", scorer, "--select", mode, "--rho", str(rho), "--n", str(n_next),
+                         str(data_root), "--scorer", scorer, "--select", mode, *flags, *scoring,
                          "--tasks", ",".join(prior), "--seed", str(seed), "--out", str(tmp / "buffer.jsonl")]
-        return pipe.add("score", f"s{stage}-{scorer}-{mode}", dict(scorer=scorer, mode=mode, rho=rho, n=n_next,
-                                                                  seed=seed), [r_key], build_score,
-                        reads=files("train", prior))
+        return pipe.add("score", f"s{stage}-{scorer}-{mode}", dict(scorer=scorer, mode=mode, budget=budget,
+                                                                  seed=seed, scoring=cfg["scoring"]), [r_key],
+                        build_score, reads=files("train", prior))
 
-    def gold_buffer(stage, prior, seed, n_next, rho):
+    def gold_buffer(stage, prior, seed, next_task, rho):
+        _, budget = budget_args(prior, next_task, rho)
+
         def build(tmp, dirs):
-            counts = allocate(buffer_size(rho, n_next), {t: len(train_sets[t]) for t in prior})
+            counts = replay_counts(budget, {t: len(train_sets[t]) for t in prior})
             picked = [{"prompt": e.prompt, "response": e.answer, "task": t, "idx": e.idx, "source": "gold"}
                       for t in prior for e in select(train_sets[t], [0.0] * len(train_sets[t]), counts[t],
                                                      "random", f"{seed}:{stage}:{t}")]
             write_jsonl(tmp / "buffer.jsonl", picked)
             return None
-        spec = dict(prior=prior, seed=seed, n=n_next, rho=rho, max_len=cfg["max_len"], max_train=cfg["max_train"])
+        spec = dict(prior=prior, seed=seed, budget=budget, max_len=cfg["max_len"], max_train=cfg["max_train"])
         return pipe.add("replay", f"s{stage}-gold", spec, [], build, reads=files("train", prior) + base_files)
 
     # plan every (rho, method, seed) chain
     runs = {}  # label -> seed -> list of (train_key, eval_key)
+    row0 = {seed: eval_step(None, 0, tasks, seed) for seed in seeds}  # the base on every task, shared by all methods
     for rho in rhos:
         for method in methods:
             label = method if len(rhos) == 1 or method in ("sft", "mtl", "sdft") else f"{method}@{rho:g}"
@@ -307,23 +354,23 @@ def main(argv=None):
                         seen = tasks[:i + 1]
                         n_ep = round(sum(epochs[t] for t in seen) / len(seen))
                         t_key = train_step(None, i + 1, seen, None, seed, n_epochs=n_ep)
-                        chain.append((t_key, eval_step(t_key, i + 1, seen, seed)))
+                        chain.append((t_key, eval_step(t_key, i + 1, tasks[:i + 2], seed)))
                     runs[label][seed] = chain
                     continue
                 extra = ["--sdft-beta", str(cfg["sdft_beta"])] if method == "sdft" else []
                 prev, buffer_key = None, None
                 for i, task in enumerate(tasks):
                     t_key = train_step(prev, i + 1, [task], buffer_key, seed, extra)
-                    chain.append((t_key, eval_step(t_key, i + 1, tasks[:i + 1], seed)))
+                    chain.append((t_key, eval_step(t_key, i + 1, tasks[:i + 2], seed)))  # + task i+1, for FWT
                     prev, buffer_key = t_key, None
                     if i + 1 < len(tasks):
-                        n_next, prior = len(train_sets[tasks[i + 1]]), tasks[:i + 1]
+                        next_task, prior = tasks[i + 1], tasks[:i + 1]
                         if method == "replay":
-                            buffer_key = gold_buffer(i + 1, prior, seed, n_next, rho)
+                            buffer_key = gold_buffer(i + 1, prior, seed, next_task, rho)
                         elif method.startswith("opr-"):
                             scorer, mode = {"opr-ru": ("ru", "top"), "opr-sc": ("sc", "top"),
                                             "opr-low": ("ru", "low"), "opr-random": ("ru", "random")}[method]
-                            buffer_key = opr_buffer(t_key, i + 1, prior, scorer, mode, seed, n_next, rho)
+                            buffer_key = opr_buffer(t_key, i + 1, prior, scorer, mode, seed, next_task, rho)
                 runs[label][seed] = chain
 
     print(f"run.py: preset {preset}, base {base}, data {data_root}, tasks {','.join(tasks)}, methods "
@@ -333,8 +380,8 @@ def main(argv=None):
     t0 = time.time()
     pipe.execute()
 
-    results = collect(pipe, runs, tasks, dict(preset=preset, base=str(base), data=str(data_root), cfg=cfg,
-                                              numerics=numerics))
+    results = collect(pipe, runs, row0, tasks, dict(preset=preset, base=str(base), data=str(data_root), cfg=cfg,
+                                                    numerics=numerics, train_sizes=train_sizes))
     write_json(run_dir / "results.json", results)
     from report import format_table, write_report
     write_report(results, run_dir)
@@ -362,20 +409,31 @@ def epochs_per_task(spec, tasks) -> dict:
     return dict(zip(tasks, values))
 
 
-def collect(pipe: Pipeline, runs: dict, tasks: list, meta: dict) -> dict:
-    """results.json: per method and seed, the accuracy matrix (row i: tasks 1..i after stage i) and the
-    per-step training loss of every stage."""
+def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict) -> dict:
+    """results.json: per method and seed, the accuracy matrix (row i: tasks 1..i after stage i), row 0 (the base
+    on every task), next_task (a(i, i+1): task i+1 after stage i, before training on it), the continual-learning
+    metrics of data.metrics.cl_metrics, and the per-step training loss of every stage."""
+    from data.metrics import cl_metrics
+
+    def scores_of(key):
+        return json.loads((pipe.dir(key) / "eval" / "scores.json").read_text())["scores"]
+
     methods = {}
     for label, by_seed in runs.items():
         methods[label] = {"seeds": {}}
         for seed, chain in by_seed.items():
-            matrix, losses = [], []
-            for t_key, e_key in chain:
-                scores = json.loads((pipe.dir(e_key) / "eval" / "scores.json").read_text())["scores"]
-                matrix.append([scores[t] for t in tasks if t in scores])
+            matrix, next_task, losses = [], [], []
+            for i, (t_key, e_key) in enumerate(chain):
+                scores = scores_of(e_key)
+                matrix.append([scores[t] for t in tasks[:i + 1]])
+                if i + 1 < len(tasks):
+                    next_task.append(scores[tasks[i + 1]])
                 log = pipe.dir(t_key) / "ckpt" / "train_log.jsonl"
                 losses.append([json.loads(line)["loss"] for line in log.read_text().splitlines()])
-            methods[label]["seeds"][str(seed)] = {"matrix": matrix, "loss_curves": losses}
+            base_row = [scores_of(row0[seed])[t] for t in tasks]
+            methods[label]["seeds"][str(seed)] = {"matrix": matrix, "row0": base_row, "next_task": next_task,
+                                                  "cl_metrics": cl_metrics(matrix, base_row, next_task),
+                                                  "loss_curves": losses}
     return {"tasks": tasks, "methods": methods, "meta": meta}
 
 

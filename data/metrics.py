@@ -423,3 +423,62 @@ def acc_bwt(matrix):
         return acc, None
     bwt = sum(last[j] - matrix[j][j] for j in range(n - 1)) / (n - 1)
     return acc, bwt
+
+
+def _checked_numbers(name: str, values, n: int) -> list:
+    values = list(values)
+    if len(values) != n:
+        raise ValueError(f"{name}: {len(values)} entries, expected {n}")
+    for j, v in enumerate(values):
+        if v is None or not isinstance(v, (int, float)) or math.isnan(v):
+            raise ValueError(f"{name}: entry [{j}] is {v!r}, expected a number")
+    return values
+
+
+def forward_transfer(row0, next_task):
+    """FWT (Lopez-Paz & Ranzato 2017, with the base model as the reference b_i) = mean over i = 2..N of
+    a(i-1, i) - a(0, i): how much training on tasks 1..i-1 already helps task i, relative to the base.
+
+    row0[j]      = a(0, j+1), the base model on task j+1 (N entries)
+    next_task[k] = a(k+1, k+2), task k+2 after stage k+1, before training on it (N-1 entries)
+    None when N == 1.
+    """
+    n = len(row0)
+    row0 = _checked_numbers("forward_transfer: row0", row0, n)
+    next_task = _checked_numbers("forward_transfer: next_task", next_task, max(n - 1, 0))
+    if n < 2:
+        return None
+    return sum(next_task[k] - row0[k + 1] for k in range(n - 1)) / (n - 1)
+
+
+def forgetting(matrix) -> list:
+    """Per-task forgetting (Chaudhry et al. 2018): for each task j < N, the best score it had at any earlier stage
+    (stages j..N-1, 1-based) minus its final score. Positive = forgotten. N-1 entries (the last task has none)."""
+    acc_bwt(matrix)  # validates the lower triangle
+    n = len(matrix)
+    return [max(matrix[i][j] for i in range(j, n - 1)) - matrix[-1][j] for j in range(n - 1)]
+
+
+def overall_performance(matrix) -> float:
+    """TRACE's OP (Wang et al. 2023, eq. 1): OP_t = 1/t sum_{i<=t} R_{t,i} after the last stage t = N, i.e. the mean
+    of the final row; numerically our ACC (also the official OPR code's "overall accuracy")."""
+    return acc_bwt(matrix)[0]
+
+
+def bwt_over_all_tasks(matrix):
+    """BWT normalised as TRACE's eq. 2 and the official OPR code's tools/show_result.py: 1/N sum_{i<=N} (a(N, i) -
+    a(i, i)), the last task's zero term included, i.e. (N-1)/N times our BWT. None for N == 1."""
+    n = len(matrix)
+    bwt = acc_bwt(matrix)[1]
+    return None if bwt is None else bwt * (n - 1) / n
+
+
+def cl_metrics(matrix, row0=None, next_task=None) -> dict:
+    """Every continual-learning number of one run: acc, bwt (mean over i < N), bwt_trace (TRACE's / the official
+    code's 1/N normalisation), op (TRACE), fwt (None without row 0 and the next-task scores), forgetting (per task
+    j < N) and forgetting_mean (None for N == 1)."""
+    acc, bwt = acc_bwt(matrix)
+    forg = forgetting(matrix)
+    fwt = forward_transfer(row0, next_task) if row0 is not None and next_task is not None else None
+    return {"acc": acc, "bwt": bwt, "bwt_trace": bwt_over_all_tasks(matrix), "op": overall_performance(matrix),
+            "fwt": fwt, "forgetting": forg, "forgetting_mean": sum(forg) / len(forg) if forg else None}

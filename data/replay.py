@@ -7,11 +7,16 @@ examples). The paper's budget is b = rho * n_next: rho = 0.01 of the next stage'
     allocate(50, {"C-STANCE": 900, "FOMC": 900, "MeetingBank": 900})  # 17/17/16: remainder to the earliest
     allocate(50, {"C-STANCE": 5, "FOMC": 900, "MeetingBank": 900})    # 5/23/22: shortfall moves on
     chosen = select(range(len(scores)), scores, k=17, mode="top", seed=0)
+
+Two budget rules (`replay_budget`): "total" (the paper's equal-budget comparison: b = rho * n_next, with n_next the
+next task's training subsample size before the over-long filter, as the official code's int(5000 * rho), split by
+`allocate`) and "per-task" (a rho fraction of each prior task's own training set, TRACE's past_task_ratio).
 """
 import math
 import random
 
 SELECT_MODES = ("top", "low", "random")
+REPLAY_BUDGETS = ("total", "per-task")
 
 
 def buffer_size(rho: float, n: int) -> int:
@@ -72,3 +77,24 @@ def select(items, scores, k: int, mode: str = "top", seed: int | str = 0) -> lis
     rng.shuffle(order)  # the stable sort below keeps this shuffled order among equal scores
     order.sort(key=lambda i: scores[i], reverse=(mode == "top"))
     return [items[i] for i in order[:k]]
+
+
+def replay_budget(mode: str, rho: float, prior: list, sizes: dict, next_task: str) -> dict:
+    """The replay budget after the stage that trained prior[-1], before stage `next_task`.
+
+    sizes: task -> training subsample size (before the over-long filter: 5,000 per TRACE task).
+    total:    {"total": buffer_size(rho, sizes[next_task])}, to be split over `prior` by `allocate`
+    per-task: {"per_task": {t: buffer_size(rho, sizes[t]) for t in prior}}, each capped later by what t has
+    """
+    if mode == "total":
+        return {"total": buffer_size(rho, sizes[next_task])}
+    if mode == "per-task":
+        return {"per_task": {t: buffer_size(rho, sizes[t]) for t in prior}}
+    raise ValueError(f"unknown replay budget {mode!r}; choose one of {', '.join(REPLAY_BUDGETS)}")
+
+
+def replay_counts(budget: dict, available: dict) -> dict:
+    """Examples per prior task from a `replay_budget` and the candidates each task has (task -> count, in order)."""
+    if "per_task" in budget:
+        return {t: min(budget["per_task"][t], n) for t, n in available.items()}
+    return allocate(budget["total"], available)

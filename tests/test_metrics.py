@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from data.metrics import (METRICS, SCORINGS, acc_bwt, code_fuzz, fuzzywuzzy_ratio, last_number, letter_accuracy,
-                          literal_py150_postprocess, number_accuracy, pltrdy_rouge_l_f, py150_postprocess, rouge_l,
-                          sari, sari_metric, score, simplification_source)
+from data.metrics import (METRICS, SCORINGS, acc_bwt, bwt_over_all_tasks, cl_metrics, code_fuzz, forgetting,
+                          forward_transfer, fuzzywuzzy_ratio, last_number, letter_accuracy, literal_py150_postprocess,
+                          number_accuracy, overall_performance, pltrdy_rouge_l_f, py150_postprocess, rouge_l, sari,
+                          sari_metric, score, simplification_source)
 from data.tasks import TASK_ORDER, TASKS, parse_tasks
 
 
@@ -284,3 +285,37 @@ def test_acc_bwt_edge_cases():
     with pytest.raises(ValueError, match=r"\[1\]\[0\]"):
         acc_bwt([[1.0], [float("nan"), 2.0]])
     assert not math.isnan(acc_bwt([[1.0], [2.0, 3.0]])[1])
+
+
+# --- row 0, FWT, forgetting, TRACE's OP and BWT ------------------------------------------------------------------
+
+def test_cl_metrics_by_hand():
+    # 4 stages; task 1 peaks after stage 2, task 2 after stage 3, task 3 improves after its own stage
+    m = [[50.0],
+         [70.0, 60.0],
+         [40.0, 80.0, 30.0],
+         [45.0, 50.0, 35.0, 90.0]]
+    row0 = [10.0, 20.0, 30.0, 40.0]   # the base model on tasks 1..4
+    next_task = [25.0, 35.0, 60.0]     # a(1,2), a(2,3), a(3,4): the next task before training on it
+    got = cl_metrics(m, row0, next_task)
+    assert got["acc"] == got["op"] == pytest.approx((45 + 50 + 35 + 90) / 4)             # 55
+    assert got["bwt"] == pytest.approx(((45 - 50) + (50 - 60) + (35 - 30)) / 3)       # -10/3
+    assert got["bwt_trace"] == pytest.approx(((45 - 50) + (50 - 60) + (35 - 30) + 0) / 4)  # -2.5: TRACE's 1/N
+    assert got["fwt"] == pytest.approx(((25 - 20) + (35 - 30) + (60 - 40)) / 3)        # 10
+    # best earlier score (not the score right after the task's own stage) minus the final one
+    assert got["forgetting"] == pytest.approx([70 - 45, 80 - 50, 30 - 35])             # [25, 30, -5]
+    assert got["forgetting_mean"] == pytest.approx(50 / 3)
+    assert forgetting(m) == got["forgetting"] and overall_performance(m) == got["acc"]
+    assert forward_transfer(row0, next_task) == got["fwt"]
+    assert bwt_over_all_tasks(m) == got["bwt_trace"]
+
+
+def test_cl_metrics_edge_cases():
+    one = cl_metrics([[42.0]], [10.0], [])
+    assert one == {"acc": 42.0, "bwt": None, "bwt_trace": None, "op": 42.0, "fwt": None, "forgetting": [],
+                   "forgetting_mean": None}
+    assert cl_metrics([[1.0], [2.0, 3.0]])["fwt"] is None  # no row 0: no FWT
+    with pytest.raises(ValueError, match="next_task: 1 entries, expected 2"):
+        forward_transfer([1.0, 2.0, 3.0], [1.0])
+    with pytest.raises(ValueError, match=r"row0: entry \[1\]"):
+        forward_transfer([1.0, float("nan")], [1.0])

@@ -5,7 +5,10 @@ One uninterrupted run (module fixture) is checked artefact by artefact: the accu
 replay buffers (sizes per task from data.replay.allocate; gold answers for replay, the checkpoint's own rollouts
 ranked by the method's score for OPR), each stage's training mixture (task data + the previous stage's buffer), the
 content-keyed dedupe (stage 1 trained once for all four methods; a subset of methods re-run on a copy runs nothing),
-ACC/BWT in report.md against data.metrics.acc_bwt, and the PNG figures. A second run of the same command is
+ACC/BWT in report.md against data.metrics.acc_bwt, row 0 (the base on every task, one step shared by all methods)
+with the next-task scores and FWT / forgetting / OP, and the PNG figures. The paper preset (--model) scores with
+the official code's rules (--scoring paper); --eval-repeats 1 keeps the evaluation cheap. A per-task replay budget
+re-run (on a copy) checks the buffer sizes of --replay-budget per-task and that --eval-repeats reaches evaluate.py. A second run of the same command is
 SIGKILLed mid-pipeline (driver and every child), resumed, and must reproduce the first run exactly (results and
 every step's output) while keeping the steps finished before the kill. The pipeline runs twice in total (about a
 minute each on 2 CPU cores). lr 1e-4 keeps the model babbling (non-empty rollouts to rank) rather than collapsing to
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from data.metrics import acc_bwt
+from data.metrics import acc_bwt, cl_metrics
 from data.metrics import score as metric
 from data.replay import allocate, buffer_size
 from report import FIGURES, format_table, summarize
@@ -36,16 +39,16 @@ TASKS = ["C-STANCE", "Py150", "NumGLUE-cm"]  # Py150 (code_fuzz) gives graded, n
 METHODS = ["sft", "replay", "opr-ru", "opr-sc"]
 N_TRAIN, RHO, GLOBAL_BATCH = 8, 0.5, 4
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-# steps of the plan: train 1+4+4 (stage 1 shared), eval 1+4+4, gold buffers 2 (replay), rollouts 1+2 (stage 1
-# shared by opr-ru and opr-sc), score 2+2
-N_STEPS = {"train": 9, "eval": 9, "replay": 2, "rollout": 3, "score": 4}
+# steps of the plan: train 1+4+4 (stage 1 shared), eval 1+1+4+4 (row 0 and stage 1 shared), gold buffers 2
+# (replay), rollouts 1+2 (stage 1 shared by opr-ru and opr-sc), score 2+2
+N_STEPS = {"train": 9, "eval": 10, "replay": 2, "rollout": 3, "score": 4}
 
 
-def command(base: Path, out: Path, methods=",".join(METHODS)) -> list[str]:
+def command(base: Path, out: Path, methods=",".join(METHODS), *extra) -> list[str]:
     return [sys.executable, str(REPO / "run.py"), "--model", str(base), "--tasks", ",".join(TASKS),
             "--methods", methods, "--n-train", str(N_TRAIN), "--eval-limit", "4", "--epochs", "1",
             "--global-batch", str(GLOBAL_BATCH), "--lr", "1e-4", "--max-new-tokens", "6", "--rho", str(RHO),
-            "--jobs", "2", "--quiet", "--out", str(out)]
+            "--eval-repeats", "1", "--jobs", "2", "--quiet", "--out", str(out), *extra]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -115,6 +118,29 @@ def test_results_matrices_and_loss_curves(run_a):
     # stage 1 is the same step for every method: the same matrix row and the same loss curve
     first = [(r["seeds"]["0"]["matrix"][0], r["seeds"]["0"]["loss_curves"][0]) for r in results["methods"].values()]
     assert all(f == first[0] for f in first)
+    # the paper preset's protocol, recorded: the official code's scoring, the budget rule, our repeats override
+    cfg = results["meta"]["cfg"]
+    assert (cfg["scoring"], cfg["replay_budget"], cfg["eval_repeats"]) == ("paper", "total", 1)
+    assert results["meta"]["train_sizes"] == {t: N_TRAIN for t in TASKS}
+
+
+def test_row0_next_task_and_cl_metrics(run_a):
+    """Row 0 is one evaluation of the base on every task, shared by all methods; stage i also scores task i+1
+    (before training on it); FWT / forgetting / OP in results.json are data.metrics.cl_metrics of those."""
+    results = json.loads((run_a / "results.json").read_text())
+    (row0_dir,) = step_dirs(run_a, "s0-eval-*")
+    base_scores = json.loads((row0_dir / "eval" / "scores.json").read_text())
+    assert list(base_scores["scores"]) == TASKS and base_scores["scoring"] == "paper"
+    for m in METHODS:
+        run = results["methods"][m]["seeds"]["0"]
+        assert run["row0"] == [base_scores["scores"][t] for t in TASKS]
+        assert len(run["next_task"]) == len(TASKS) - 1
+        assert run["cl_metrics"] == cl_metrics(run["matrix"], run["row0"], run["next_task"])
+        assert run["cl_metrics"]["fwt"] is not None and len(run["cl_metrics"]["forgetting"]) == 2
+    # stage 1 (shared) scored task 2 once for everyone
+    assert len({tuple(results["methods"][m]["seeds"]["0"]["next_task"][:1]) for m in METHODS}) == 1
+    for d in step_dirs(run_a, "s2-eval-*"):
+        assert list(json.loads((d / "eval" / "scores.json").read_text())["scores"]) == TASKS
 
 
 def test_manifest_and_stage1_trained_once(run_a):
@@ -155,8 +181,8 @@ def test_replay_buffers_sizes_and_contents(run_a, train_sets):
 
             def expected(r):
                 g = gold[(r["task"], r["idx"])]
-                if name == "ru-top":
-                    return 0.0 if not r["response"].strip() else metric(r["task"], r["response"], g.answer, g.prompt)
+                if name == "ru-top":  # the paper preset: the official code's rules, empty responses included
+                    return metric(r["task"], r["response"], g.answer, g.prompt, scoring="paper")
                 return sum(r["logprobs"]) / len(r["logprobs"]) if r["response"].strip() else -math.inf
 
             for t in prior:
@@ -209,18 +235,42 @@ def test_report_acc_bwt_and_figures(run_a):
 
 def test_a_subset_of_methods_reuses_every_step(env, run_a):
     """Steps are keyed by content, not by the command line: re-running with fewer methods (on a copy of the run) finds
-    all 16 of their steps done (replay: 3 train, 3 eval, 2 gold; opr-sc: 2 more train and eval, 2 rollouts, 2 score)
-    and only re-collects the results."""
+    all 17 of their steps done (replay: 3 train, 3 eval, 2 gold; opr-sc: 2 more train and eval, 2 rollouts, 2 score;
+    row 0) and only re-collects the results."""
     out = env["root"] / "run_subset"
     shutil.copytree(run_a, out)
     p = subprocess.run(command(env["base"], out, methods="replay,opr-sc"), cwd=REPO, env=env["env"],
                        capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    assert re.search(r"; 16 steps \(16 already done\)", p.stdout), p.stdout[:2000]
+    assert re.search(r"; 17 steps \(17 already done\)", p.stdout), p.stdout[:2000]
     assert (out / "manifest.json").read_text() == (run_a / "manifest.json").read_text()  # nothing ran
     a = json.loads((run_a / "results.json").read_text())["methods"]
     b = json.loads((out / "results.json").read_text())["methods"]
     assert b == {m: a[m] for m in ("replay", "opr-sc")}
+
+
+def test_per_task_replay_budget_and_eval_repeats(env, run_a):
+    """--replay-budget per-task: after stage i each prior task contributes rho * its own size (4 of 8 here), so
+    stage 3's buffer holds 8, where the total budget held 4 split 2/2. Stage 1 training is re-used; evaluation
+    re-runs with --eval-repeats 2 (in the step key), which reaches evaluate.py."""
+    out = env["root"] / "run_per_task"
+    shutil.copytree(run_a, out)
+    p = subprocess.run(command(env["base"], out, "replay", "--replay-budget", "per-task", "--eval-repeats", "2"),
+                       cwd=REPO, env=env["env"], capture_output=True, text=True)
+    assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    assert re.search(r"; 9 steps \(1 already done\)", p.stdout), p.stdout[:2000]  # s1-train re-used
+    new = set(json.loads((out / "manifest.json").read_text())) - set(json.loads((run_a / "manifest.json").read_text()))
+    bufs = sorted((k for k in new if "-gold-" in k), key=lambda k: k[:2])
+    assert [Counter(r["task"] for r in read_jsonl(out / "steps" / k / "buffer.jsonl")) for k in bufs] == \
+        [{"C-STANCE": 4}, {"C-STANCE": 4, "Py150": 4}]
+    evals = [k for k in new if "-eval-" in k]
+    assert len(evals) == 4  # row 0 and stages 1-3
+    for k in evals:
+        assert json.loads((out / "steps" / k / "eval" / "scores.json").read_text())["repeats"] == 2
+        rows = read_jsonl(out / "steps" / k / "eval" / "predictions.jsonl")
+        assert sorted({r["repeat"] for r in rows}) == [0, 1]
+    cfg = json.loads((out / "results.json").read_text())["meta"]["cfg"]
+    assert (cfg["replay_budget"], cfg["eval_repeats"]) == ("per-task", 2)
 
 
 def test_kill_and_resume_reproduces_the_uninterrupted_run(env, run_a):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import score
-from data.replay import allocate, buffer_size, select
+from data.replay import allocate, buffer_size, replay_budget, replay_counts, select
 
 # --- allocation ----------------------------------------------------------------------------------------------------
 
@@ -44,6 +44,29 @@ def test_allocate_shortfall_moves_to_others():
 
 
 # --- selection -----------------------------------------------------------------------------------------------------
+
+
+def test_replay_budget_total_and_per_task():
+    # TRACE-like sizes: 5,000 subsampled per task (before the over-long filter); after the filter fewer remain
+    sizes = {"C-STANCE": 5000, "FOMC": 5000, "MeetingBank": 5000, "Py150": 5000}
+    after_filter = {"C-STANCE": 4990, "FOMC": 5000, "MeetingBank": 12}
+    prior = ["C-STANCE", "FOMC", "MeetingBank"]
+    # total: b = 0.01 * 5000 = 50 of the NEXT task's subsample (not of what survives the filter), split 17/17/16;
+    # MeetingBank has only 12 left after the filter, its shortfall of 4 moves to the others
+    total = replay_budget("total", 0.01, prior, sizes, "Py150")
+    assert total == {"total": 50}
+    assert replay_counts(total, after_filter) == {"C-STANCE": 19, "FOMC": 19, "MeetingBank": 12}
+    # per-task: 0.01 of EACH prior task's 5,000 = 50 each (150 in all); each capped by what it has, nothing moves
+    per_task = replay_budget("per-task", 0.01, prior, sizes, "Py150")
+    assert per_task == {"per_task": {"C-STANCE": 50, "FOMC": 50, "MeetingBank": 50}}
+    assert replay_counts(per_task, after_filter) == {"C-STANCE": 50, "FOMC": 50, "MeetingBank": 12}
+    # sizes that differ per task: total follows the next task, per-task each prior task's own
+    small = {"C-STANCE": 300, "FOMC": 800, "Py150": 1000}
+    assert replay_budget("total", 0.1, ["C-STANCE", "FOMC"], small, "Py150") == {"total": 100}
+    assert replay_budget("per-task", 0.1, ["C-STANCE", "FOMC"], small, "Py150") == \
+        {"per_task": {"C-STANCE": 30, "FOMC": 80}}
+    with pytest.raises(ValueError, match="unknown replay budget 'each'"):
+        replay_budget("each", 0.1, prior, sizes, "Py150")
 
 
 def test_select_top_low_random():
