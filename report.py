@@ -15,14 +15,19 @@ results.json (written by run.py's collect; JSON):
 
     run = {"matrix": [[a00], [a10, a11], ...],              # matrix[i][j]: score (0..100) of task j after stage i,
                                                             # j <= i (ragged rows)
+           "row0": [a(0, j) for every task],                # optional: the base model before stage 1
+           "next_task": [a(i, i+1) for i < N-1],            # optional: task i+1 after stage i, before training it
+           "cl_metrics": {...},                             # optional: data.metrics.cl_metrics (recomputed here)
            "loss_curves": [[loss per step of stage 0], ...]}  # optional
 
-    summarize(results)        numbers: mean/std over seeds of ACC, BWT and the final per-task scores, mean matrix
+    summarize(results)        numbers: mean/std over seeds of ACC, BWT, FWT, forgetting, TRACE's OP and 1/N BWT
+                              and the final per-task scores; the mean matrix with row 0 and next-task scores
     format_table(results)     the main table (Markdown; readable in a terminal), printed by run.py at the end
     markdown_report(results)  the whole report.md text
     write_report(results, out_dir) -> out_dir/report.md, plus the figures next to it
 
-ACC and BWT come from data.metrics.acc_bwt, once per seed; statistics over seeds come from data.stats. A method may
+ACC and BWT come from data.metrics.acc_bwt, FWT / per-task forgetting / TRACE's OP and 1/N BWT from
+data.metrics.cl_metrics (FWT needs row0 and next_task), once per seed; statistics over seeds come from data.stats. A method may
 have fewer stages than there are tasks (a run in progress): its ACC/BWT then cover the stages it has, and the tasks
 it has not reached show as "-".
 
@@ -40,16 +45,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-from data.metrics import acc_bwt
+from data.metrics import acc_bwt, cl_metrics
 from data.stats import mean_std
 
 REFERENCE = "replay"  # the baseline of the "delta vs replay" figure
 FIGURES = {  # file name -> what it shows (paper figure)
     "fig_matrix.png": "accuracy matrices: score of each task (column) after each stage (row)",
-    "fig_trajectories.png": "per-task score across stages, from the stage that trains it (paper Fig. 3)",
+    "fig_trajectories.png": "per-task score across stages, from the stage that trains it (paper Fig. 3); dotted: "
+                            "before it is trained (stage 0 = the base model)",
     "fig_loss.png": "training loss per step, each stage stretched to unit width (paper Fig. 4)",
     "fig_delta_vs_replay.png": f"final per-task score minus the '{REFERENCE}' method's (paper Fig. 5)",
     "fig_bwt_acc.png": "BWT vs ACC, one point per method (paper Fig. 1, right)",
+    "fig_forgetting.png": "per-task forgetting (best earlier score - final score) per method; FWT in the legend",
 }
 
 
@@ -86,6 +93,11 @@ def check_results(results) -> None:
             for i, row in enumerate(matrix):
                 if not isinstance(row, list) or len(row) < i + 1 or not all(_is_number(v) for v in row[:i + 1]):
                     raise ValueError(f"{where}['matrix'][{i}]: expected at least {i + 1} finite numbers, got {row!r}")
+            for key, want in (("row0", len(tasks)), ("next_task", len(matrix) - 1)):
+                vals = run.get(key)
+                if vals is not None and (not isinstance(vals, list) or len(vals) < want or
+                                         not all(_is_number(v) for v in vals)):
+                    raise ValueError(f"{where}[{key!r}]: expected at least {want} finite numbers, got {vals!r}")
             for i, curve in enumerate(run.get("loss_curves") or []):
                 if not isinstance(curve, list) or not all(_is_number(v) for v in curve):
                     raise ValueError(f"{where}['loss_curves'][{i}]: expected a list of finite numbers")
@@ -101,7 +113,10 @@ def summarize(results) -> dict:
      "acc": {"mean", "std"}, "bwt": {"mean", "std"},  # bwt mean/std None when n == 1
      "per_seed": {seed: {"acc", "bwt"}},
      "final": {task: {"mean", "std"}},                # last row, for the n tasks trained so far
-     "matrix": [[mean]] and "matrix_std": [[std]]}    # ragged like the input (row i has i+1 entries)
+     "matrix": [[mean]] and "matrix_std": [[std]],    # ragged like the input (row i has i+1 entries)
+     "fwt", "forgetting_mean", "op", "bwt_trace": {"mean", "std"},   # mean None where undefined (FWT: no row 0)
+     "forgetting": {task: {"mean", "std"}},           # the first n-1 tasks
+     "row0": [mean] or None, "next_task": [mean] or None}
     """
     check_results(results)
     tasks, out = results["tasks"], {}
@@ -111,6 +126,14 @@ def summarize(results) -> dict:
         n = len(matrices[0])
         per_seed = {s: dict(zip(("acc", "bwt"), acc_bwt(mx))) for s, mx in zip(seeds, matrices)}
         cells = [[mean_std([mx[i][j] for mx in matrices]) for j in range(i + 1)] for i in range(n)]
+        runs = [entry["seeds"][s] for s in seeds]
+        with_row0 = all(r.get("row0") is not None and r.get("next_task") is not None for r in runs)
+        cls = [cl_metrics(mx, r["row0"][:n] if with_row0 else None, r["next_task"][:n - 1] if with_row0 else None)
+               for mx, r in zip(matrices, runs)]
+
+        def over_seeds(key):
+            vals = [c[key] for c in cls]
+            return mean_std(vals) if all(v is not None for v in vals) else {"mean": None, "std": None}
         out[m] = {
             "seeds": seeds, "stages": n,
             "acc": mean_std([r["acc"] for r in per_seed.values()]),
@@ -119,6 +142,11 @@ def summarize(results) -> dict:
             "final": {tasks[j]: cells[n - 1][j] for j in range(n)},
             "matrix": [[c["mean"] for c in row] for row in cells],
             "matrix_std": [[c["std"] for c in row] for row in cells],
+            **{k: over_seeds(k) for k in ("fwt", "forgetting_mean", "op", "bwt_trace")},
+            "forgetting": {tasks[j]: mean_std([c["forgetting"][j] for c in cls]) for j in range(n - 1)},
+            "row0": [statistics.fmean(r["row0"][j] for r in runs) for j in range(len(tasks))] if with_row0 else None,
+            "next_task": [statistics.fmean(r["next_task"][i] for r in runs) for i in range(min(n, len(tasks) - 1))]
+            if with_row0 else None,
         }
     return out
 
@@ -136,14 +164,15 @@ def _fmt(ms: dict, with_std: bool = True) -> str:
 
 
 def format_table(results, summary=None) -> str:
-    """The main table: one row per method; ACC, BWT (mean ± std over seeds when there are several), then the final
-    score of each task (mean over seeds). Markdown, aligned so it also reads as plain text."""
+    """The main table: one row per method; ACC, BWT, FWT and mean forgetting (mean ± std over seeds when there are
+    several), then the final score of each task (mean over seeds). Markdown, aligned so it also reads as plain text."""
     summary = summary or summarize(results)
     tasks = results["tasks"]
-    header = ["method", "seeds", "ACC", "BWT"] + tasks
+    header = ["method", "seeds", "ACC", "BWT", "FWT", "forgetting"] + tasks
     rows = []
     for m, s in summary.items():
-        rows.append([m, str(len(s["seeds"])), _fmt(s["acc"]), _fmt(s["bwt"])] +
+        rows.append([m, str(len(s["seeds"])), _fmt(s["acc"]), _fmt(s["bwt"]), _fmt(s["fwt"]),
+                     _fmt(s["forgetting_mean"])] +
                     [_fmt(s["final"][t], with_std=False) if t in s["final"] else "-" for t in tasks])
     widths = [max(len(r[c]) for r in [header] + rows) for c in range(len(header))]
 
@@ -155,26 +184,62 @@ def format_table(results, summary=None) -> str:
 
 
 def matrix_table(tasks, s: dict) -> str:
-    """Markdown accuracy matrix of one method (mean over seeds): row i = after stage i, column j = task j."""
+    """Markdown accuracy matrix of one method (mean over seeds): row i = after stage i, column j = task j. With row 0
+    (the base model) and the next-task scores, row 0 leads and each row also shows task i+1 in parentheses (scored
+    before it was trained: the FWT entries)."""
     n = s["stages"]
-    lines = ["| after stage | " + " | ".join(tasks[:n]) + " |", "|---|" + "---:|" * n]
+    nxt = s.get("next_task")
+    cols = min(n + 1, len(tasks)) if nxt is not None else n
+    lines = ["| after stage | " + " | ".join(tasks[:cols]) + " |", "|---|" + "---:|" * cols]
+    if s.get("row0") is not None:
+        lines.append("| 0: base | " + " | ".join(f"{v:.2f}" for v in s["row0"][:cols]) + " |")
     for i, row in enumerate(s["matrix"]):
-        cells = [f"{v:.2f}" for v in row] + ["-"] * (n - i - 1)
+        cells = [f"{v:.2f}" for v in row]
+        if nxt is not None and i < len(nxt) and len(cells) < cols:
+            cells.append(f"({nxt[i]:.2f})")
+        cells += ["-"] * (cols - len(cells))
         lines.append(f"| {i + 1}: {tasks[i]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def transfer_table(tasks, summary) -> str:
+    """TRACE's conventions and per-task forgetting: OP (= ACC), BWT averaged over all N tasks (TRACE eq. 2 and the
+    official OPR code's show_result.py: (N-1)/N of BWT), and each task's best earlier score minus its final one."""
+    forg_tasks = tasks[:max(s["stages"] for s in summary.values()) - 1]
+    lines = ["| method | OP (TRACE) | BWT (TRACE, 1/N) | " + " | ".join(f"forgetting {t}" for t in forg_tasks) + " |",
+             "|---|---:|---:|" + "---:|" * len(forg_tasks)]
+    for m, s in summary.items():
+        cells = [_fmt(s["op"]), _fmt(s["bwt_trace"])] + [_fmt(s["forgetting"][t], with_std=False)
+                                                         if t in s["forgetting"] else "-" for t in forg_tasks]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def protocol_line(meta: dict) -> str:
+    """The settings that decide how a number was made, in words (from results.json meta.cfg)."""
+    cfg = (meta or {}).get("cfg") or {}
+    parts = [f"scoring {cfg['scoring']}" if cfg.get("scoring") else None,
+             f"{cfg['eval_repeats']} sample(s) per test prompt" if cfg.get("eval_repeats") else None,
+             f"replay budget {cfg['replay_budget']}" if cfg.get("replay_budget") else None,
+             f"training subsample {cfg['max_train']} per task" if cfg.get("max_train") else None,
+             f"at most {cfg['eval_limit']} test prompts per task" if cfg.get("eval_limit") else None]
+    parts = [x for x in parts if x]
+    return "- protocol: " + ("; ".join(parts) if parts else "not recorded")
 
 
 def markdown_report(results, summary=None, figures=()) -> str:
     """report.md: the main table with notes, each method's accuracy matrix, and links to `figures` (file names)."""
     summary = summary or summarize(results)
     tasks = results["tasks"]
-    out = ["# Continual SFT on " + ", ".join(tasks), ""]
+    out = ["# Continual SFT on " + ", ".join(tasks), "", protocol_line(results.get("meta"))]
     for k, v in (results.get("meta") or {}).items():
         out.append(f"- {k}: {v if isinstance(v, str) else json.dumps(v)}")
     n_seeds = sorted({len(s["seeds"]) for s in summary.values()})
     out += ["", "## Results", "", format_table(results, summary), "",
             "- ACC: mean final score over the tasks trained so far; BWT: mean over all but the last of them of "
-            "(final score - score right after training it); negative BWT = forgetting. Scores are 0..100.",
+            "(final score - score right after training it); negative BWT = forgetting. FWT: mean over tasks 2..N "
+            "of (score before training it, after the previous stage - the base model's score); forgetting: mean "
+            "over all but the last task of (best earlier score - final score). Scores are 0..100.",
             f"- Seeds per method: {', '.join(map(str, n_seeds))}; 'a ± b' = mean ± population std over seeds; "
             f"per-task columns are means."]
     partial = [m for m, s in summary.items() if s["stages"] < len(tasks)]
@@ -183,6 +248,7 @@ def markdown_report(results, summary=None, figures=()) -> str:
                    ", ".join(f"{m} ({summary[m]['stages']})" for m in partial) + "; their ACC/BWT cover those stages.")
     if REFERENCE not in summary:
         out.append(f"- No '{REFERENCE}' method, so no per-task comparison against it.")
+    out += ["", "## TRACE's conventions and per-task forgetting", "", transfer_table(tasks, summary)]
     out += ["", "## Accuracy matrices (mean over seeds)", ""]
     for m, s in summary.items():
         out += [f"### {m}", "", matrix_table(tasks, s), ""]
@@ -245,13 +311,18 @@ def plot_trajectories(tasks, summary, path: Path):
             x = [i + 1 for i in stages]
             y = [s["matrix"][i][j] for i in stages]
             (line,) = ax.plot(x, y, marker="o", ms=3, label=m)
+            if s.get("row0") is not None:  # before training it: the base (stage 0) and the previous stage
+                bx, by = [0], [s["row0"][j]]
+                if j > 0 and j - 1 < len(s["next_task"]):
+                    bx, by = [0, j], [s["row0"][j], s["next_task"][j - 1]]
+                ax.plot(bx + x[:1], by + y[:1], ls=":", marker=".", ms=3, color=line.get_color())
             sd = [s["matrix_std"][i][j] for i in stages]
             if sd[0] is not None:
                 ax.fill_between(x, [a - b for a, b in zip(y, sd)], [a + b for a, b in zip(y, sd)],
                                 color=line.get_color(), alpha=0.15, lw=0)
         ax.set_title(tasks[j], fontsize=9)
-        ax.set_xlim(0.5, n + 0.5)
-        ax.set_xticks(range(1, n + 1))
+        ax.set_xlim(-0.5, n + 0.5)
+        ax.set_xticks(range(0, n + 1))
         ax.set_xlabel("after stage", fontsize=8)
         ax.set_ylabel("score", fontsize=8)
     axes.flat[0].legend(fontsize=7)
@@ -329,6 +400,25 @@ def plot_bwt_acc(summary, path: Path):
     plt.close(fig)
 
 
+def plot_forgetting(tasks, summary, path: Path):
+    import numpy as np
+    plt = _plt()
+    shown = tasks[:max(s["stages"] for s in summary.values()) - 1]
+    width = 0.8 / max(1, len(summary))
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(shown)), 3.2))
+    for k, (m, s) in enumerate(summary.items()):
+        d = [s["forgetting"][t]["mean"] if t in s["forgetting"] else np.nan for t in shown]
+        fwt = f", FWT {s['fwt']['mean']:.1f}" if s["fwt"]["mean"] is not None else ""
+        ax.bar(np.arange(len(shown)) + (k - (len(summary) - 1) / 2) * width, d, width, label=f"{m}{fwt}")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(shown)), shown, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("best earlier - final score")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_report(results, out_dir) -> Path:
     """Write out_dir/report.md and its figures (see FIGURES). Everything is rendered in a temporary directory first and
     then moved into place, so a failure leaves the previous report untouched. A figure without data (no 'replay'
@@ -347,6 +437,7 @@ def write_report(results, out_dir) -> Path:
         plots["fig_delta_vs_replay.png"] = lambda p: plot_delta(tasks, summary, p)
     if any(s["bwt"]["mean"] is not None for s in summary.values()):
         plots["fig_bwt_acc.png"] = lambda p: plot_bwt_acc(summary, p)
+        plots["fig_forgetting.png"] = lambda p: plot_forgetting(tasks, summary, p)
 
     tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out_dir))
     try:

@@ -51,9 +51,11 @@ def test_tables_show_the_numbers():
     table = format_table(RESULTS)
     lines = table.splitlines()
     assert len(lines) == 4 and len({len(x) for x in lines}) == 1  # header, rule, 2 methods; aligned columns
-    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["method", "seeds", "ACC", "BWT", *TASKS]
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["method", "seeds", "ACC", "BWT", "FWT",
+                                                                   "forgetting", *TASKS]
     replay = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert replay == ["replay", "2", "69.00 ± 2.00", "-19.25 ± 0.25", "52.00", "63.50", "91.50"]
+    # no row 0 in RESULTS: no FWT; forgetting per seed ((80-50) + (70-61))/2 = 19.5, ((84-54) + (74-66))/2 = 19
+    assert replay == ["replay", "2", "69.00 ± 2.00", "-19.25 ± 0.25", "-", "19.25 ± 0.25", "52.00", "63.50", "91.50"]
     opr = [c.strip() for c in lines[3].strip("|").split("|")]
     assert opr[:4] == ["opr-ru", "2", "81.00 ± 2.00", "-2.00 ± 0.00"]
 
@@ -75,11 +77,11 @@ def assert_png(path):
     assert w > 100 and h > 100, (path, w, h)
 
 
-def test_write_report_writes_all_five_figures(tmp_path):
+def test_write_report_writes_all_six_figures(tmp_path):
     md_path = write_report(RESULTS, tmp_path)
     assert md_path == tmp_path / "report.md"
     md = md_path.read_text()
-    assert len(FIGURES) == 5
+    assert len(FIGURES) == 6
     for name in FIGURES:
         assert_png(tmp_path / name)
         assert f"]({name})" in md
@@ -120,11 +122,36 @@ def test_run_in_progress_and_no_loss_curves(tmp_path):
     assert s["seq"]["bwt"] == {"mean": None, "std": None} and s["seq"]["final"] == {"C-STANCE": {"mean": 90.0,
                                                                                                   "std": None}}
     row = [c.strip() for c in format_table(partial).splitlines()[3].strip("|").split("|")]
-    assert row == ["seq", "1", "90.00", "-", "90.00", "-", "-"]
+    assert row == ["seq", "1", "90.00", "-", "-", "-", "90.00", "-", "-"]
     md = write_report(partial, tmp_path).read_text()
     assert "Not all 3 stages finished for: replay (2), seq (1)" in md
     assert not (tmp_path / "fig_loss.png").exists()
     for name in ("fig_matrix.png", "fig_trajectories.png", "fig_delta_vs_replay.png", "fig_bwt_acc.png"):
+        assert_png(tmp_path / name)
+
+
+def test_row0_fwt_forgetting_op_and_protocol_header(tmp_path):
+    """A run with row 0 and the next-task scores (data.metrics.cl_metrics' hand-made matrix): FWT, per-task
+    forgetting, TRACE's OP and 1/N BWT in the summary, the tables and the figures; the protocol in the header."""
+    run = {"matrix": [[50.0], [70.0, 60.0], [40.0, 80.0, 30.0], [45.0, 50.0, 35.0, 90.0]],
+           "row0": [10.0, 20.0, 30.0, 40.0], "next_task": [25.0, 35.0, 60.0]}
+    four = TASKS + ["Py150"]
+    res = {"tasks": four, "methods": {"opr-ru": {"seeds": {"0": run}}},
+           "meta": {"cfg": {"scoring": "paper", "eval_repeats": 8, "replay_budget": "per-task", "max_train": 5000}}}
+    s = summarize(res)["opr-ru"]
+    assert s["fwt"]["mean"] == pytest.approx(10.0) and s["op"]["mean"] == s["acc"]["mean"] == 55.0
+    assert s["bwt_trace"]["mean"] == pytest.approx(-2.5) and s["forgetting_mean"]["mean"] == pytest.approx(50 / 3)
+    assert {t: v["mean"] for t, v in s["forgetting"].items()} == {"C-STANCE": 25.0, "FOMC": 30.0, "MeetingBank": -5.0}
+    assert s["row0"] == run["row0"] and s["next_task"] == run["next_task"]
+    row = [c.strip() for c in format_table(res).splitlines()[2].strip("|").split("|")]
+    assert row[:6] == ["opr-ru", "1", "55.00", "-3.33", "10.00", "16.67"]
+    md = write_report(res, tmp_path).read_text()
+    assert md.splitlines()[2] == ("- protocol: scoring paper; 8 sample(s) per test prompt; replay budget per-task; "
+                                  "training subsample 5000 per task")
+    assert "| opr-ru | 55.00 | -2.50 | 25.00 | 30.00 | -5.00 |" in md  # OP, TRACE's BWT, forgetting per task
+    assert "| 0: base | 10.00 | 20.00 | 30.00 | 40.00 |" in md
+    assert "| 1: C-STANCE | 50.00 | (25.00) | - | - |" in md and "| 3: MeetingBank | 40.00 | 80.00 | 30.00 | (60.00) |" in md
+    for name in ("fig_forgetting.png", "fig_trajectories.png"):
         assert_png(tmp_path / name)
 
 
@@ -136,6 +163,10 @@ def test_run_in_progress_and_no_loss_curves(tmp_path):
      r"\['opr-ru'\]\['seeds'\]\['0'\]\['matrix'\]\[1\]"),
     (lambda r: r["methods"]["replay"]["seeds"]["0"]["loss_curves"][1].append("x"), r"\['loss_curves'\]\[1\]"),
     (lambda r: r.__setitem__("tasks", []), r"results\['tasks'\]"),
+    (lambda r: r["methods"]["replay"]["seeds"]["0"].update(row0=[1.0, None, 3.0], next_task=[1.0, 2.0]),
+     r"\['replay'\]\['seeds'\]\['0'\]\['row0'\]"),
+    (lambda r: r["methods"]["replay"]["seeds"]["0"].update(row0=[1.0, 2.0, 3.0], next_task=[1.0]),
+     r"\['replay'\]\['seeds'\]\['0'\]\['next_task'\]: expected at least 2"),
 ])
 def test_bad_results_name_the_field(tmp_path, mutate, where):
     bad = copy.deepcopy(RESULTS)

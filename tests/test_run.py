@@ -225,10 +225,13 @@ def test_report_acc_bwt_and_figures(run_a):
         assert summary[m]["acc"]["mean"] == pytest.approx(acc) and summary[m]["bwt"]["mean"] == pytest.approx(bwt)
         row = next(line for line in report.splitlines() if line.startswith(f"| {m} "))
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[:4] == [m, "1", f"{acc:.2f}", f"{bwt:.2f}"], row
+        cl = results["methods"][m]["seeds"]["0"]["cl_metrics"]
+        assert cells[:6] == [m, "1", f"{acc:.2f}", f"{bwt:.2f}", f"{cl['fwt']:.2f}",
+                             f"{cl['forgetting_mean']:.2f}"], row
         final = results["methods"][m]["seeds"]["0"]["matrix"][-1]
-        assert cells[4:] == [f"{v:.2f}" for v in final], row
-    for name in FIGURES:  # all five apply: a replay method, loss curves, three stages
+        assert cells[6:] == [f"{v:.2f}" for v in final], row
+    assert "- protocol: scoring paper; 1 sample(s) per test prompt; replay budget total" in report
+    for name in FIGURES:  # all six apply: a replay method, loss curves, three stages
         assert (run_a / name).read_bytes()[:8] == PNG_MAGIC, name
         assert f"]({name})" in report
 
