@@ -27,9 +27,9 @@ results.json (written by run.py's collect; JSON):
     write_report(results, out_dir) -> out_dir/report.md, plus the figures next to it
 
 ACC and BWT come from data.metrics.acc_bwt, FWT / per-task forgetting / TRACE's OP and 1/N BWT from
-data.metrics.cl_metrics (FWT needs row0 and next_task), once per seed; statistics over seeds come from data.stats. A method may
-have fewer stages than there are tasks (a run in progress): its ACC/BWT then cover the stages it has, and the tasks
-it has not reached show as "-".
+data.metrics.cl_metrics (FWT needs row0 and next_task), once per seed; statistics over seeds come from data.stats.
+A method may have fewer stages than there are tasks (a run in progress): its ACC/BWT then cover the stages it has,
+and the tasks it has not reached show as "-".
 
 The file is organised in sections (numbers, tables and report text, figures and writing, command line): a new part
 of the report adds its numbers, its table and its figure to the matching sections and its fields to the schema

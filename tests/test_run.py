@@ -8,8 +8,8 @@ content-keyed dedupe (stage 1 trained once for all four methods; a subset of met
 ACC/BWT in report.md against data.metrics.acc_bwt, row 0 (the base on every task, one step shared by all methods)
 with the next-task scores and FWT / forgetting / OP, and the PNG figures. The paper preset (--model) scores with
 the official code's rules (--scoring paper); --eval-repeats 1 keeps the evaluation cheap. A per-task replay budget
-re-run (on a copy) checks the buffer sizes of --replay-budget per-task and that --eval-repeats reaches evaluate.py. A second run of the same command is
-SIGKILLed mid-pipeline (driver and every child), resumed, and must reproduce the first run exactly (results and
+re-run (on a copy) checks the buffer sizes of --replay-budget per-task and that --eval-repeats reaches evaluate.py.
+A second run of the same command is SIGKILLed mid-pipeline (driver and every child), resumed, and must reproduce the first run exactly (results and
 every step's output) while keeping the steps finished before the kill. The pipeline runs twice in total (about a
 minute each on 2 CPU cores). lr 1e-4 keeps the model babbling (non-empty rollouts to rank) rather than collapsing to
 empty answers.
