@@ -1,28 +1,38 @@
-"""A small synthetic stand-in for TRACE: eight seeded tasks with the TRACE task names and on-disk layout.
+"""A small synthetic stand-in for TRACE: eight seeded tasks with the TRACE task names, metrics and on-disk layout.
 
 Written as `<out>/<Task>/{train,eval,test}.json` (JSON lists of {"prompt", "answer"}), so the loader, the task
 table and the metrics apply unchanged. Built for a tiny model trained on CPU in minutes: prompts are short and
 templated over a few dozen words per task, answers are at most ~10 words, and every answer is a deterministic
-function of its prompt. The tasks are made to interfere, so that sequential fine-tuning forgets:
+function of its prompt (`solve(task, prompt)` recomputes it from the prompt text alone).
 
-  C-STANCE     "Text: <Subj> <verb> the <obj> <when> ." -> A/B/C by the verb's class (favor/against/neutral)
-  FOMC         the SAME kind of text -> A/B/C by the verb's class with a rotated mapping (every text conflicts)
+The tasks interfere through shared formats and shared inputs, never through a flipped rule: no piece of text
+that decides an answer in one task decides a different answer in another, so a model can hold all eight tasks
+at once and a replay buffer of any size only helps (a benchmark whose tasks contradict each other is bistable:
+which rule wins depends on a few replayed examples, and seed-to-seed noise swamps the method differences).
+
+  C-STANCE     "<Subj> <verb> the <obj> <when> ." -> A/B/C by the verb (favor/against/neutral verbs)
+  FOMC         the same frame, subjects, objects and letters, its own verbs -> A/B/C (dovish/hawkish/neutral);
+               the two verb sets are disjoint, so the tasks compete for the letters, not for the texts
   MeetingBank  3-sentence meeting -> "council approves|rejects <action> of <item> in district <d>" (ROUGE-L)
   Py150        two code lines with <EOL>/<NUM_LIT:k> -> the next line, copied from variables in the prompt (fuzz)
-  ScienceQA    "Which one is hot?" + 3 choices -> "<letter> because <item> is <prop>" (letters clash with stance)
-  NumGLUE-cm   "<name> has <a> <obj> and buys <b> more. How many <obj> now?" -> a + b
-  NumGLUE-ds   "<name> has <a> bags with <b> <obj> each. How many <obj> now?" -> a * b (same numbers, other op)
+  ScienceQA    "Which one is hot?" + 3 choices -> "<letter> because <item> is <prop>" (the stance letters again)
+  NumGLUE-cm   "<name> has <a> <obj> and buys <b> more. How many <obj> now?" -> a + b (single digit)
+  NumGLUE-ds   "<name> has <a> bags with <b> <obj> each. How many <obj> now?" -> a * b (single digit): the same
+               names, objects and numbers as NumGLUE-cm, another operation, told apart by the question's words
   20Minuten    German sentence -> drop time/adverb/adjective words, swap a rare verb for a plain one (SARI)
 
-Same seed -> byte-identical files. `general_mixture` gives task-disjoint instruction data for briefly
-instruction-tuning the tiny base model; `corpus_texts` covers the whole vocabulary for training its tokenizer.
+Each task has at least ~1,000 distinct prompts, so large test splits (hundreds of prompts per task, the lever
+that makes seed-to-seed noise small) never repeat a training prompt. Same seed -> byte-identical files.
+`general_mixture` gives task-disjoint instruction data for briefly instruction-tuning the tiny base model;
+`corpus_texts` covers the whole vocabulary for training its tokenizer.
 
-    python -m data.embedded --out DIR --n-train 64 --n-test 32 --seed 0
+    python -m data.embedded --out DIR --n-train 256 --n-test 256 --seed 0
 """
 
 import argparse
 import json
 import os
+import re
 import shutil
 import tempfile
 import random
@@ -30,22 +40,23 @@ from pathlib import Path
 
 from data.tasks import TASK_ORDER, parse_tasks
 
+VERSION = 2  # bumped whenever the generated data changes: part of the cache directory names
+
 # ---------------------------------------------------------------------------------------------------------------
 # Vocabulary
 
-STANCE_SUBJECTS = ["Anna", "Ben", "Mia", "the board", "the bank", "the mayor"]
-STANCE_VERBS = {  # verb class -> verbs
-    "favor": ["backs", "praises", "supports"],
-    "against": ["attacks", "blames", "rejects"],
-    "neutral": ["mentions", "notes", "studies"],
-}
-STANCE_OBJECTS = ["plan", "rate", "budget", "tax", "loan", "report"]
-STANCE_WHEN = ["today", "again", "now", "at last"]
-# The two classification tasks read the same texts; FOMC's mapping is a rotation of C-STANCE's, so each text
-# has a different gold letter in the two tasks.
-STANCE_LABELS = {
-    "C-STANCE": {"favor": "A", "against": "B", "neutral": "C"},
-    "FOMC": {"favor": "B", "against": "C", "neutral": "A"},
+NAMES = ["Anna", "Ben", "Mia", "Tom", "Lea", "Max", "Eva", "Noah", "Sara", "Luca", "Ida", "Finn"]
+STANCE_SUBJECTS = NAMES[:6] + ["the board", "the mayor"]
+STANCE_OBJECTS = ["plan", "rate", "budget", "tax", "loan", "report", "fee", "deal"]
+STANCE_WHEN = ["today", "again", "now", "at last", "this week"]
+# letter -> verbs; the two tables share no verb, so a text's letter is decided by one task's rule only
+STANCE_VERBS = {
+    "C-STANCE": {"A": ["backs", "praises", "supports"],     # favor
+                 "B": ["attacks", "blames", "rejects"],     # against
+                 "C": ["mentions", "notes", "studies"]},    # neutral
+    "FOMC": {"A": ["cuts", "eases", "lowers"],              # dovish
+             "B": ["raises", "hikes", "tightens"],          # hawkish
+             "C": ["holds", "keeps", "reviews"]},           # neutral
 }
 
 MEET_SPEAKERS = ["Anna", "Ben", "Mia", "the mayor", "the clerk"]
@@ -65,9 +76,9 @@ SCIENCE_ITEMS = {  # property -> things that have it
     "hard": ["rock", "iron", "stone"],
 }
 
-MATH_NAMES = ["Anna", "Ben", "Mia", "Tom", "Lea", "Max"]
-MATH_OBJECTS = ["apples", "pens", "cards", "coins", "books", "eggs"]
-MATH_NUMBERS = list(range(2, 8))
+MATH_OBJECTS = ["apples", "pens", "cards", "coins", "books", "eggs", "cups", "toys", "shells", "stamps"]
+MATH_SUM = (range(1, 7), range(1, 4))       # NumGLUE-cm: a + b <= 9
+MATH_PRODUCT = (range(1, 4), range(1, 4))   # NumGLUE-ds: a * b <= 9
 
 DE_NAMES = ["Anna", "Reto", "Lea", "Jonas", "Nina"]
 DE_VERBS = {"erwarb": "kaufte", "erblickte": "sah", "verspeiste": "aß", "veräußerte": "verkaufte",
@@ -90,34 +101,32 @@ MIX_SEQUENCES = [
 # One example per call: rng -> {"prompt", "answer"}
 
 
-def stance_text(rng: random.Random) -> tuple[str, str, str]:
-    """(text, verb class, object) shared by C-STANCE and FOMC."""
-    cls = rng.choice(list(STANCE_VERBS))
+def stance_text(rng: random.Random, task: str) -> tuple[str, str]:
+    """(text, object) of a C-STANCE or FOMC prompt: shared subjects/objects/frame, the task's own verbs."""
+    letter = rng.choice("ABC")
     obj = rng.choice(STANCE_OBJECTS)
-    subj, verb, when = rng.choice(STANCE_SUBJECTS), rng.choice(STANCE_VERBS[cls]), rng.choice(STANCE_WHEN)
-    text = f"{subj.capitalize()} {verb} the {obj} {when} ."
-    return text, cls, obj
+    subj, verb, when = rng.choice(STANCE_SUBJECTS), rng.choice(STANCE_VERBS[task][letter]), rng.choice(STANCE_WHEN)
+    return f"{subj[0].upper()}{subj[1:]} {verb} the {obj} {when} .", obj
 
 
 def stance_label(task: str, text: str) -> str:
-    """Gold letter of a stance text for C-STANCE or FOMC (the rule both tasks are built from)."""
-    for cls, verbs in STANCE_VERBS.items():
+    """Gold letter of a C-STANCE or FOMC text: the letter of the task's verb in it."""
+    for letter, verbs in STANCE_VERBS[task].items():
         if any(f" {v} " in f" {text} " for v in verbs):
-            return STANCE_LABELS[task][cls]
-    raise ValueError(f"no stance verb in {text!r}")
+            return letter
+    raise ValueError(f"no {task} verb in {text!r}")
 
 
 def make_cstance(rng):
-    text, _, obj = stance_text(rng)
-    prompt = ("Decide the stance of the text toward the target. A. favor, B. against, C. neutral. "
-              f"Choose one from A, B and C.\nText:\n{text}\nTarget:\n{obj}\nStance:")
+    text, obj = stance_text(rng, "C-STANCE")
+    prompt = (f"Stance of the text toward the target? A. favor, B. against, C. neutral.\nText:\n{text}\n"
+              f"Target:\n{obj}\nStance:")
     return {"prompt": prompt, "answer": stance_label("C-STANCE", text)}
 
 
 def make_fomc(rng):
-    text, _, _ = stance_text(rng)
-    prompt = ("What is the monetary policy stance for the following text? A. dovish, B. hawkish, C. neutral. "
-              f"Choose one from A, B and C.\nText:\n{text}\nStance:")
+    text, _ = stance_text(rng, "FOMC")
+    prompt = f"Monetary policy stance of the text? A. dovish, B. hawkish, C. neutral.\nText:\n{text}\nStance:"
     return {"prompt": prompt, "answer": stance_label("FOMC", text)}
 
 
@@ -127,7 +136,7 @@ def make_meetingbank(rng):
     passes = rng.random() < 0.5
     transcript = (f"{spk.capitalize()} asks to {action} the {item} in district {d}. {spk2.capitalize()} "
                   f"{rng.choice(MEET_REACTIONS)}. The motion {'passes' if passes else 'fails'}.")
-    prompt = f"Write a summary of the following meeting transcripts.\nMeeting transcripts:\n{transcript}\nSummary:"
+    prompt = f"Summarize the meeting.\nMeeting transcripts:\n{transcript}\nSummary:"
     answer = f"council {'approves' if passes else 'rejects'} {action} of {item} in district {d}"
     return {"prompt": prompt, "answer": answer}
 
@@ -140,7 +149,7 @@ def make_py150(rng):
     code = f"def {f} ( {a} , {b} ) : <EOL> {v} = {a} {op} {b} <EOL> {kw} {v} > <NUM_LIT:{k}> : <EOL>"
     # if -> return the value combined with the bound; while -> step the value down by the bound
     answer = f"return {v} {op} <NUM_LIT:{k}>" if kw == "if" else f"{v} = {v} - <NUM_LIT:{k}>"
-    return {"prompt": f"Complete the next line of the following Python code.\n{code}", "answer": answer}
+    return {"prompt": f"Complete the next line of the code.\n{code}", "answer": answer}
 
 
 def make_scienceqa(rng):
@@ -150,25 +159,30 @@ def make_scienceqa(rng):
     rng.shuffle(order)
     choices = [items[i] for i in order]
     letter = "ABC"[order.index(0)]
-    prompt = ("Choose an answer for the following question and give your reasons.\nQuestion:\n"
-              f"Which one is {props[0]}?\nChoices:\nA. {choices[0]}\nB. {choices[1]}\nC. {choices[2]}\nAnswer:")
+    prompt = (f"Answer and give your reasons.\nQuestion:\nWhich one is {props[0]}?\nChoices:\nA. {choices[0]}\n"
+              f"B. {choices[1]}\nC. {choices[2]}\nAnswer:")
     return {"prompt": prompt, "answer": f"{letter} because {items[0]} is {props[0]}"}
 
 
-def math_parts(rng):
-    return rng.choice(MATH_NAMES), rng.choice(MATH_NUMBERS), rng.choice(MATH_NUMBERS), rng.choice(MATH_OBJECTS)
+def _math(rng, question: str, ranges) -> tuple[str, int, int]:
+    name, obj = rng.choice(NAMES), rng.choice(MATH_OBJECTS)
+    a, b = rng.choice(ranges[0]), rng.choice(ranges[1])
+    q = question.format(name=name, a=a, b=b, obj=obj)
+    return f"Solve the math problem.\nQuestion:\n{q}\nAnswer:", a, b
+
+
+MATH_QUESTIONS = {"NumGLUE-cm": "{name} has {a} {obj} and buys {b} more. How many {obj} now?",
+                  "NumGLUE-ds": "{name} has {a} bags with {b} {obj} each. How many {obj} now?"}
 
 
 def make_numglue_cm(rng):
-    name, a, b, obj = math_parts(rng)
-    q = f"{name} has {a} {obj} and buys {b} more. How many {obj} now?"
-    return {"prompt": f"Solve the following math problem.\nQuestion:\n{q}\nAnswer:", "answer": str(a + b)}
+    prompt, a, b = _math(rng, MATH_QUESTIONS["NumGLUE-cm"], MATH_SUM)
+    return {"prompt": prompt, "answer": str(a + b)}
 
 
 def make_numglue_ds(rng):
-    name, a, b, obj = math_parts(rng)
-    q = f"{name} has {a} bags with {b} {obj} each. How many {obj} now?"
-    return {"prompt": f"Solve the following math problem.\nQuestion:\n{q}\nAnswer:", "answer": str(a * b)}
+    prompt, a, b = _math(rng, MATH_QUESTIONS["NumGLUE-ds"], MATH_PRODUCT)
+    return {"prompt": prompt, "answer": str(a * b)}
 
 
 def make_20minuten(rng):
@@ -183,8 +197,7 @@ def make_20minuten(rng):
     source = " ".join(words)
     # simplification: keep who/what/where, plain verb, drop time, adverb and adjective
     answer = f"{name} {DE_VERBS[verb]} {noun} in {city} ."
-    prompt = ("Provide a simplified version of the following paragraph in German.\n\n"
-              f"Paragraph:\n{source}\nSimplified version:")
+    prompt = f"Simplify the paragraph in German.\nParagraph:\n{source}\nSimplified version:"
     return {"prompt": prompt, "answer": answer}
 
 
@@ -199,6 +212,36 @@ MAKERS = {
     "20Minuten": make_20minuten,
 }
 assert list(MAKERS) == TASK_ORDER
+
+# ---------------------------------------------------------------------------------------------------------------
+# The answer from the prompt alone: an independent reading of each rule (tests check it against every record)
+
+
+def solve(task: str, prompt: str) -> str:
+    """The gold answer of an embedded prompt, recomputed by parsing the prompt text."""
+    if task in ("C-STANCE", "FOMC"):
+        return stance_label(task, prompt.split("Text:\n")[1].split("\n")[0])
+    if task == "MeetingBank":
+        m = re.search(r"asks to (\w+) the (\w+) in district (\d)\..* The motion (passes|fails)\.", prompt)
+        verdict = "approves" if m.group(4) == "passes" else "rejects"
+        return f"council {verdict} {m.group(1)} of {m.group(2)} in district {m.group(3)}"
+    if task == "Py150":
+        m = re.search(r"<EOL> (\w+) = \w+ (\S) \w+ <EOL> (if|while) \w+ > (<NUM_LIT:\d>) : <EOL>$", prompt)
+        v, op, kw, k = m.groups()
+        return f"return {v} {op} {k}" if kw == "if" else f"{v} = {v} - {k}"
+    if task == "ScienceQA":
+        prop = re.search(r"Which one is (\w+)\?", prompt).group(1)
+        for letter, item in re.findall(r"\n([ABC])\. (\w+)", prompt):
+            if item in SCIENCE_ITEMS[prop]:
+                return f"{letter} because {item} is {prop}"
+    if task in ("NumGLUE-cm", "NumGLUE-ds"):
+        a, b = (int(x) for x in re.findall(r"\d+", prompt.split("Question:\n")[1]))
+        return str(a + b if task == "NumGLUE-cm" else a * b)
+    if task == "20Minuten":
+        words = prompt.split("Paragraph:\n")[1].split("\n")[0].split()
+        return f"{words[0]} {DE_VERBS[words[1]]} {words[-4]} in {words[-2]} ."
+    raise ValueError(f"solve: no rule for task {task!r}")
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Benchmark files
@@ -248,7 +291,7 @@ def cache_dir() -> Path:
 def ensure_embedded(root=None, *, n_train: int = 128, n_eval: int = 32, n_test: int = 32, seed: int = 0) -> Path:
     """The embedded benchmark with these sizes, generated once into the cache (or `root`) and reused.
     Written to a temporary sibling directory and renamed, so a reader never sees a partial benchmark."""
-    root = Path(root) if root else cache_dir() / f"embedded-s{seed}-{n_train}-{n_eval}-{n_test}"
+    root = Path(root) if root else cache_dir() / f"embedded-v{VERSION}-s{seed}-{n_train}-{n_eval}-{n_test}"
     if not root.exists():
         root.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
@@ -293,9 +336,10 @@ def general_mixture(n: int, seed: int = 0) -> list[dict]:
 def corpus_texts(seed: int = 0, n_per_task: int = 400) -> list[str]:
     """Text for training the tiny tokenizer: every vocabulary list spelled out, then prompts and answers of all
     eight tasks and of the general mixture."""
-    vocab_lists = [STANCE_SUBJECTS, *STANCE_VERBS.values(), STANCE_OBJECTS, STANCE_WHEN, MEET_SPEAKERS,
+    vocab_lists = [NAMES, STANCE_SUBJECTS, *(v for t in STANCE_VERBS.values() for v in t.values()), STANCE_OBJECTS,
+                   STANCE_WHEN, MEET_SPEAKERS,
                    MEET_ACTIONS, MEET_ITEMS, MEET_REACTIONS, CODE_FUNCS, CODE_ARGS, CODE_VARS, CODE_OPS,
-                   *SCIENCE_ITEMS.values(), list(SCIENCE_ITEMS), MATH_NAMES, MATH_OBJECTS,
+                   *SCIENCE_ITEMS.values(), list(SCIENCE_ITEMS), MATH_OBJECTS,
                    [str(i) for i in range(0, 100)], DE_NAMES, list(DE_VERBS), list(DE_VERBS.values()), DE_TIMES,
                    DE_ADVERBS, DE_ADJECTIVES, DE_NOUNS, DE_CITIES, MIX_WORDS, [w.upper() for w in MIX_WORDS],
                    *MIX_SEQUENCES, ["A", "B", "C", "council", "approves", "rejects"]]
