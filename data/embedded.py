@@ -40,7 +40,7 @@ from pathlib import Path
 
 from data.tasks import TASK_ORDER, parse_tasks
 
-VERSION = 2  # bumped whenever the generated data changes: part of the cache directory names
+VERSION = 3  # bumped whenever the generated data changes: part of the cache directory names
 
 # ---------------------------------------------------------------------------------------------------------------
 # Vocabulary
@@ -307,8 +307,12 @@ def ensure_embedded(root=None, *, n_train: int = 128, n_eval: int = 32, n_test: 
 # Generic instruction data (disjoint from the eight tasks) and tokenizer corpus
 
 
+MIX_CLASSES = {"color": ["red", "blue", "green"], "animal": ["cat", "dog", "bird", "fish"],
+               "thing": ["sun", "tree", "car", "milk", "star"]}  # a partition of MIX_WORDS
+
+
 def _mixture_example(rng):
-    kind = rng.randrange(6)
+    kind = rng.randrange(8)
     words = rng.sample(MIX_WORDS, rng.randint(2, 5))
     listed = " ".join(words)
     if kind == 0:
@@ -321,6 +325,17 @@ def _mixture_example(rng):
         return {"prompt": f"How many words are in this list?\n{listed}", "answer": str(len(words))}
     if kind == 4:
         return {"prompt": f"What is the last word in this list?\n{listed}", "answer": words[-1]}
+    classes = list(MIX_CLASSES)
+    if kind == 5:  # a word's class as a letter: the multiple-choice answer format of three of the tasks
+        cls = rng.choice(classes)
+        return {"prompt": f"Is the word a color, an animal or a thing? A. color, B. animal, C. thing.\nWord:\n"
+                          f"{rng.choice(MIX_CLASSES[cls])}\nClass:", "answer": "ABC"[classes.index(cls)]}
+    if kind == 6:  # which option has a class, as a letter
+        picked = [rng.choice(MIX_CLASSES[c]) for c in rng.sample(classes, 3)]
+        asked = rng.randrange(3)
+        cls = next(c for c in classes if picked[asked] in MIX_CLASSES[c])
+        return {"prompt": f"Which word is {'an' if cls == 'animal' else 'a'} {cls}? A. {picked[0]}, B. {picked[1]}, "
+                          f"C. {picked[2]}.", "answer": "ABC"[asked]}
     seq = rng.choice(MIX_SEQUENCES)
     i = rng.randrange(len(seq) - 1)
     return {"prompt": f"What comes after {seq[i]}?", "answer": seq[i + 1]}
@@ -328,7 +343,9 @@ def _mixture_example(rng):
 
 def general_mixture(n: int, seed: int = 0) -> list[dict]:
     """n generic instruction-following examples {"prompt", "answer"} (copy, reverse, uppercase, count, last word,
-    what comes after X). Their instructions appear in none of the eight tasks."""
+    a word's class as a letter, which option has a class, what comes after X). Their instructions and words appear
+    in none of the eight tasks; the two letter kinds make the base answer multiple-choice prompts with a letter, as
+    any instruction-tuned model does, so stage 1 does not start with a long plateau at chance."""
     rng = random.Random(f"embedded/mixture/{seed}")
     return [_mixture_example(rng) for _ in range(n)]
 

@@ -258,7 +258,15 @@ def test_general_mixture_and_corpus():
     mix = embedded.general_mixture(200, seed=0)
     assert mix == embedded.general_mixture(200, seed=0) and mix != embedded.general_mixture(200, seed=1)
     assert all(set(m) == {"prompt", "answer"} and m["prompt"] and m["answer"] for m in mix)
-    assert len({m["prompt"].split("\n")[0].split(" after ")[0] for m in mix}) == 6  # all six kinds occur
+    assert len({m["prompt"].split("\n")[0].split(" after ")[0].split("?")[0] for m in mix}) == 10  # 8 kinds, "Which word" x 3 classes
+    for m in mix:  # the letter kinds: the letter names the class of the word / the option of the asked class
+        if m["prompt"].startswith("Is the word"):
+            word = m["prompt"].split("Word:\n")[1].split("\n")[0]
+            assert word in embedded.MIX_CLASSES[["color", "animal", "thing"]["ABC".index(m["answer"])]]
+        if m["prompt"].startswith("Which word is"):
+            cls = m["prompt"].split("?")[0].split()[-1]
+            option = m["prompt"].split(f"{m['answer']}. ")[1].split(",")[0].rstrip(".")
+            assert option in embedded.MIX_CLASSES[cls]
     task_heads = {embedded.MAKERS[t](random.Random(0))["prompt"].split("\n")[0] for t in TASK_ORDER}
     assert not any(m["prompt"].split("\n")[0] in task_heads for m in mix)
     corpus = embedded.corpus_texts(seed=0, n_per_task=20)
