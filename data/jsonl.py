@@ -9,6 +9,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from data.cli import InputError, UserError
+
 
 def _locate_bad_record(text: str, path: Path) -> str:
     """json.loads failed on a list file: decode it record by record to say which record is broken."""
@@ -44,6 +46,25 @@ def _locate_bad_record(text: str, path: Path) -> str:
         return f"{path}: malformed JSON after record {rec} (line {line_of(pos)}): expected ',' or ']'"
 
 
+def _single_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def read_text(path) -> str:
+    """A UTF-8 text file's contents (a leading byte-order mark dropped); non-UTF-8 bytes raise InputError naming
+    the file and the byte offset."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert the file to UTF-8") from None
+    return text[1:] if text.startswith("\ufeff") else text
+
+
 def read_records(path, required=("prompt",), types=None, any_of=(), locate=False) -> list:
     """Records of a JSON list file or a JSON Lines file (whichever the text is: a list starts with '[').
 
@@ -54,19 +75,20 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: file not found")
-    text = path.read_text(encoding="utf-8")
-    if text.startswith("\ufeff"):  # tolerate a UTF-8 byte-order mark
-        text = text[1:]
+        raise InputError(f"{path}: file not found" + (" (it is a directory)" if path.is_dir() else ""))
+    text = read_text(path)
     if not text.strip():
-        raise ValueError(f"{path}: file is empty (expected a JSON list or JSON Lines of records)")
+        raise InputError(f"{path}: file is empty (expected a JSON list or JSON Lines of records)")
     located = []  # (record number, " (line n)" or "", record)
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
         except json.JSONDecodeError:
-            raise ValueError(_locate_bad_record(text, path)) from None
+            raise InputError(_locate_bad_record(text, path)) from None
         located = [(i, "", r) for i, r in enumerate(rows)]
+    elif text.lstrip().startswith("{") and path.suffix != ".jsonl" and _single_object(text):
+        raise InputError(f"{path}: holds a single JSON object; expected a JSON list of records, or JSON Lines "
+                         f"(one object per line) in a .jsonl file")
     else:
         for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
@@ -74,25 +96,25 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
             try:
                 located.append((len(located), f" (line {lineno})", json.loads(line)))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: malformed JSON in record {len(located)} (line {lineno}, column "
+                raise InputError(f"{path}: malformed JSON in record {len(located)} (line {lineno}, column "
                                  f"{e.colno}): {e.msg}") from None
     if not located:
-        raise ValueError(f"{path}: file holds no records")
+        raise InputError(f"{path}: file holds no records")
     types = types or {}
     for i, where, r in located:
         if not isinstance(r, dict):
-            raise ValueError(f"{path}: record {i}{where}: expected an object with "
+            raise InputError(f"{path}: record {i}{where}: expected an object with "
                              f"{', '.join(map(repr, required))}, got {type(r).__name__}")
         for field in required:
             if field not in r:
-                raise ValueError(f"{path}: record {i}{where}: missing field {field!r}")
+                raise InputError(f"{path}: record {i}{where}: missing field {field!r}")
             want = types.get(field, str)
             if not isinstance(r[field], want):
                 name = "string" if want is str else getattr(want, "__name__", str(want))
-                raise ValueError(f"{path}: record {i}{where}: field {field!r} must be a {name}, "
+                raise InputError(f"{path}: record {i}{where}: field {field!r} must be a {name}, "
                                  f"got {type(r[field]).__name__}")
         if any_of and not any(isinstance(r.get(f), str) for f in any_of):
-            raise ValueError(f"{path}: record {i}{where}: needs a string field {' or '.join(map(repr, any_of))}")
+            raise InputError(f"{path}: record {i}{where}: needs a string field {' or '.join(map(repr, any_of))}")
     if locate:
         return [(f"{path}: record {i}{where}", r) for i, where, r in located]
     return [r for _, _, r in located]
@@ -107,6 +129,11 @@ def write_text_atomic(path, text: str) -> Path:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
+    except OSError as e:  # disk full, quota, ...: say which file (a write error carries no file name)
+        os.unlink(tmp)
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     except BaseException:
         os.unlink(tmp)
         raise
@@ -121,3 +148,64 @@ def write_jsonl(path, records) -> Path:
 def write_json(path, obj) -> Path:
     """Write obj as indented JSON atomically."""
     return write_text_atomic(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
+
+
+# ---- what a script may replace ---------------------------------------------------------------------------------------
+def _only(names):
+    """A directory holding nothing but these files (and the hidden temporaries of write_text_atomic)."""
+    def ours(d: Path) -> bool:
+        return all(p.name in names or (p.name.startswith(".") and p.name.endswith(".tmp")) for p in d.iterdir())
+    return ours
+
+
+# kind -> (is a directory, what it is, test that a thing at the path was written by this project's script)
+OUTPUT_KINDS = {
+    "checkpoint": (True, "a checkpoint written by train.py (with train_summary.json)",
+                   lambda d: (d / "train_summary.json").is_file() and (d / "config.json").is_file()),
+    "train-state": (True, "train.py's training state (train_log.jsonl, state/)",
+                    lambda d: any((d / n).exists() for n in ("train_log.jsonl", "state", "state.tmp",
+                                                              "train_summary.json"))),
+    "eval": (True, "an evaluation written by evaluate.py (predictions.jsonl, scores.json only)",
+             _only({"predictions.jsonl", "scores.json"})),
+    "run": (True, "a run directory of run.py (with manifest.json or steps/)",
+            lambda d: any((d / n).exists() for n in ("manifest.json", "steps", "run.lock", "results.json"))),
+    "rollouts": (False, "a rollout file written by rollout.py", lambda f: _first_record_has(f, ("token_ids", "logprobs",
+                                                                                                "finish_reason"))),
+    "buffer": (False, "a replay buffer written by score.py", lambda f: _first_record_has(f, ("scorer", "select"))),
+}
+
+
+def _first_record_has(path: Path, fields) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = f.readline()
+        return not line.strip() or all(k in json.loads(line) for k in fields)  # empty: nothing to lose
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        return False
+
+
+def check_output(path, kind: str, overwrite: bool = False, flag: str = "--out") -> Path:
+    """Refuse, before any work, to replace anything at `path` that this project's script did not write itself.
+
+    A missing path or an empty directory is fine; so is an earlier output of the same kind (OUTPUT_KINDS:
+    a train.py checkpoint, an evaluate.py directory, a run.py run directory, a rollout or buffer file). Anything
+    else -- a foreign directory with files, a file where a directory goes, a foreign file -- raises UserError
+    naming the path, unless `overwrite` (the script's --overwrite flag). A directory where a file goes is always
+    refused. Returns the path.
+    """
+    path = Path(path)
+    is_dir, what, ours = OUTPUT_KINDS[kind]
+    if not os.path.lexists(path):
+        return path
+    if path.is_dir() and not is_dir:
+        raise UserError(f"{path}: is a directory; {flag} must name a file")
+    if is_dir and path.is_dir() and (not any(path.iterdir()) or ours(path)):
+        return path
+    if not is_dir and path.is_file() and ours(path):
+        return path
+    if overwrite:
+        return path
+    found = "a directory with other files" if path.is_dir() else "a file"
+    raise UserError(f"{path} ({flag}) is {found}, not {what}; refusing to replace it "
+                    f"(choose another {flag}, or pass --overwrite)")
+

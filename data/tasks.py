@@ -8,6 +8,8 @@ Metric names index `data.metrics.METRICS`.
 
 from dataclasses import dataclass
 
+from data.cli import InputError
+
 
 @dataclass(frozen=True)
 class Task:
@@ -35,7 +37,7 @@ TASK_ORDER = list(TASKS)  # canonical TRACE order (dicts keep insertion order)
 def get_task(name: str) -> Task:
     """Task by exact name; ValueError listing the valid names otherwise."""
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASK_ORDER)}")
+        raise InputError(f"unknown task {name!r}; valid tasks: {', '.join(TASK_ORDER)}")
     return TASKS[name]
 
 
@@ -52,11 +54,11 @@ def parse_tasks(spec=None) -> list[str]:
     out = []
     for n in names:
         if not n:
-            raise ValueError(f"empty task name in task list {spec!r}; valid tasks: {', '.join(TASK_ORDER)}")
+            raise InputError(f"empty task name in task list {spec!r}; valid tasks: {', '.join(TASK_ORDER)}")
         if n.lower() not in by_lower:
-            raise ValueError(f"unknown task {n!r} in task list {spec!r}; valid tasks: {', '.join(TASK_ORDER)}")
+            raise InputError(f"unknown task {n!r} in task list {spec!r}; valid tasks: {', '.join(TASK_ORDER)}")
         canon = by_lower[n.lower()]
         if canon in out:
-            raise ValueError(f"task {canon!r} appears twice in task list {spec!r}")
+            raise InputError(f"task {canon!r} appears twice in task list {spec!r}")
         out.append(canon)
     return out

@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from data.cli import InputError
 from data.jsonl import read_records
 from data.tasks import TASK_ORDER, get_task
 
@@ -47,7 +48,7 @@ def load_task(root, task: str, split: str, *, max_train: int = MAX_TRAIN, seed: 
     """
     get_task(task)  # unknown task name -> ValueError listing the valid ones
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r} for task {task!r}; valid splits: {', '.join(SPLITS)}")
+        raise InputError(f"unknown split {split!r} for task {task!r}; valid splits: {', '.join(SPLITS)}")
     records = read_trace_file(task_file(root, task, split))
     keep = range(len(records))
     if split == "train" and max_train is not None and len(records) > max_train:
@@ -87,7 +88,7 @@ def load_filtered(root, tasks, split: str, length_fn, max_len: int, *, limit=Non
         kept, dropped[task] = filter_overlong(exs, length_fn, max_len)
         print(filter_report(task, split, len(exs), dropped[task], max_len))
         if not kept:
-            raise ValueError(f"{Path(root) / task}/{split}.json: no example fits max length {max_len}")
+            raise InputError(f"{Path(root) / task}/{split}.json: no example fits max length {max_len}")
         examples += kept[:limit] if limit is not None else kept
     return examples, dropped
 

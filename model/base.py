@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from data.cli import InputError
+
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -40,7 +42,7 @@ def ensure_base(name: str) -> Path:
         from model.import_gguf import ensure_smollm2
         return Path(ensure_smollm2())
     if name != "tiny":
-        raise ValueError(f"unknown base model {name!r} (known: tiny, smollm2; or pass --model DIR)")
+        raise InputError(f"unknown base model {name!r} (known: tiny, smollm2; or pass --model DIR)")
     from data.embedded import cache_dir
     out = cache_dir() / f"tiny-instruct-{tiny_recipe_hash()}"
     if not (out / "config.json").exists():

@@ -13,6 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from data.cli import InputError, MissingFileError, MissingWeightError
+from data.jsonl import read_text
 from model.config import ModelConfig
 from model.transformer import Transformer
 
@@ -25,12 +27,23 @@ SIDECAR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
 def load_config(ckpt_dir) -> ModelConfig:
     path = Path(ckpt_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no config.json in checkpoint directory {ckpt_dir}")
+        raise MissingFileError(f"{path}: no config.json in checkpoint directory {ckpt_dir}")
     try:
-        d = json.loads(path.read_text())
+        d = json.loads(read_text(path))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from None
+        raise InputError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise InputError(f"{path}: expected a JSON object, got {type(d).__name__}")
     return ModelConfig.from_hf(d, source=str(path))
+
+
+def _open_safetensors(path: Path):
+    """safe_open, with a truncated or corrupt file reported by name (safetensors' own error does not say which)."""
+    from safetensors import SafetensorError
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as e:
+        raise InputError(f"{path}: unreadable safetensors file ({e}); it is truncated or corrupt") from None
 
 
 def weight_files(ckpt_dir) -> dict[str, Path]:
@@ -38,12 +51,19 @@ def weight_files(ckpt_dir) -> dict[str, Path]:
     ckpt_dir = Path(ckpt_dir)
     index = ckpt_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: ckpt_dir / fname for name, fname in weight_map.items()}
+        try:
+            weight_map = json.loads(read_text(index))["weight_map"]
+            files = {name: ckpt_dir / fname for name, fname in weight_map.items()}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise InputError(f"{index}: not a safetensors index (expected JSON with a 'weight_map' object)") from None
+        for path in dict.fromkeys(files.values()):
+            if not path.is_file():
+                raise MissingFileError(f"{path}: listed in {index.name} but missing")
+        return files
     single = ckpt_dir / "model.safetensors"
     if not single.is_file():
-        raise FileNotFoundError(f"{ckpt_dir}: neither model.safetensors nor model.safetensors.index.json found")
-    with safe_open(single, framework="pt") as f:
+        raise MissingFileError(f"{ckpt_dir}: neither model.safetensors nor model.safetensors.index.json found")
+    with _open_safetensors(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -63,21 +83,21 @@ def checkpoint_slices(model: Transformer, ckpt_dir):
     where = weight_files(ckpt_dir)
     unexpected = {k for k in set(where) - set(shapes) - {"lm_head.weight"} if not k.endswith("rotary_emb.inv_freq")}
     if unexpected:
-        raise ValueError(f"{ckpt_dir}: unexpected weights for model_type {model.cfg.model_type!r}: "
+        raise InputError(f"{ckpt_dir}: unexpected weights for model_type {model.cfg.model_type!r}: "
                          f"{sorted(unexpected)[:5]}")
     missing = [n for n in shapes if n not in where]
     if missing:
-        raise KeyError(f"{ckpt_dir}: weight {missing[0]!r} is missing from the checkpoint "
+        raise MissingWeightError(f"{ckpt_dir}: weight {missing[0]!r} is missing from the checkpoint "
                        f"(refusing to initialise it randomly)")
     by_file = {}
     for name in shapes:
         by_file.setdefault(where[name], []).append(name)
     for path, names in by_file.items():
-        with safe_open(path, framework="pt") as f:
+        with _open_safetensors(path) as f:
             for name in names:
                 sl = f.get_slice(name)
                 if tuple(sl.get_shape()) != tuple(shapes[name]):
-                    raise ValueError(f"{path}: weight {name!r} has shape {tuple(sl.get_shape())}, "
+                    raise InputError(f"{path}: weight {name!r} has shape {tuple(sl.get_shape())}, "
                                      f"expected {tuple(shapes[name])}")
                 yield name, sl
 
@@ -164,11 +184,16 @@ def save_checkpoint(state_dict: dict, src_dir, out_dir, max_shard_bytes: int = 5
 
 
 def replace_dir(tmp: Path, out_dir: Path):
-    """Move tmp to out_dir; an existing out_dir is moved aside first and removed only after the swap."""
+    """Move tmp to out_dir; an existing out_dir is moved aside first and removed only after the swap. Callers check
+    first that out_dir is theirs to replace (data.jsonl.check_output)."""
     old = None
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
         os.replace(out_dir, old)
     os.replace(tmp, out_dir)
-    if old is not None:
+    if old is None:
+        return
+    if old.is_dir() and not old.is_symlink():
         shutil.rmtree(old, ignore_errors=True)
+    else:  # a file or a link (only with the script's --overwrite; see data.jsonl.check_output)
+        old.unlink(missing_ok=True)

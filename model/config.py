@@ -5,6 +5,8 @@ biases, q/k norms, head_dim and RoPE scaling, which are the fields below.
 """
 from dataclasses import dataclass, field
 
+from data.cli import InputError
+
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
 
@@ -34,17 +36,17 @@ class ModelConfig:
         """Build from a parsed HF config.json; errors name `source` and the offending key."""
         mt = d.get("model_type")
         if mt not in SUPPORTED:
-            raise ValueError(f"{source}: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
+            raise InputError(f"{source}: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
 
         def need(key):
             if key not in d or d[key] is None:
-                raise ValueError(f"{source}: missing required key {key!r} for model_type {mt!r}")
+                raise InputError(f"{source}: missing required key {key!r} for model_type {mt!r}")
             return d[key]
 
         if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+            raise InputError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
         if d.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+            raise InputError(f"{source}: use_sliding_window=true is not supported")
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         # transformers >= 5 writes rope_parameters {rope_theta, rope_type, ...}; older files rope_theta + rope_scaling.
         rope = dict(d.get("rope_parameters") or {})
@@ -55,7 +57,7 @@ class ModelConfig:
             if kind == "default":
                 scaling = None
             elif kind != "llama3":
-                raise ValueError(f"{source}: rope scaling type {kind!r} is not supported (only 'llama3')")
+                raise InputError(f"{source}: rope scaling type {kind!r} is not supported (only 'llama3')")
         attn_bias = bool(d.get("attention_bias", False))
         return cls(
             model_type=mt,

@@ -27,6 +27,9 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from data.cli import InputError
+from data.jsonl import read_text
+
 IGNORE_INDEX = -100
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>")
@@ -78,9 +81,12 @@ def _token_str(value) -> str | None:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        d = json.loads(read_text(path))
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from e
+        raise InputError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise InputError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
 
 
 def _prepare_messages(messages: list[dict]) -> list[dict]:
@@ -112,7 +118,7 @@ class ChatTokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         eos = self.special_tokens.get("eos_token")
         if eos is None or eos not in vocab:
-            raise ValueError(f"{source}: eos_token {eos!r} (tokenizer_config.json) is missing "
+            raise InputError(f"{source}: eos_token {eos!r} (tokenizer_config.json) is missing "
                              f"or not in tokenizer.json")
         self.eos_id = vocab[eos]
         pad = self.special_tokens.get("pad_token")
@@ -126,8 +132,11 @@ class ChatTokenizer:
         ckpt_dir = Path(ckpt_dir)
         tok_path = ckpt_dir / "tokenizer.json"
         if not tok_path.is_file():
-            raise ValueError(f"{ckpt_dir}: tokenizer.json not found")
-        tokenizer = Tokenizer.from_file(str(tok_path))
+            raise InputError(f"{ckpt_dir}: tokenizer.json not found")
+        try:
+            tokenizer = Tokenizer.from_file(str(tok_path))
+        except Exception as e:  # the Rust library names neither the file nor, often, the problem
+            raise InputError(f"{tok_path}: not a readable tokenizer ({str(e).splitlines()[0] if str(e) else e!r})") from None
 
         cfg_path = ckpt_dir / "tokenizer_config.json"
         config = _read_json(cfg_path) if cfg_path.is_file() else {}
@@ -137,13 +146,13 @@ class ChatTokenizer:
 
         jinja_path = ckpt_dir / "chat_template.jinja"
         if jinja_path.is_file():
-            template, template_source = jinja_path.read_text(encoding="utf-8"), str(jinja_path)
+            template, template_source = read_text(jinja_path), str(jinja_path)
         else:
             template, template_source = config.get("chat_template"), f"{cfg_path}['chat_template']"
             if isinstance(template, list):  # old multi-template format: [{"name": ..., "template": ...}]
                 template = {t["name"]: t["template"] for t in template}.get("default")
         if not template:
-            raise ValueError(f"{ckpt_dir}: no chat template (neither chat_template.jinja nor "
+            raise InputError(f"{ckpt_dir}: no chat template (neither chat_template.jinja nor "
                              f"tokenizer_config.json['chat_template'])")
 
         extra_stop = []
@@ -154,7 +163,7 @@ class ChatTokenizer:
         try:
             return cls(tokenizer, template, special, extra_stop, source=str(ckpt_dir))
         except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"{template_source}: chat template does not parse: {e}") from e
+            raise InputError(f"{template_source}: chat template does not parse: {e}") from e
 
     # --- plain text ---------------------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

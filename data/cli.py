@@ -1,0 +1,165 @@
+"""What every script shares at its edges: one error line for expected failures, flag checks that name the flag.
+
+    from data.cli import Parser, UserError, main_cli, int_at_least
+    p = Parser(description=...)                        # adds --debug; a bad flag is one line naming it
+    p.add_argument("--epochs", type=int_at_least(1))
+    ...
+    if __name__ == "__main__":
+        main_cli(main, "train.py")
+
+Expected failures -- a UserError (bad input, flag or file), an OSError naming its file (missing file, disk full,
+read-only output), a decode error -- print ONE line `<script>: error: <message>` on stderr and exit 2. Anything
+else is a bug and keeps its traceback. `--debug` (or OPR_DEBUG=1 in the environment, which run.py passes on to
+its steps) shows the traceback of expected failures too. Under torchrun only rank 0 prints the line.
+"""
+import argparse
+import errno
+import os
+import sys
+import time
+
+
+class UserError(Exception):
+    """A failure the user can fix: the message names the file, record, field or flag and says what to do."""
+    exit_code = 2
+
+
+class InputError(UserError, ValueError):
+    """Bad input data, settings or checkpoint (still a ValueError for library callers)."""
+
+
+class MissingFileError(UserError, FileNotFoundError):
+    """A required input file or directory is absent."""
+
+
+class MissingWeightError(UserError, KeyError):
+    """A checkpoint lacks a weight the model needs."""
+
+    def __str__(self):  # KeyError quotes its message
+        return str(self.args[0]) if self.args else ""
+
+
+# errnos that describe the machine or the paths given, not a bug in the code
+ENVIRONMENT_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG,
+                      errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ENOTEMPTY, errno.EIO,
+                      errno.EMFILE, errno.ENFILE, errno.ELOOP, errno.EXDEV}
+
+
+def user_message(e: BaseException) -> str | None:
+    """The one-line message for an expected failure, or None for a bug (which keeps its traceback)."""
+    if isinstance(e, UserError):
+        return str(e)
+    if isinstance(e, OSError) and (e.filename is not None or e.errno in ENVIRONMENT_ERRNOS):
+        where = ": ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+        what = e.strerror or str(e)
+        hint = {errno.ENOSPC: " (disk full: free space and re-run)", errno.EDQUOT: " (quota exceeded)",
+                errno.EROFS: " (read-only file system: choose another output)",
+                errno.EACCES: " (permission denied: choose another path)"}.get(e.errno, "")
+        return f"{where}: {what}{hint}" if where else f"{what}{hint}"
+    if isinstance(e, UnicodeDecodeError):
+        return f"input is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8"
+    if type(e).__name__ == "SafetensorError":
+        return f"unreadable safetensors file: {e}"
+    return None
+
+
+def debug_requested(argv=None) -> bool:
+    argv = sys.argv[1:] if argv is None else argv
+    return "--debug" in argv or os.environ.get("OPR_DEBUG", "") not in ("", "0")
+
+
+def main_cli(main, name: str):
+    """Run `main()` as a script: expected failures -> one line on stderr and exit 2 (a failed run.py step: 1),
+    Ctrl-C -> exit 130, bugs -> the traceback. Returns nothing; exits with main's return code when it is an int."""
+    debug = debug_requested()
+    try:
+        rc = main()
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{name}: interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
+    except Exception as e:
+        msg = user_message(e)
+        if msg is None or debug:
+            raise
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: one line is enough
+            print(f"{name}: error: {msg}", file=sys.stderr, flush=True)
+        else:  # let rank 0 say it before torchrun, seeing this rank exit, stops the others
+            time.sleep(5)
+        sys.exit(getattr(e, "exit_code", 2))
+    sys.exit(rc if isinstance(rc, int) else 0)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a --debug flag and flag errors as one line (`<script>: error: argument --x: ...`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--debug", action="store_true",
+                          help="show the full traceback of an error (also: OPR_DEBUG=1)")
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# ---- flag types: argparse reports "argument --flag: <message>" -----------------------------------------------------
+def int_at_least(lo: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def float_in(lo: float = None, hi: float = None, lo_open: bool = False):
+    """A finite float in [lo, hi] ((lo, hi] with lo_open); None = unbounded on that side."""
+    def check(v: float, s: str) -> float:
+        if v != v or v in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {s!r}")
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            raise argparse.ArgumentTypeError(f"must be {'>' if lo_open else '>='} {lo:g}, got {s}")
+        if hi is not None and v > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi:g}, got {s}")
+        return v
+
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+        return check(v, s)
+    parse.check = check
+    parse.__name__ = "number"
+    return parse
+
+
+def comma_list(item):
+    """A comma-separated list of values, each parsed by `item` (an argparse type); returned as the original string
+    so callers keep their own parsing, after every element was checked."""
+    def parse(s: str) -> str:
+        parts = [x.strip() for x in s.split(",")]
+        if not all(parts):
+            raise argparse.ArgumentTypeError(f"empty element in {s!r}")
+        for x in parts:
+            try:
+                item(x)
+            except argparse.ArgumentTypeError as e:
+                raise argparse.ArgumentTypeError(f"{e} (in {s!r})") from None
+        return s
+    parse.__name__ = "list"
+    return parse
+
+
+def task_names(s: str) -> list:
+    """--tasks: comma-separated TRACE task names (case-insensitive), checked by data.tasks.parse_tasks."""
+    from data.tasks import parse_tasks
+    try:
+        return parse_tasks(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
