@@ -23,10 +23,11 @@ Then, for all tasks at once:
 
 Engine handling, defaults and the embedded-benchmark fallback are the same as rollout.py's.
 """
-import argparse
 import statistics
 import time
 from pathlib import Path
+
+from data.cli import Parser, UserError, float_in, int_at_least, main_cli, task_names
 
 # ---- defaults: the paper's evaluation setup (each has a flag below) ---------------------------------------------
 TEMPERATURE = 0.1      # as for rollouts: near-greedy
@@ -42,38 +43,37 @@ BATCH_SIZE = 32        # native engine batch size
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="checkpoint directory (HF layout, with tokenizer + chat template)")
     p.add_argument("--data", default=None,
                    help="TRACE root with <Task>/test.json (default: the embedded benchmark, generated into a cache)")
-    p.add_argument("--tasks", default=None,
+    p.add_argument("--tasks", type=task_names, default=None,
                    help="comma-separated tasks (default: every task with a test split under --data, in TRACE order)")
     p.add_argument("--out", default=None,
-                   help="output directory for predictions.jsonl and scores.json (default: <ckpt>/eval)")
+                   help="output directory for predictions.jsonl and scores.json (default: <ckpt>/eval); an earlier "
+                        "evaluation there is replaced, a directory with other files is refused")
+    p.add_argument("--overwrite", action="store_true", help="write into --out even if it holds other files")
     p.add_argument("--engine", default=ENGINE, choices=["auto", "native", "vllm"],
                    help="auto = vllm when CUDA and vllm are present, else native (default: %(default)s)")
-    p.add_argument("--tp", type=int, default=TP, help="vLLM tensor-parallel size (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=TEMPERATURE,
+    p.add_argument("--tp", type=int_at_least(1), default=TP, help="vLLM tensor-parallel size (default: %(default)s)")
+    p.add_argument("--temperature", type=float_in(0), default=TEMPERATURE,
                    help="sampling temperature, 0 = greedy (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=REPEATS,
+    p.add_argument("--repeats", type=int_at_least(1), default=REPEATS,
                    help="sampled responses per test prompt; scores average over them (default: %(default)s)")
     p.add_argument("--scoring", default=SCORING, choices=["lenient", "paper", "trace"],
                    help="metric convention: lenient reads the meant answer ('Answer: B' -> B); paper = the official "
                         "OPR code's tools/eval.py; trace = TRACE's metrics.py (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=MAX_NEW_TOKENS,
                    help="response length cap (default: %(default)s)")
-    p.add_argument("--max-len", type=int, default=MAX_LEN,
+    p.add_argument("--max-len", type=int_at_least(2), default=MAX_LEN,
                    help="drop test examples whose chat-templated prompt+answer is longer, as training does "
                         "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=SEED, help="sampling seed (default: %(default)s)")
-    p.add_argument("--limit", type=int, default=None, help="at most this many test examples per task (smoke tests)")
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE,
+    p.add_argument("--limit", type=int_at_least(1), default=None, help="at most this many test examples per task (smoke tests)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE,
                    help="native engine batch size (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = p.parse_args(argv)
-    if args.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {args.repeats}")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv=None):
@@ -81,22 +81,23 @@ def main(argv=None):
     from tqdm import tqdm
 
     from data.embedded import ensure_embedded
-    from data.jsonl import write_json, write_jsonl
+    from data.jsonl import check_output, write_json, write_jsonl
     from data.metrics import score
     from data.tasks import parse_tasks
     from data.trace import load_filtered, tasks_in
-    from model.checkpoint import load_config
+    from model.checkpoint import load_config, weight_files
     from model.sampling import generate, resolve_engine
     from model.tokenizer import ChatTokenizer
 
     ckpt = Path(args.ckpt)
     load_config(ckpt)  # fail before any work when the checkpoint is unusable
-    tok = ChatTokenizer.from_dir(ckpt)  # ValueError naming the directory when tokenizer.json is missing
+    weight_files(ckpt)  # (reads the safetensors headers only)
+    tok = ChatTokenizer.from_dir(ckpt)  # InputError naming the directory when tokenizer.json is missing
     root = Path(args.data) if args.data is not None else ensure_embedded()
     tasks = parse_tasks(args.tasks) if args.tasks else tasks_in(root, "test")
     if not tasks:
-        raise SystemExit(f"evaluate.py: no task directories with a test.json under {root}")
-    out_dir = Path(args.out) if args.out else ckpt / "eval"
+        raise UserError(f"{root}: no task directories with a test.json (--data must be a TRACE root)")
+    out_dir = check_output(Path(args.out) if args.out else ckpt / "eval", "eval", args.overwrite)
     engine = resolve_engine(args.engine)
     K = args.repeats
 
@@ -158,4 +159,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main_cli(main, "evaluate.py")

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from data.cli import Parser, UserError, float_in, int_at_least, main_cli, task_names
+
 # ---- defaults: the paper's rollout setup (each has a flag below) -----------------------------------------------
 TEMPERATURE = 0.1      # near-greedy, so a rollout is the model's own most likely answer
 MAX_NEW_TOKENS = 512   # response length cap
@@ -47,24 +49,30 @@ LOGPROB_TOL_MAX = 0.5    # nats: warn when one token's log-prob is off by more (
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ckpt", required=True, help="checkpoint directory (HF layout, with tokenizer + chat template)")
     p.add_argument("--data", default=None,
                    help="TRACE root <root>/<Task>/train.json (default: the embedded benchmark, generated into a cache)")
-    p.add_argument("--tasks", default=None, help="comma-separated prior tasks (default: every task under --data)")
-    p.add_argument("--out", default=None, help="output JSONL (default: <ckpt>/rollouts.jsonl)")
+    p.add_argument("--tasks", type=task_names, default=None,
+                   help="comma-separated prior tasks (default: every task under --data)")
+    p.add_argument("--out", default=None, help="output JSONL (default: <ckpt>/rollouts.jsonl); an earlier rollout "
+                                               "file is replaced, any other file is refused")
+    p.add_argument("--overwrite", action="store_true", help="replace the file at --out even if rollout.py did not "
+                                                           "write it")
     p.add_argument("--engine", default=ENGINE, choices=["auto", "native", "vllm"],
                    help="auto = vllm when CUDA and vllm are present, else native")
-    p.add_argument("--tp", type=int, default=TP, help="vLLM tensor-parallel size")
-    p.add_argument("--temperature", type=float, default=TEMPERATURE, help="sampling temperature (0 = greedy)")
-    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="response length cap")
+    p.add_argument("--tp", type=int_at_least(1), default=TP, help="vLLM tensor-parallel size")
+    p.add_argument("--temperature", type=float_in(0), default=TEMPERATURE, help="sampling temperature (0 = greedy)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=MAX_NEW_TOKENS, help="response length cap")
     p.add_argument("--seed", type=int, default=SEED, help="sampling seed")
-    p.add_argument("--limit", type=int, default=None, help="at most this many prompts per task (smoke tests)")
-    p.add_argument("--max-len", type=int, default=MAX_LEN, help="drop examples whose templated length exceeds this")
-    p.add_argument("--max-train", type=int, default=MAX_TRAIN, help="per-task training subsample size")
+    p.add_argument("--limit", type=int_at_least(1), default=None,
+                   help="at most this many prompts per task (smoke tests)")
+    p.add_argument("--max-len", type=int_at_least(2), default=MAX_LEN,
+                   help="drop examples whose templated length exceeds this")
+    p.add_argument("--max-train", type=int_at_least(1), default=MAX_TRAIN, help="per-task training subsample size")
     p.add_argument("--data-seed", type=int, default=DATA_SEED, help="seed of the training subsample")
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="native engine batch size")
-    p.add_argument("--check-logprobs", type=int, default=CHECK_LOGPROBS, metavar="K",
+    p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE, help="native engine batch size")
+    p.add_argument("--check-logprobs", type=int_at_least(0), default=CHECK_LOGPROBS, metavar="K",
                    help="re-score K random rollouts with the trainer's forward pass and compare log-probs (0 = off)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -101,21 +109,22 @@ def logprob_check(ckpt, prompts, outs, k: int, seed: int) -> dict:
 def main(argv=None):
     args = parse_args(argv)
     from data.embedded import ensure_embedded
-    from data.jsonl import write_json, write_jsonl
+    from data.jsonl import check_output, write_json, write_jsonl
     from data.tasks import parse_tasks
     from data.trace import load_filtered, tasks_in
-    from model.checkpoint import load_config
+    from model.checkpoint import load_config, weight_files
     from model.sampling import generate, resolve_engine
     from model.tokenizer import ChatTokenizer
 
     ckpt = Path(args.ckpt)
     load_config(ckpt)  # fail before any work when the checkpoint is unusable
-    tok = ChatTokenizer.from_dir(ckpt)  # ValueError naming the directory when tokenizer.json is missing
+    weight_files(ckpt)  # (reads the safetensors headers only)
+    tok = ChatTokenizer.from_dir(ckpt)  # InputError naming the directory when tokenizer.json is missing
     root = Path(args.data) if args.data is not None else ensure_embedded()
     tasks = parse_tasks(args.tasks) if args.tasks else tasks_in(root)
     if not tasks:
-        raise SystemExit(f"rollout.py: no task directories with a train.json under {root}")
-    out_path = Path(args.out) if args.out else ckpt / "rollouts.jsonl"
+        raise UserError(f"{root}: no task directories with a train.json (--data must be a TRACE root)")
+    out_path = check_output(Path(args.out) if args.out else ckpt / "rollouts.jsonl", "rollouts", args.overwrite)
     engine = resolve_engine(args.engine)
 
     # 1-2. the training prompts each task trained on, rendered with this checkpoint's chat template
@@ -177,4 +186,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main_cli(main, "rollout.py")

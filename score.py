@@ -38,6 +38,8 @@ import math
 import statistics
 from pathlib import Path
 
+from data.cli import InputError, Parser, float_in, int_at_least, main_cli, task_names
+
 # ---- defaults: the paper's replay setup (each has a flag below) ------------------------------------------------
 SCORER = "ru"      # ru = task metric against gold, sc = mean log-prob
 RHO = 0.01         # buffer ratio: b = rho * n_next
@@ -51,7 +53,7 @@ ROLLOUT_FIELDS = ("task", "idx", "prompt", "response", "logprobs")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rollouts", required=True, help="rollout JSONL written by rollout.py")
     p.add_argument("--data", default=None,
                    help="TRACE root with <Task>/train.json, for the gold answers of --scorer ru "
@@ -61,16 +63,21 @@ def parse_args(argv=None):
     p.add_argument("--scoring", default=SCORING, choices=["lenient", "paper", "trace"],
                    help="metric convention for ru: lenient reads the meant answer; paper = the official OPR code's "
                         "rules; trace = TRACE's metrics.py (see data/metrics.py)")
-    p.add_argument("--budget", type=int, default=None, help="total buffer size b (overrides --rho/--n)")
+    p.add_argument("--budget", type=int_at_least(0), default=None, help="total buffer size b (overrides --rho/--n)")
     p.add_argument("--task-budgets", default=None,
                    help="per-task counts 'TASK=K,TASK=K' instead of one split budget (each capped by its rollouts)")
-    p.add_argument("--rho", type=float, default=None, help=f"buffer ratio (default {RHO}); b = rho * n")
-    p.add_argument("--n", type=int, default=None, help=f"next stage's training-set size (default {N_NEXT})")
-    p.add_argument("--tasks", default=None, help="comma-separated prior tasks in order (default: as in the file)")
+    p.add_argument("--rho", type=float_in(0, 1, lo_open=True), default=None,
+                   help=f"buffer ratio in (0, 1] (default {RHO}); b = rho * n")
+    p.add_argument("--n", type=int_at_least(1), default=None, help=f"next stage's training-set size (default {N_NEXT})")
+    p.add_argument("--tasks", type=task_names, default=None,
+                   help="comma-separated prior tasks in order (default: as in the file)")
     p.add_argument("--select", default=SELECT, choices=["top", "low", "random"],
                    help="keep the highest / lowest scores, or a random sample (ablation)")
     p.add_argument("--seed", type=int, default=SEED, help="seed for tie-breaking and --select random")
-    p.add_argument("--out", default=None, help="buffer JSONL (default: buffer.jsonl next to --rollouts)")
+    p.add_argument("--out", default=None, help="buffer JSONL (default: buffer.jsonl next to --rollouts); an earlier "
+                                               "buffer is replaced, any other file is refused")
+    p.add_argument("--overwrite", action="store_true", help="replace the file at --out even if score.py did not "
+                                                           "write it")
     args = p.parse_args(argv)
     if args.budget is not None and (args.rho is not None or args.n is not None):
         p.error("give either --budget or --rho/--n, not both")
@@ -114,9 +121,9 @@ def read_rollouts(path: Path) -> list[dict]:
         try:
             get_task(r["task"])
         except ValueError as e:
-            raise ValueError(f"{r['_where']}: {e}") from None
+            raise InputError(f"{r['_where']}: {e}") from None
         if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in r["logprobs"]):
-            raise ValueError(f"{r['_where']}: field 'logprobs' must be a list of numbers")
+            raise InputError(f"{r['_where']}: field 'logprobs' must be a list of numbers")
     return records
 
 
@@ -143,10 +150,10 @@ def ru_scores(records: list[dict], root: Path, scoring: str = SCORING) -> list[f
     for r in records:
         ex = gold[r["task"]].get(r["idx"])
         if ex is None:
-            raise ValueError(f"{r['_where']}: idx {r['idx']} is not a record of {root / r['task']}/train.json "
+            raise InputError(f"{r['_where']}: idx {r['idx']} is not a record of {root / r['task']}/train.json "
                              f"({len(gold[r['task']])} records)")
         if ex.prompt != r["prompt"]:
-            raise ValueError(f"{r['_where']}: prompt differs from {root / r['task']}/train.json record {r['idx']} "
+            raise InputError(f"{r['_where']}: prompt differs from {root / r['task']}/train.json record {r['idx']} "
                              f"(rollouts from another data root?)")
         if scoring == "lenient" and is_empty(r["response"]):
             out.append(0.0)
@@ -193,12 +200,13 @@ def nll_stats(records: list[dict]) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    from data.jsonl import write_json, write_jsonl
+    from data.jsonl import check_output, write_json, write_jsonl
     from data.replay import allocate, buffer_size, select
     from data.tasks import parse_tasks
 
     rollout_path = Path(args.rollouts)
-    out_path = Path(args.out) if args.out else rollout_path.with_name("buffer.jsonl")
+    out_path = check_output(Path(args.out) if args.out else rollout_path.with_name("buffer.jsonl"), "buffer",
+                            args.overwrite)
 
     # 1. rollouts, grouped by task in task order
     records = read_rollouts(rollout_path)
@@ -206,7 +214,7 @@ def main(argv=None):
         tasks = parse_tasks(args.tasks)
         missing = [t for t in tasks if not any(r["task"] == t for r in records)]
         if missing:
-            raise ValueError(f"{rollout_path}: no rollouts for task(s) {', '.join(missing)} given in --tasks")
+            raise InputError(f"{rollout_path}: no rollouts for task(s) {', '.join(missing)} given in --tasks")
         records = [r for r in records if r["task"] in tasks]
     else:
         tasks = list(dict.fromkeys(r["task"] for r in records))
@@ -224,7 +232,7 @@ def main(argv=None):
     if args.task_budgets is not None:
         unknown = [t for t in args.task_budgets if t not in by_task]
         if unknown or len(args.task_budgets) != len(by_task):
-            raise ValueError(f"--task-budgets names {', '.join(args.task_budgets)} but {rollout_path} (with --tasks) "
+            raise InputError(f"--task-budgets names {', '.join(args.task_budgets)} but {rollout_path} (with --tasks) "
                              f"holds rollouts of {', '.join(by_task)}")
         alloc = {t: min(args.task_budgets[t], len(ix)) for t, ix in by_task.items()}
         budget = sum(args.task_budgets.values())
@@ -283,4 +291,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main_cli(main, "score.py")

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from data.jsonl import read_records
+from data.cli import InputError, Parser, UserError, float_in, int_at_least, main_cli
+from data.jsonl import check_output, read_records
 from data.packing import collate, pack, plan_steps, tokenize_sft
 from kernels import attention, cross_entropy
 from model.checkpoint import load_config, load_into, replace_dir, save_checkpoint
@@ -59,35 +60,55 @@ SDFT_KL = "reverse"      # KL(student || teacher); "forward" = KL(teacher || stu
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="input checkpoint (HF directory); default: the tiny embedded base model")
     p.add_argument("--data", help="comma-separated JSONL/JSON files of {prompt, response} (or TRACE's "
                                   "{prompt, answer}); default: the embedded benchmark's first task")
-    p.add_argument("--out", default="runs/train-default", help="output checkpoint directory (default: %(default)s)")
-    p.add_argument("--epochs", type=int, default=EPOCHS, help="epochs over the mixture (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=LR, help="peak learning rate (default: %(default)s)")
-    p.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY, help="(default: %(default)s)")
-    p.add_argument("--betas", type=float, nargs=2, default=BETAS, help="AdamW betas (default: %(default)s)")
-    p.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="max grad norm (default: %(default)s)")
-    p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="sequences per step (default: %(default)s)")
-    p.add_argument("--max-len", type=int, default=MAX_LEN, help="drop longer examples (default: %(default)s)")
-    p.add_argument("--micro-tokens", type=int, default=MICRO_TOKENS,
+    p.add_argument("--out", default="runs/train-default", help="output checkpoint directory (default: %(default)s); "
+                   "an earlier checkpoint of train.py there is replaced, anything else is refused")
+    p.add_argument("--overwrite", action="store_true", help="replace whatever is at --out, even if train.py did "
+                                                           "not write it")
+    p.add_argument("--epochs", type=int_at_least(1), default=EPOCHS, help="epochs over the mixture (default: %(default)s)")
+    p.add_argument("--lr", type=float_in(0, lo_open=True), default=LR, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float_in(0), default=WEIGHT_DECAY, help="(default: %(default)s)")
+    p.add_argument("--betas", type=float_in(0, 1), nargs=2, default=BETAS, help="AdamW betas (default: %(default)s)")
+    p.add_argument("--grad-clip", type=float_in(0, lo_open=True), default=GRAD_CLIP, help="max grad norm (default: %(default)s)")
+    p.add_argument("--global-batch", type=int_at_least(1), default=GLOBAL_BATCH, help="sequences per step (default: %(default)s)")
+    p.add_argument("--max-len", type=int_at_least(2), default=MAX_LEN, help="drop longer examples (default: %(default)s)")
+    p.add_argument("--micro-tokens", type=int_at_least(1), default=MICRO_TOKENS,
                    help="token budget of one packed micro-batch (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="data order seed (default: %(default)s)")
-    p.add_argument("--save-every", type=int, default=SAVE_EVERY,
+    p.add_argument("--save-every", type=int_at_least(0), default=SAVE_EVERY,
                    help="steps between resumable training states, 0 = never (default: %(default)s)")
-    p.add_argument("--resume", action="store_true", help="continue from the last training state in OUT.partial/")
+    p.add_argument("--resume", action="store_true", help="continue from the last training state in OUT.partial/; "
+                   "when OUT is already the final checkpoint of the same settings, say so and exit 0")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="compute dtype: auto = bf16 on CUDA (fp32 master weights), fp32 on CPU")
-    p.add_argument("--sdft-beta", type=float, default=SDFT_BETA, help="SDFT KL weight, 0 = off (default: %(default)s)")
-    p.add_argument("--sdft-ema", type=float, default=SDFT_EMA, help="EMA decay of the SDFT teacher (default: %(default)s)")
+    p.add_argument("--sdft-beta", type=float_in(0), default=SDFT_BETA, help="SDFT KL weight, 0 = off (default: %(default)s)")
+    p.add_argument("--sdft-ema", type=float_in(0, 1), default=SDFT_EMA, help="EMA decay of the SDFT teacher (default: %(default)s)")
     p.add_argument("--sdft-kl", choices=["reverse", "forward"], default=SDFT_KL, help="KL direction (default: %(default)s)")
-    p.add_argument("--peak-tflops", type=float, help="device peak for the MFU estimate (default: H100 bf16 dense "
+    p.add_argument("--peak-tflops", type=float_in(0, lo_open=True), help="device peak for the MFU estimate (default: H100 bf16 dense "
                                                      "on CUDA, a measured fp32 matmul on CPU)")
-    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (for smoke tests)")
+    p.add_argument("--max-steps", type=int_at_least(1), help="stop after this many optimizer steps (for smoke tests)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
+
+
+# flags that do not change the weights a run ends with
+NOT_PLAN_ARGS = ("out", "resume", "quiet", "debug", "overwrite", "save_every", "peak_tflops", "activation_checkpointing")
+
+
+def final_with_same_settings(out: Path, args) -> bool:
+    """--resume found a final checkpoint at OUT: True when it was trained with these settings (nothing to do);
+    a UserError naming the first differing flag otherwise (resuming cannot turn it into another run)."""
+    done = json.loads((out / "train_summary.json").read_text()).get("args", {})
+    for k, v in vars(args).items():
+        if k not in NOT_PLAN_ARGS and json.loads(json.dumps(v)) != done.get(k):
+            raise UserError(f"{out} is already a final checkpoint, trained with --{k.replace('_', '-')} "
+                            f"{done.get(k)!r} (now {v!r}); --resume only continues an unfinished run: drop --resume "
+                            f"to retrain it, or choose another --out")
+    return True
 
 
 def setup_distributed():
@@ -191,7 +212,7 @@ def load_state(model, opt, sched, workdir: Path, plan_id: str) -> int:
         return 0
     progress = torch.load(state / "progress.pt", weights_only=False)
     if progress.get("plan") != plan_id:
-        raise SystemExit(f"train.py: {state} was saved for a different run (data, epochs, batch, seed, lr or "
+        raise UserError(f"{state} was saved for a different run (data, epochs, batch, seed, lr or "
                          f"max length differ); refusing to --resume from it")
     msd, osd = get_state_dict(model, opt)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(state))
@@ -217,12 +238,21 @@ def main(argv=None):
     out = Path(args.out)
     workdir = out.with_name(out.name + ".partial")  # training state and logs until the checkpoint is final
     log_path = workdir / "train_log.jsonl"
+    if args.resume and not (workdir / "state").exists() and (out / "train_summary.json").is_file():
+        if final_with_same_settings(out, args):
+            if rank == 0:
+                print(f"train.py: {out} is already the final checkpoint of these settings; nothing to resume",
+                      flush=True)
+            dist.destroy_process_group()
+            return 0
+    check_output(out, "checkpoint", args.overwrite)  # replace only an earlier checkpoint of train.py
+    check_output(workdir, "train-state", args.overwrite, flag="--out (its .partial directory)")
 
     # 1. data: every rank tokenizes the same mixture and plans the same steps
     tok = ChatTokenizer.from_dir(args.model)
     examples, dropped = tokenize_sft(load_mixture(args.data.split(",")), tok, args.max_len)
     if not examples:
-        raise SystemExit(f"train.py: no example of {args.data} fits --max-len {args.max_len}")
+        raise InputError(f"no example of {args.data} fits --max-len {args.max_len}")
     lengths = [len(e.ids) for e in examples]
     has_replay = 0 < sum(e.replay for e in examples) < len(examples)  # log the loss per source
     steps = plan_steps(len(examples), args.global_batch, args.epochs, args.seed)
@@ -249,7 +279,8 @@ def main(argv=None):
     if args.resume:
         start = load_state(model, opt, sched, workdir, plan_id)
         if teacher is not None and start:
-            raise SystemExit("train.py: --resume with SDFT is not supported (the EMA teacher is not checkpointed)")
+            raise UserError("--resume with SDFT is not supported (the EMA teacher is not checkpointed); run "
+                            "without --resume")
     if rank == 0:  # keep the log consistent with the state we resume from
         kept = [l for l in (log_path.read_text().splitlines() if log_path.exists() and start else [])
                 if l.endswith("}") and json.loads(l)["step"] <= start]  # a kill can cut the last line short
@@ -308,7 +339,7 @@ def main(argv=None):
         dist.all_reduce(sums)
         train_loss, kl_mean, task_nll, replay_nll = (sums / max(n_targets, 1)).tolist()
         if not math.isfinite(train_loss):
-            raise SystemExit(f"train.py: non-finite loss {train_loss} at step {step + 1}; stopping. The last good "
+            raise UserError(f"non-finite loss {train_loss} at step {step + 1}; stopping. The last good "
                              f"training state (if any) is intact in {workdir / 'state'}")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).full_tensor().item()
         lr = sched.get_last_lr()[0]
@@ -374,9 +405,9 @@ def main(argv=None):
     if error is not None:
         raise error
     if not ok.item():
-        raise SystemExit("train.py: rank 0 failed to write the final checkpoint")
+        raise UserError("rank 0 failed to write the final checkpoint (its error is above)")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main_cli(main, "train.py")

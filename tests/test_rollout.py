@@ -320,11 +320,12 @@ def test_rollout_checkpoint_without_tokenizer_fails_naming_it(ckpt, data_root, t
     assert not out.exists()
 
 
-def test_rollout_unknown_task_fails(ckpt, data_root, tmp_path):
+def test_rollout_unknown_task_fails(ckpt, data_root, tmp_path, capsys):
     import rollout
-    with pytest.raises(ValueError, match="unknown task 'NotATask'"):
+    with pytest.raises(SystemExit) as e:  # a flag error: argparse's exit 2 with the flag named
         rollout.main(["--ckpt", str(ckpt), "--data", str(data_root), "--tasks", "FOMC,NotATask",
                       "--out", str(tmp_path / "r.jsonl"), "--quiet"])
+    assert e.value.code == 2 and "argument --tasks: unknown task 'NotATask'" in capsys.readouterr().err
     assert not (tmp_path / "r.jsonl").exists()
 
 
