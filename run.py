@@ -33,10 +33,14 @@ pinned thread count (THREADS below, or --threads, or the caller's explicit OMP_N
 the machine's core count, and the tiny base is always built single-threaded.
 """
 import argparse
+import ctypes
+import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -49,8 +53,9 @@ from tqdm import tqdm
 import rollout
 import train
 
+from data.cli import InputError, Parser, UserError, comma_list, float_in, int_at_least, main_cli, task_names
 from data.digest import Digests
-from data.jsonl import read_records, write_json, write_jsonl
+from data.jsonl import check_output, read_records, write_json, write_jsonl
 from data.replay import replay_budget, replay_counts, select
 from data.tasks import get_task, parse_tasks
 from data.trace import filter_overlong, load_task, task_file
@@ -88,33 +93,41 @@ PRESETS = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", help=f"comma-separated, from {', '.join(METHODS)} (default: sft,replay,opr-ru,opr-sc)")
-    p.add_argument("--rho", help="replay ratio(s): b = rho * n_next; a comma list sweeps (e.g. 0.01,0.02,0.05,0.1)")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds; results are averaged (default: 0)")
-    p.add_argument("--tasks", help="comma-separated task order (default: all tasks in TRACE order)")
+    p.add_argument("--rho", type=comma_list(float_in(0, 1, lo_open=True)),
+                   help="replay ratio(s) in (0, 1]: b = rho * n_next; a comma list sweeps (e.g. 0.01,0.02,0.05,0.1)")
+    p.add_argument("--seeds", default="0", type=comma_list(int_at_least(0)),
+                   help="comma-separated seeds; results are averaged (default: 0)")
+    p.add_argument("--tasks", type=task_names, help="comma-separated task order (default: all tasks in TRACE order)")
     p.add_argument("--base", choices=["tiny", "smollm2"], help="named base model (default: tiny)")
     p.add_argument("--model", help="base checkpoint directory (HF layout); selects the paper preset")
     p.add_argument("--data", help="TRACE root <root>/<Task>/{train,eval,test}.json (default: the embedded benchmark)")
-    p.add_argument("--gpus", type=int, default=0, help="GPUs per node for train.py (torchrun) and vLLM (default: 0, CPU)")
+    p.add_argument("--gpus", type=int_at_least(0), default=0,
+                   help="GPUs per node for train.py (torchrun) and vLLM (default: 0, CPU)")
     p.add_argument("--launcher", help="command prefix that starts train.py on several nodes, e.g. "
                                       "'srun -N2 torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d "
                                       "--rdzv-endpoint HOST:29400' (default: torchrun on this node when --gpus > 1)")
     p.add_argument("--engine", default="auto", choices=["auto", "native", "vllm"], help="rollout/eval engine")
-    p.add_argument("--epochs", help="epochs per stage: one int, or a comma list per task (default: task table)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default: per preset; paper 1e-5)")
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: per preset; paper 128)")
-    p.add_argument("--max-new-tokens", type=int, help="generation budget (default: per preset; paper 512)")
-    p.add_argument("--n-train", type=int, help="embedded benchmark only: training examples per task it generates "
-                                                "(with --data use --max-train)")
-    p.add_argument("--n-test", type=int, help="embedded benchmark only: test examples per task it generates "
-                                               "(with --data use --eval-limit)")
-    p.add_argument("--max-train", type=int, help="per-task training subsample of a TRACE root (seeded; default "
-                                                  "5000 as in TRACE); also the n of the budget rule")
-    p.add_argument("--eval-limit", type=int, help="evaluate at most this many test prompts per task (the first ones "
-                                                  "that fit --max-len; TRACE's test splits hold up to 2,000)")
-    p.add_argument("--eval-repeats", type=int, help="sampled responses per test prompt, averaged (default: per "
-                                                    "preset; paper 8, CPU presets 1)")
+    p.add_argument("--epochs", type=comma_list(int_at_least(1)),
+                   help="epochs per stage: one int, or a comma list per task (default: task table)")
+    p.add_argument("--lr", type=float_in(0, lo_open=True), help="peak learning rate (default: per preset; paper 1e-5)")
+    p.add_argument("--global-batch", type=int_at_least(1),
+                   help="sequences per optimizer step (default: per preset; paper 128)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), help="generation budget (default: per preset; paper 512)")
+    p.add_argument("--n-train", type=int_at_least(1),
+                   help="embedded benchmark only: training examples per task it generates (with --data use "
+                        "--max-train)")
+    p.add_argument("--n-test", type=int_at_least(1),
+                   help="embedded benchmark only: test examples per task it generates (with --data use --eval-limit)")
+    p.add_argument("--max-train", type=int_at_least(1),
+                   help="per-task training subsample of a TRACE root (seeded; default 5000 as in TRACE); also the n "
+                        "of the budget rule")
+    p.add_argument("--eval-limit", type=int_at_least(1),
+                   help="evaluate at most this many test prompts per task (the first ones that fit --max-len; "
+                        "TRACE's test splits hold up to 2,000)")
+    p.add_argument("--eval-repeats", type=int_at_least(1),
+                   help="sampled responses per test prompt, averaged (default: per preset; paper 8, CPU presets 1)")
     p.add_argument("--scoring", choices=["lenient", "paper", "trace"],
                    help="metric convention for evaluation and OPR-RU: lenient reads the meant answer, paper = the "
                         "official OPR code's tools/eval.py, trace = TRACE's metrics.py (default: per preset; paper "
@@ -123,12 +136,16 @@ def parse_args(argv=None):
                    help="total: b = rho * n_next split over the prior tasks (the equal-budget comparison, "
                         "default); per-task: rho times each prior task's own training-set size (TRACE's "
                         "past_task_ratio), for replay and the OPR methods alike")
-    p.add_argument("--sdft-beta", type=float, help="SDFT KL weight (default 0.5)")
-    p.add_argument("--jobs", type=int, help="steps run in parallel on CPU (default: cores // threads; always 1 with "
-                                            "GPUs); never changes results")
-    p.add_argument("--threads", type=int, help=f"CPU threads per step (default: $OMP_NUM_THREADS if set, else "
-                                               f"{THREADS}); part of every step's key, since it changes float results")
-    p.add_argument("--out", help="run directory (default: runs/<preset>)")
+    p.add_argument("--sdft-beta", type=float_in(0), help="SDFT KL weight (default 0.5)")
+    p.add_argument("--jobs", type=int_at_least(1),
+                   help="steps run in parallel on CPU (default: cores // threads; always 1 with GPUs); never changes "
+                        "results")
+    p.add_argument("--threads", type=int_at_least(1),
+                   help=f"CPU threads per step (default: $OMP_NUM_THREADS if set, else {THREADS}); part of every "
+                        f"step's key, since it changes float results")
+    p.add_argument("--out", help="run directory (default: runs/<preset>); an earlier run directory is resumed, "
+                                 "any other non-empty directory is refused")
+    p.add_argument("--overwrite", action="store_true", help="use --out even if it holds files run.py did not write")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -147,6 +164,8 @@ class Pipeline:
         self.manifest_path = run_dir / "manifest.json"
         self.manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
         self.lock = threading.Lock()
+        self.procs = set()  # running step processes (each the leader of its own process group)
+        self.lock_fd = None
 
     def add(self, kind: str, name: str, spec: dict, deps: list[str], build, reads=()) -> str:
         """Register a step; `build(tmp_dir, dep_dirs) -> argv` writes its inputs and returns the command that
@@ -170,26 +189,91 @@ class Pipeline:
         tmp.mkdir(parents=True)
         t0 = time.time()
         argv = step["build"](tmp, {d: self.dir(d) for d in step["deps"]})
-        with open(tmp / "log.txt", "w") as log:
-            rc = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=HERE) if argv else 0
+        rc = self.call(argv, tmp / "log.txt") if argv else 0
         if rc != 0:
-            tail = (tmp / "log.txt").read_text()[-3000:]
-            raise RuntimeError(f"step {key} failed (exit {rc}): {' '.join(map(str, argv))}\n--- log tail ---\n{tail}")
+            raise StepFailed(f"step {key} failed (exit {rc}): {last_error(tmp / 'log.txt')}; "
+                             f"full log: {tmp / 'log.txt'}")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         with self.lock:
             self.manifest[key] = {"kind": step["kind"], "seconds": round(time.time() - t0, 2)}
             write_json(self.manifest_path, self.manifest)
 
+    def call(self, argv, log_path: Path) -> int:
+        """Run one step's command, its output to log_path. The child leads its own process group (so the driver
+        can stop it and everything it started), is SIGKILLed by the kernel if the driver dies (even by SIGKILL),
+        and holds the run directory's lock until it exits."""
+        parent = os.getpid()
+        prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+        def die_with_driver():  # runs in the child between fork and exec
+            os.setsid()
+            if prctl is not None:
+                # PR_SET_PDEATHSIG fires when the forking *thread* ends: a pool thread, which lives until every
+                # step is done
+                prctl(1, signal.SIGKILL)
+            if os.getppid() != parent:  # the driver died before prctl
+                os._exit(1)
+
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=HERE,
+                                    preexec_fn=die_with_driver, pass_fds=(self.lock_fd,))
+        with self.lock:
+            self.procs.add(proc)
+        try:
+            return proc.wait()
+        finally:
+            with self.lock:
+                self.procs.discard(proc)
+
+    def stop_children(self):
+        """SIGTERM every running step's process group, SIGKILL what is left after 10 s."""
+        with self.lock:
+            procs = list(self.procs)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for p in procs:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + 10
+            procs = [p for p in procs if not _exited(p, deadline)]
+
+    def lock_run_dir(self):
+        """Create the run directory and hold its run.lock (flock) for as long as this driver or any step it started
+        lives, so a second run.py on the same directory is refused instead of racing them."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.run_dir / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + 5  # the steps of a driver killed a moment ago may still be exiting
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                    os.close(fd)
+                    raise UserError(f"{self.run_dir}: in use by another run.py (pid {holder}) or a step it started; "
+                                    f"stop it or wait for it, then re-run") from None
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.lock_fd = fd
+        self.manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
+
     def execute(self):
         todo = [k for k in self.steps if not self.done(k)]
         bar = tqdm(total=len(self.steps), initial=len(self.steps) - len(todo), desc="pipeline", unit="step",
                    disable=self.quiet)
-        running = {}
-        with ThreadPoolExecutor(self.jobs) as pool:
-            while todo or running:
+        running, failure = {}, None
+        pool = ThreadPoolExecutor(self.jobs)
+        # SIGTERM/SIGHUP end the driver like Ctrl-C does: its steps are stopped first (see below)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _exit_on_signal)
+        try:
+            while (todo and failure is None) or running:
                 for key in [k for k in todo if all(self.done(d) for d in self.steps[k]["deps"])]:
-                    if len(running) >= self.jobs:
+                    if len(running) >= self.jobs or failure is not None:
                         break
                     todo.remove(key)
                     running[pool.submit(self.run_step, key)] = key
@@ -198,16 +282,56 @@ class Pipeline:
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for fut in finished:
                     key = running.pop(fut)
-                    fut.result()  # re-raises a failed step
+                    try:
+                        fut.result()
+                    except StepFailed as e:  # let the running steps finish (their work is kept), start no more
+                        failure = failure or e
+                        if running:
+                            print(f"run.py: {e}\nrun.py: waiting for {len(running)} running step(s) to finish "
+                                  f"(Ctrl-C stops them)", file=sys.stderr, flush=True)
+                        continue
                     bar.set_postfix_str(key[:40])
                     bar.update()
-        bar.close()
+            if failure is not None:
+                raise failure
+        except BaseException:  # a failure, Ctrl-C, SIGTERM or a bug: no step outlives the driver
+            self.stop_children()
+            raise
+        finally:
+            pool.shutdown(wait=True)
+            bar.close()
+
+
+class StepFailed(UserError):
+    exit_code = 1
+
+
+def last_error(log_path: Path) -> str:
+    """The line of a step's log that says what went wrong: a script's own `x.py: error: ...` line, else the last
+    `...Error: ...` line of a traceback, else the last non-empty line."""
+    lines = [l.strip() for l in re.split(r"[\r\n]+", log_path.read_text(errors="replace")) if l.strip()]
+    for pattern in (r"^\S+\.py: error: ", r"^[\w.]*(Error|Exception|Interrupt)\b.*"):
+        hits = [l for l in lines if re.match(pattern, l)]
+        if hits:
+            return hits[-1][:400]
+    return lines[-1][:400] if lines else "(empty log)"
+
+
+def _exited(p: subprocess.Popen, deadline: float) -> bool:
+    try:
+        p.wait(max(0.0, deadline - time.monotonic()))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(f"run.py: stopped by {signal.Signals(signum).name}; finished steps are kept, re-run the same "
+                     f"command to continue")
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        raise SystemExit(f"run.py: --threads must be >= 1, got {args.threads}")
     preset = "paper" if args.model else (args.base or "tiny")
     cfg = dict(PRESETS[preset])
     for k in ("methods", "rho", "lr", "global_batch", "max_new_tokens", "n_train", "n_test", "eval_limit", "sdft_beta",
@@ -217,17 +341,13 @@ def main(argv=None):
     methods = [m.strip() for m in str(cfg["methods"]).split(",")]
     for m in methods:
         if m not in METHODS:
-            raise SystemExit(f"run.py: unknown method {m!r} (known: {', '.join(METHODS)})")
+            raise UserError(f"--methods: unknown method {m!r} (known: {', '.join(METHODS)})")
     rhos = [float(r) for r in str(cfg["rho"]).split(",")]
     if args.data and (args.n_train is not None or args.n_test is not None):
-        raise SystemExit("run.py: --n-train/--n-test size the embedded benchmark; with --data use --max-train "
-                         "(training subsample per task) and --eval-limit (test prompts per task)")
-    for k in ("max_train", "eval_repeats"):
-        if cfg[k] is not None and cfg[k] < 1:
-            raise SystemExit(f"run.py: --{k.replace('_', '-')} must be >= 1, got {cfg[k]}")
+        raise UserError("--n-train/--n-test size the embedded benchmark; with --data use --max-train "
+                        "(training subsample per task) and --eval-limit (test prompts per task)")
     seeds = [int(s) for s in args.seeds.split(",")]
-    run_dir = Path(args.out or f"runs/{preset}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = check_output(Path(args.out or f"runs/{preset}").resolve(), "run", args.overwrite)
 
     # the base model and the data, built once before anything runs in parallel
     from data.embedded import ensure_embedded
@@ -243,11 +363,14 @@ def main(argv=None):
     subsamples = {t: load_task(data_root, t, "train", max_train=cfg["max_train"]) for t in tasks}
     train_sizes = {t: len(exs) for t, exs in subsamples.items()}
     train_sets = {t: filter_overlong(exs, tok.sft_length, cfg["max_len"])[0] for t, exs in subsamples.items()}
+    check_inputs(base, data_root, tasks, train_sets, tok, cfg["max_len"])  # before any step runs
 
     gpus = args.gpus
     threads = args.threads or pinned_threads(os.environ.get("OMP_NUM_THREADS"))
     jobs = 1 if gpus else (args.jobs or max(1, (os.cpu_count() or 2) // threads))  # GPU steps share the devices
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    if args.debug:
+        env["OPR_DEBUG"] = "1"  # steps show tracebacks too
     import torch
     # everything besides the settings that changes float results: part of every step's key and of results.json
     numerics = dict(threads=threads, torch=torch.__version__, gpus=gpus,
@@ -378,6 +501,7 @@ def main(argv=None):
     print(f"run.py: preset {preset}, base {base}, data {data_root}, tasks {','.join(tasks)}, methods "
           f"{','.join(runs)}, seeds {seeds}; {len(pipe.steps)} steps ({sum(pipe.done(k) for k in pipe.steps)} "
           f"already done) in {run_dir}", flush=True)
+    pipe.lock_run_dir()  # creates the run directory: everything above is checked
     pipe.digests.save()
     t0 = time.time()
     pipe.execute()
@@ -396,8 +520,22 @@ def pinned_threads(omp_env) -> int:
     if not omp_env:
         return THREADS
     if not omp_env.strip().isdigit() or int(omp_env) < 1:
-        raise SystemExit(f"run.py: OMP_NUM_THREADS={omp_env!r} is not a positive integer; unset it or pass --threads N")
+        raise UserError(f"OMP_NUM_THREADS={omp_env!r} is not a positive integer; unset it or pass --threads N")
     return int(omp_env)
+
+
+def check_inputs(base: Path, data_root: Path, tasks, train_sets: dict, tok, max_len: int):
+    """Everything a step will read, checked up front so no step fails late on a missing or broken input: the base
+    checkpoint's config and weights (the tokenizer was loaded already), each task's train split (loaded already)
+    and test split, each with at least one example within max_len."""
+    from model.checkpoint import load_config, weight_files
+    load_config(base)
+    weight_files(base)
+    for t in tasks:
+        if not train_sets[t]:
+            raise InputError(f"{data_root / t}/train.json: no example fits --max-len {max_len}")
+        if not filter_overlong(load_task(data_root, t, "test"), tok.sft_length, max_len)[0]:
+            raise InputError(f"{data_root / t}/test.json: no example fits --max-len {max_len}")
 
 
 def epochs_per_task(spec, tasks) -> dict:
@@ -407,7 +545,7 @@ def epochs_per_task(spec, tasks) -> dict:
     if len(values) == 1:
         return {t: values[0] for t in tasks}
     if len(values) != len(tasks):
-        raise SystemExit(f"run.py: --epochs has {len(values)} values for {len(tasks)} tasks")
+        raise UserError(f"--epochs has {len(values)} values for {len(tasks)} tasks (give one, or one per task)")
     return dict(zip(tasks, values))
 
 
@@ -440,4 +578,4 @@ def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict) -> 
 
 
 if __name__ == "__main__":
-    main()
+    main_cli(main, "run.py")

@@ -14,6 +14,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from data.cli import MissingFileError
 from data.jsonl import write_json
 
 CHUNK = 1 << 22  # 4 MiB reads
@@ -56,7 +57,7 @@ class Digests:
             files = sorted(p for p in path.rglob("*") if p.is_file())
             listing = [[str(p.relative_to(path)), self.file(p)] for p in files]
             return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
-        raise FileNotFoundError(f"{path}: not found (a pipeline step reads it)")
+        raise MissingFileError(f"{path}: not found (a pipeline step reads it)")
 
     def of(self, paths) -> list[str]:
         return [self.path(p) for p in paths]
