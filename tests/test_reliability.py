@@ -1,0 +1,408 @@
+"""Failure behaviour of the five scripts, as a user meets it: every case is a real subprocess.
+
+- bad input (a table of cases across train/rollout/score/evaluate/run): non-zero exit, one error line that names
+  the offending file or flag, no Python traceback, and the working directory exactly as it was (no output, no
+  temp file, no empty run directory, a foreign file or directory untouched)
+- data loss: --out never replaces what the script did not write itself, unless --overwrite
+- resume after the final checkpoint: train.py --resume says so instead of retraining
+- run.py: a failed step is reported in one line with its log; killing only the driver (SIGKILL, SIGTERM, SIGINT)
+  kills its steps too; a second driver on a directory in use is refused
+Validation failures are reached before any model loads, so the table costs about a Python start-up per case.
+"""
+import hashlib
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from data.jsonl import write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS = ("C-STANCE", "FOMC")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A random tiny Llama and a 2-task TRACE-layout data root (4 train / 4 test examples per task)."""
+    from model.base import write_random_tiny
+    root = tmp_path_factory.mktemp("rel")
+    write_random_tiny(root / "base")
+    for t in TASKS:
+        for split in ("train", "test"):
+            recs = [{"prompt": f"{t} statement {i}: the cat sat. Answer A or B.", "answer": "AB"[i % 2]}
+                    for i in range(4)]
+            (root / "data" / t).mkdir(parents=True, exist_ok=True)
+            (root / "data" / t / f"{split}.json").write_text(json.dumps(recs))
+    rollouts = [{"task": "FOMC", "idx": i, "prompt": f"FOMC statement {i}: the cat sat. Answer A or B.",
+                 "response": "A", "token_ids": [5, 6], "logprobs": [-0.5, -0.1], "finish_reason": "stop"}
+                for i in range(4)]
+    write_jsonl(root / "rollouts.jsonl", rollouts)
+    e = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(root / "cache"))
+    e.pop("OPR_DEBUG", None)
+    return dict(base=root / "base", data=root / "data", rollouts=root / "rollouts.jsonl", env=e)
+
+
+def run(script: str, args, env, cwd=REPO, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=cwd, env=env["env"],
+                          capture_output=True, text=True, timeout=600, **kw)
+
+
+def snapshot(d: Path) -> dict:
+    """Every path under d with its content digest (directories: None)."""
+    return {str(p.relative_to(d)): (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None)
+            for p in sorted(d.rglob("*"))}
+
+
+def copy_ckpt(env, tmp: Path) -> Path:
+    ck = tmp / "ck"
+    shutil.copytree(env["base"], ck)
+    return ck
+
+
+def copy_data(env, tmp: Path) -> Path:
+    d = tmp / "trace"
+    shutil.copytree(env["data"], d)
+    return d
+
+
+def foreign_dir(tmp: Path) -> Path:
+    d = tmp / "mine"
+    d.mkdir()
+    (d / "notes.txt").write_text("my notes")
+    return d
+
+
+def foreign_file(tmp: Path) -> Path:
+    f = tmp / "mine.jsonl"
+    f.write_text('{"prompt": "mine", "answer": "mine"}\n')
+    return f
+
+
+def write(tmp: Path, name: str, data: bytes | str) -> Path:
+    p = tmp / name
+    p.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return p
+
+
+def truncated_ckpt(env, tmp: Path) -> Path:
+    ck = copy_ckpt(env, tmp)
+    w = ck / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:1000])
+    return ck
+
+
+def edited_config(env, tmp: Path, **changes) -> Path:
+    ck = copy_ckpt(env, tmp)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg.update(changes)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    return ck
+
+
+def no_file(env, tmp, path_in_ckpt) -> Path:
+    ck = copy_ckpt(env, tmp)
+    (ck / path_in_ckpt).unlink()
+    return ck
+
+
+# Each case: (id, script, args(env, tmp) -> (argv, named)) where `named` must appear in stderr (a path or a flag).
+B, D, R = "base", "data", "rollouts"
+T = dict(train="train.py", rollout="rollout.py", score="score.py", evaluate="evaluate.py", run="run.py")
+
+
+def train_args(env, tmp, *extra, data=None, model=None):
+    return ["--model", model or env["base"], "--data", data or env["data"] / "C-STANCE" / "train.json",
+            "--out", tmp / "out", "--quiet", *extra]
+
+
+def gen_args(env, tmp, *extra, ckpt=None, data=None):
+    return ["--ckpt", ckpt or env["base"], "--data", data or env["data"], "--out", tmp / "out", "--quiet", *extra]
+
+
+def score_args(env, tmp, *extra, rollouts=None):
+    return ["--rollouts", rollouts or env["rollouts"], "--data", env["data"], "--budget", "2", "--out",
+            tmp / "out.jsonl", *extra]
+
+
+def run_args(env, tmp, *extra, model=None, data=None):
+    return ["--model", model or env["base"], "--data", data or env["data"], "--tasks", ",".join(TASKS),
+            "--methods", "sft", "--epochs", "1", "--global-batch", "2", "--max-new-tokens", "2", "--quiet",
+            "--out", tmp / "run", *extra]
+
+
+def flag(script, fn, f, value):
+    return (f"{script}{f}={value}", script, lambda env, tmp: (fn(env, tmp, f, value), f))
+
+
+def bad_data_file(name, content, expect):
+    def make(env, tmp):
+        p = write(tmp, name, content)
+        return train_args(env, tmp, data=p), str(p) + expect
+    return make
+
+
+CASES = [
+    # --- flags out of range or of the wrong type: argparse names the flag -----------------------------------------
+    flag("train", train_args, "--epochs", "0"),
+    flag("train", train_args, "--global-batch", "0"),
+    flag("train", train_args, "--global-batch", "x"),
+    flag("train", train_args, "--lr", "-1"),
+    flag("train", train_args, "--lr", "nan"),
+    flag("train", train_args, "--micro-tokens", "0"),
+    flag("train", train_args, "--max-len", "0"),
+    flag("train", train_args, "--sdft-ema", "2"),
+    flag("train", train_args, "--max-steps", "0"),
+    flag("rollout", gen_args, "--limit", "0"),
+    flag("rollout", gen_args, "--max-new-tokens", "0"),
+    flag("rollout", gen_args, "--temperature", "-1"),
+    flag("rollout", gen_args, "--batch-size", "0"),
+    flag("rollout", gen_args, "--tasks", "FOMC,Nope"),
+    flag("evaluate", gen_args, "--limit", "0"),
+    flag("evaluate", gen_args, "--repeats", "0"),
+    flag("evaluate", gen_args, "--tp", "0"),
+    flag("score", score_args, "--rho", "5"),
+    flag("score", score_args, "--rho", "0"),
+    flag("score", score_args, "--n", "0"),
+    flag("score", score_args, "--budget", "-1"),
+    flag("run", run_args, "--global-batch", "0"),
+    flag("run", run_args, "--max-new-tokens", "0"),
+    flag("run", run_args, "--rho", "5"),
+    flag("run", run_args, "--rho", "0.1,x"),
+    flag("run", run_args, "--epochs", "0"),
+    flag("run", run_args, "--seeds", "a"),
+    flag("run", run_args, "--jobs", "0"),
+    flag("run", run_args, "--eval-limit", "0"),
+    ("run--methods", "run", lambda env, tmp: (run_args(env, tmp) + ["--methods", "sft,nope"], "--methods")),
+    ("run--epochs-count", "run", lambda env, tmp: (run_args(env, tmp) + ["--epochs", "1,2,3"], "--epochs")),
+    # --- bad input files: the file (and record / field) is named -------------------------------------------------
+    ("train-missing-data", "train", lambda env, tmp: (train_args(env, tmp, data=tmp / "nope.jsonl"),
+                                                      str(tmp / "nope.jsonl"))),
+    ("train-non-utf8", "train", bad_data_file("d.jsonl", b'{"prompt": "\xff\xfe", "response": "x"}\n', ": not UTF-8")),
+    ("train-json-object", "train", bad_data_file("d.json", '{"prompt": "a", "answer": "b"}', ": holds a single")),
+    ("train-missing-field", "train", bad_data_file("d.jsonl", '{"prompt": "a"}\n', ": record 0 (line 1)")),
+    ("train-not-objects", "train", bad_data_file("d.json", '["a", "b"]', ": record 0")),
+    ("train-empty-file", "train", bad_data_file("d.jsonl", "", ": file is empty")),
+    ("train-bad-json", "train", bad_data_file("d.json", '[{"prompt": "a", "answer": "b"},', ": malformed JSON")),
+    ("train-no-config", "train", lambda env, tmp: (train_args(env, tmp, model=no_file(env, tmp, "config.json")),
+                                                   str(tmp / "ck" / "config.json"))),
+    ("train-truncated-weights", "train", lambda env, tmp: (train_args(env, tmp, model=truncated_ckpt(env, tmp)),
+                                                           str(tmp / "ck" / "model.safetensors"))),
+    ("train-unsupported-model", "train", lambda env, tmp: (
+        train_args(env, tmp, model=edited_config(env, tmp, model_type="gpt2")), str(tmp / "ck" / "config.json"))),
+    ("train-config-non-utf8", "train", lambda env, tmp: (
+        train_args(env, tmp, model=(lambda ck: (write(ck, "config.json", b"\xff{}"), ck)[1])(copy_ckpt(env, tmp))),
+        str(tmp / "ck" / "config.json"))),
+    ("rollout-no-tokenizer", "rollout", lambda env, tmp: (gen_args(env, tmp, ckpt=no_file(env, tmp, "tokenizer.json")),
+                                                          "tokenizer.json")),
+    ("rollout-truncated-weights", "rollout", lambda env, tmp: (gen_args(env, tmp, ckpt=truncated_ckpt(env, tmp)),
+                                                               str(tmp / "ck" / "model.safetensors"))),
+    ("rollout-missing-ckpt", "rollout", lambda env, tmp: (gen_args(env, tmp, ckpt=tmp / "nope"), str(tmp / "nope"))),
+    ("rollout-not-a-trace-root", "rollout", lambda env, tmp: (gen_args(env, tmp, data=tmp), str(tmp))),
+    ("rollout-bad-train-json", "rollout", lambda env, tmp: (
+        gen_args(env, tmp, data=(lambda d: (write(d / "FOMC", "train.json", "[{]"), d)[1])(copy_data(env, tmp))),
+        str(tmp / "trace" / "FOMC" / "train.json"))),
+    ("evaluate-non-utf8-test", "evaluate", lambda env, tmp: (
+        gen_args(env, tmp, data=(lambda d: (write(d / "FOMC", "test.json", b"[\xff]"), d)[1])(copy_data(env, tmp))),
+        str(tmp / "trace" / "FOMC" / "test.json"))),
+    ("evaluate-truncated-weights", "evaluate", lambda env, tmp: (gen_args(env, tmp, ckpt=truncated_ckpt(env, tmp)),
+                                                                 str(tmp / "ck" / "model.safetensors"))),
+    ("score-missing-rollouts", "score", lambda env, tmp: (score_args(env, tmp, rollouts=tmp / "r.jsonl"),
+                                                          str(tmp / "r.jsonl"))),
+    ("score-json-object", "score", lambda env, tmp: (
+        score_args(env, tmp, rollouts=write(tmp, "r.json", '{"task": "FOMC"}')), str(tmp / "r.json"))),
+    ("score-bad-logprobs", "score", lambda env, tmp: (score_args(env, tmp, rollouts=write(
+        tmp, "r.jsonl", '{"task": "FOMC", "idx": 0, "prompt": "p", "response": "A", "logprobs": ["x"]}\n')),
+        str(tmp / "r.jsonl") + ": record 0 (line 1): field 'logprobs'")),
+    ("score-unknown-task", "score", lambda env, tmp: (score_args(env, tmp, rollouts=write(
+        tmp, "r.jsonl", '{"task": "Nope", "idx": 0, "prompt": "p", "response": "A", "logprobs": []}\n')),
+        str(tmp / "r.jsonl"))),
+    ("run-missing-test-json", "run", lambda env, tmp: (
+        run_args(env, tmp, data=(lambda d: ((d / "FOMC" / "test.json").unlink(), d)[1])(copy_data(env, tmp))),
+        str(tmp / "trace" / "FOMC" / "test.json"))),
+    ("run-truncated-weights", "run", lambda env, tmp: (run_args(env, tmp, model=truncated_ckpt(env, tmp)),
+                                                       str(tmp / "ck" / "model.safetensors"))),
+    ("run-no-tokenizer", "run", lambda env, tmp: (run_args(env, tmp, model=no_file(env, tmp, "tokenizer.json")),
+                                                  "tokenizer.json")),
+    # --- outputs that are not the script's own: refused, left as they were -------------------------------------
+    ("train-out-foreign-dir", "train", lambda env, tmp: (
+        train_args(env, tmp)[:-3] + ["--out", foreign_dir(tmp), "--quiet"], str(tmp / "mine"))),
+    ("train-out-foreign-file", "train", lambda env, tmp: (
+        train_args(env, tmp)[:-3] + ["--out", foreign_file(tmp), "--quiet"], str(tmp / "mine.jsonl"))),
+    ("rollout-out-foreign-file", "rollout", lambda env, tmp: (
+        gen_args(env, tmp)[:-3] + ["--out", foreign_file(tmp)], str(tmp / "mine.jsonl"))),
+    ("rollout-out-is-dir", "rollout", lambda env, tmp: (
+        gen_args(env, tmp)[:-3] + ["--out", foreign_dir(tmp)], str(tmp / "mine"))),
+    ("evaluate-out-foreign-dir", "evaluate", lambda env, tmp: (
+        gen_args(env, tmp)[:-3] + ["--out", foreign_dir(tmp)], str(tmp / "mine"))),
+    ("score-out-foreign-file", "score", lambda env, tmp: (
+        score_args(env, tmp)[:-1] + [foreign_file(tmp)], str(tmp / "mine.jsonl"))),
+    ("run-out-foreign-dir", "run", lambda env, tmp: (run_args(env, tmp)[:-1] + [foreign_dir(tmp)], str(tmp / "mine"))),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_fails_in_one_line_and_leaves_nothing(env, tmp_path, case):
+    _, script, make = case
+    work = tmp_path / "w"
+    work.mkdir()
+    argv, named = make(env, work)
+    before = snapshot(work)
+    r = run(T[script], argv, env)
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and named in errors[0], r.stderr[-3000:]
+    assert snapshot(work) == before, "the failed run changed or left files behind"
+
+
+def test_debug_shows_the_traceback(env, tmp_path):
+    r = run("score.py", ["--rollouts", tmp_path / "nope.jsonl", "--debug"], env)
+    assert r.returncode != 0 and "Traceback" in r.stderr and str(tmp_path / "nope.jsonl") in r.stderr
+
+
+def test_write_errors_name_the_file(env, tmp_path):
+    """Disk full stands in as the file-size limit (EFBIG on write, like ENOSPC a write error without a file name);
+    the atomic write leaves no temp file."""
+    out = tmp_path / "buffer.jsonl"
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+    r = subprocess.run([sys.executable, str(REPO / "score.py"), *map(str, score_args(env, tmp_path)[:-1]), out],
+                       cwd=REPO, env=env["env"], capture_output=True, text=True, preexec_fn=limit, timeout=600)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"score.py: error: {out}: File too large" in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs a /sys to stand in for a read-only location")
+def test_unwritable_output_is_one_line(env):
+    out = Path("/sys/opr-reliability-test/buffer.jsonl")
+    r = run("score.py", score_args(env, Path("/unused"))[:-1] + [out], env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "/sys/opr-reliability-test" in r.stderr, r.stderr
+
+
+# ---- data loss -------------------------------------------------------------------------------------------------------
+def tiny_train(env, out, *extra):
+    return run("train.py", ["--model", env["base"], "--data", env["data"] / "C-STANCE" / "train.json", "--out", out,
+                            "--epochs", "1", "--global-batch", "2", "--max-len", "128", "--quiet", *extra], env)
+
+
+def test_train_replaces_only_its_own_checkpoint(env, tmp_path):
+    mine = foreign_dir(tmp_path)
+    r = tiny_train(env, mine)
+    assert r.returncode == 2 and (mine / "notes.txt").read_text() == "my notes"
+    assert not (tmp_path / "mine.partial").exists()
+    r = tiny_train(env, mine, "--overwrite")  # an explicit yes
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (mine / "train_summary.json").is_file() and not (mine / "notes.txt").exists()
+    first = (mine / "model.safetensors").stat().st_ino
+    r = tiny_train(env, mine, "--seed", "1")  # its own checkpoint: replaced without asking
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (mine / "model.safetensors").stat().st_ino != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no .old / .tmp left around
+
+    afile = foreign_file(tmp_path)
+    r = tiny_train(env, afile, "--overwrite")  # a file replaced by a checkpoint: nothing hidden left behind
+    assert r.returncode == 0 and (afile / "config.json").is_file(), r.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "mine.jsonl"]
+
+
+# ---- resume after the final checkpoint ------------------------------------------------------------------------------
+def test_resume_of_a_final_checkpoint_says_so(env, tmp_path):
+    out = tmp_path / "ck"
+    assert tiny_train(env, out).returncode == 0
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    r = tiny_train(env, out, "--resume")
+    assert r.returncode == 0 and "already the final checkpoint" in r.stdout, r.stdout + r.stderr
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp and not (tmp_path / "ck.partial").exists()
+    r = tiny_train(env, out, "--resume", "--seed", "3")  # another run's settings: not silently retrained
+    assert r.returncode == 2 and "--seed" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+# ---- run.py: failed steps, killed drivers, concurrent drivers ------------------------------------------------------
+def test_failed_step_is_one_line_with_its_log(env, tmp_path):
+    r = run("run.py", run_args(env, tmp_path) + ["--launcher", f"{sys.executable} {tmp_path / 'missing.py'}"], env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    line, = [l for l in r.stderr.splitlines() if "error" in l]
+    assert "step s1-train-C-STANCE" in line and "missing.py" in line and len(line) < 600
+    log = Path(line.rsplit("full log: ", 1)[1])
+    assert log.is_file() and "missing.py" in log.read_text()
+
+
+def long_run(env, out: Path) -> subprocess.Popen:
+    """A driver whose first training step lasts minutes (the test kills it long before)."""
+    argv = run_args(env, out.parent)[:-1] + [out, "--epochs", "100000"]
+    return subprocess.Popen([sys.executable, str(REPO / "run.py"), *map(str, argv)], cwd=REPO, env=env["env"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def child_of(pid: int, name: str, timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in Path("/proc").iterdir():
+            try:
+                if p.name.isdigit() and int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid and \
+                        name in (p / "cmdline").read_bytes().decode(errors="replace"):
+                    return int(p.name)
+            except (OSError, IndexError, ValueError):
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no {name} child of {pid} appeared")
+
+
+def gone(pid: int, timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":  # exited, waiting to be reaped by init
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc are Linux")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_killing_the_driver_kills_its_steps(env, tmp_path, sig):
+    out = tmp_path / "run"
+    driver = long_run(env, out)
+    try:
+        child = child_of(driver.pid, "train.py")
+        time.sleep(0.5)
+        os.kill(driver.pid, sig)  # the driver alone, not its process group
+        driver.wait(60)
+        assert gone(child), f"train.py (pid {child}) outlived run.py killed by {sig.name}"
+        err = driver.stderr.read()
+        assert "Traceback" not in err, err[-3000:]
+        if sig != signal.SIGKILL:
+            assert driver.returncode != 0 and len([l for l in err.splitlines() if l.strip()]) == 1, err
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.communicate()
+
+
+def test_a_second_driver_on_a_directory_in_use_is_refused(env, tmp_path):
+    out = tmp_path / "run"
+    first = long_run(env, out)
+    try:
+        child_of(first.pid, "train.py")
+        before = snapshot(out)
+        r = run("run.py", run_args(env, tmp_path)[:-1] + [out, "--epochs", "100000"], env)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert f"{out}: in use by another run.py (pid {first.pid})" in r.stderr
+        assert snapshot(out).keys() == before.keys() and first.poll() is None  # the first run was not disturbed
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
