@@ -142,9 +142,10 @@ def test_overlong_test_examples_are_dropped_and_counted(ckpt, data_root, tmp_pat
     assert not (tmp_path / "x").exists()
 
 
-def test_unknown_task_fails_and_writes_nothing(ckpt, data_root, tmp_path):
-    with pytest.raises(ValueError, match="unknown task 'NotATask'"):
+def test_unknown_task_fails_and_writes_nothing(ckpt, data_root, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:  # a flag error: argparse's exit 2 naming the flag
         evaluate("--ckpt", ckpt, "--data", data_root, "--tasks", "FOMC,NotATask", "--out", tmp_path / "ev")
+    assert e.value.code == 2 and "argument --tasks: unknown task 'NotATask'" in capsys.readouterr().err
     # a known task without a test file under --data names the missing file
     with pytest.raises(ValueError, match="MeetingBank/test.json: file not found"):
         evaluate("--ckpt", ckpt, "--data", data_root, "--tasks", "FOMC,MeetingBank", "--out", tmp_path / "ev")

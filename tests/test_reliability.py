@@ -30,9 +30,13 @@ TASKS = ("C-STANCE", "FOMC")
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    """A random tiny Llama and a 2-task TRACE-layout data root (4 train / 4 test examples per task)."""
+    return make_env(tmp_path_factory.mktemp("rel"))
+
+
+def make_env(root: Path) -> dict:
+    """A random tiny Llama and a 2-task TRACE-layout data root (4 train / 4 test examples per task) under root,
+    a rollout file, and the environment the scripts run with."""
     from model.base import write_random_tiny
-    root = tmp_path_factory.mktemp("rel")
     write_random_tiny(root / "base")
     for t in TASKS:
         for split in ("train", "test"):
@@ -398,11 +402,13 @@ def test_a_second_driver_on_a_directory_in_use_is_refused(env, tmp_path):
     first = long_run(env, out)
     try:
         child_of(first.pid, "train.py")
-        before = snapshot(out)
+        steps = sorted(p.name for p in (out / "steps").iterdir())
         r = run("run.py", run_args(env, tmp_path)[:-1] + [out, "--epochs", "100000"], env)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
         assert f"{out}: in use by another run.py (pid {first.pid})" in r.stderr
-        assert snapshot(out).keys() == before.keys() and first.poll() is None  # the first run was not disturbed
+        # the first run was not disturbed: same step directories, its lock, still running
+        assert sorted(p.name for p in (out / "steps").iterdir()) == steps and first.poll() is None
+        assert (out / "run.lock").read_text().strip() == str(first.pid)
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.communicate()
