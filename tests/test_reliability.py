@@ -402,13 +402,11 @@ def test_a_second_driver_on_a_directory_in_use_is_refused(env, tmp_path):
     first = long_run(env, out)
     try:
         child_of(first.pid, "train.py")
-        steps = sorted(p.name for p in (out / "steps").iterdir())
         r = run("run.py", run_args(env, tmp_path)[:-1] + [out, "--epochs", "100000"], env)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
         assert f"{out}: in use by another run.py (pid {first.pid})" in r.stderr
-        # the first run was not disturbed: same step directories, its lock, still running
-        assert sorted(p.name for p in (out / "steps").iterdir()) == steps and first.poll() is None
-        assert (out / "run.lock").read_text().strip() == str(first.pid)
+        # the first run was not disturbed: still running, still holding its lock
+        assert first.poll() is None and (out / "run.lock").read_text().strip() == str(first.pid)
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.communicate()
