@@ -13,13 +13,26 @@ The algorithm, top to bottom:
      micro-batches of at most --micro-tokens tokens with no padding, and accumulates gradients of
          sum of response-token NLL / number of response tokens in the whole step (all ranks)
      so gradients do not depend on world size, micro-batch split or packing
-  4. AdamW, cosine decay to 0 with no warmup, grad-norm clip; optional SDFT term beta * KL to an EMA teacher
+  4. AdamW, cosine decay to 0 with no warmup, grad-norm clip
   5. periodic resumable training state; final weights as a Hugging Face checkpoint directory (--out)
 
 Records that carry a "source" field (the replay buffers score.py and run.py write) are replay examples, the others
 the stage's own task examples; when the mixture has both, each step's log also holds loss_task and loss_replay (each
 source's NLL per response token of that source) and target_tokens_replay, so that
     loss * target_tokens == loss_task * (target_tokens - target_tokens_replay) + loss_replay * target_tokens_replay
+
+--objective picks what step 3 minimises:
+  sft     the response-token NLL above (the paper's fine-tuning, and OPR's)
+  sft-kl  NLL + beta * per-token KL(student || EMA teacher) on the gold tokens, both models reading the same
+          sequence (the one-line description of SDFT in the OPR paper)
+  sdft    on-policy Self-Distillation Fine-Tuning (Shenfeld et al. 2026, arXiv 2601.19897, Algorithm 1): per step
+          the student samples y ~ pi_theta(.|x) for each prompt x of the batch (generation on the training model,
+          each prompt with a seed of its own); the teacher pi_phi reads x with the gold demonstration in context
+          (--sdft-template) and scores the same y; the loss is
+              sum over sampled tokens of KL(pi_theta(.|x, y<t) || pi_phi(.|x+demo, y<t)), full vocabulary,
+              divided by the number of sampled tokens in the whole step
+          with no cross-entropy on the gold answer; after each optimizer step phi <- alpha*theta + (1-alpha)*phi
+          (--sdft-teacher ema; or a frozen copy of the initial weights, or the current student itself)
 """
 import argparse
 import hashlib
@@ -37,7 +50,7 @@ from tqdm import tqdm
 
 from data.cli import InputError, Parser, UserError, float_in, int_at_least, main_cli
 from data.jsonl import check_output, read_records
-from data.packing import collate, pack, plan_steps, tokenize_sft
+from data.packing import IGNORE, Example, collate, pack, plan_steps, tokenize_sft
 from kernels import attention, cross_entropy
 from model.checkpoint import load_config, load_into, replace_dir, save_checkpoint
 from model.tokenizer import ChatTokenizer
@@ -53,9 +66,22 @@ MAX_LEN = 2048           # longer examples are dropped
 EPOCHS = 5               # per stage; TRACE order uses [5, 3, 7, 5, 3, 5, 5, 7]
 MICRO_TOKENS = 16384     # tokens per packed micro-batch (per rank)
 SAVE_EVERY = 50          # optimizer steps between resumable training states (0: never)
-SDFT_BETA = 0.0          # > 0 turns on the SDFT baseline: + beta * per-token KL to an EMA teacher
-SDFT_EMA = 0.99
-SDFT_KL = "reverse"      # KL(student || teacher); "forward" = KL(teacher || student)
+OBJECTIVE = "sft"        # sft | sft-kl | sdft (see the docstring)
+# sft-kl: NLL + beta * KL to an EMA teacher on the gold tokens
+SFT_KL_BETA = 0.5
+SFT_KL_EMA = 0.99        # teacher <- ema * teacher + (1 - ema) * student after each step
+SFT_KL_DIRECTION = "reverse"  # KL(student || teacher); "forward" = KL(teacher || student)
+# sdft: Shenfeld et al. 2026, Algorithm 1, with the official code's settings (idanshen/Self-Distillation main.py)
+SDFT_TEACHER = "ema"     # ema (Algorithm 1) | base (frozen initial weights: TRL's default) | student (current weights)
+SDFT_ALPHA = 0.01        # EMA rate: phi <- alpha*theta + (1-alpha)*phi after every step (official: ref_model_mixup_alpha)
+SDFT_KL = "reverse"      # Algorithm 1's KL(student || teacher); "forward" = KL(teacher || student) is the official
+                         # code's default, which its README (2026-04-07) says produced the paper's numbers
+SDFT_TEMPERATURE = 1.0   # sampling temperature of the student's responses (official and TRL: 1.0)
+SDFT_MAX_NEW_TOKENS = 1024  # response cap (official: max_completion_length 1024)
+SDFT_SKIP_TOKENS = 0     # leading response tokens left out of the loss (official main.py: 3; Algorithm 1: 0)
+SDFT_TEMPLATE = ("\n{prompt}\n\nThis is an example for a response to the question:\n{demo}\n\n"
+                 "Now answer with a response of your own, including the thinking process.\n")  # official main.py
+SDFT_GEN_BATCH = 32      # prompts per generation batch
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -85,9 +111,29 @@ def parse_args(argv=None):
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="compute dtype: auto = bf16 on CUDA (fp32 master weights), fp32 on CPU")
-    p.add_argument("--sdft-beta", type=float_in(0), default=SDFT_BETA, help="SDFT KL weight, 0 = off (default: %(default)s)")
-    p.add_argument("--sdft-ema", type=float_in(0, 1), default=SDFT_EMA, help="EMA decay of the SDFT teacher (default: %(default)s)")
-    p.add_argument("--sdft-kl", choices=["reverse", "forward"], default=SDFT_KL, help="KL direction (default: %(default)s)")
+    p.add_argument("--objective", choices=["sft", "sft-kl", "sdft"], default=OBJECTIVE,
+                   help="what a step minimises; see above (default: %(default)s)")
+    p.add_argument("--sft-kl-beta", type=float_in(0), default=SFT_KL_BETA, help="sft-kl: KL weight (default: %(default)s)")
+    p.add_argument("--sft-kl-ema", type=float_in(0, 1), default=SFT_KL_EMA,
+                   help="sft-kl: EMA decay of the teacher (default: %(default)s)")
+    p.add_argument("--sft-kl-direction", choices=["reverse", "forward"], default=SFT_KL_DIRECTION,
+                   help="sft-kl: KL direction (default: %(default)s)")
+    p.add_argument("--sdft-teacher", choices=["ema", "base", "student"], default=SDFT_TEACHER,
+                   help="sdft: the teacher's weights: an EMA of the student (Algorithm 1), the frozen initial "
+                        "weights, or the current student (default: %(default)s)")
+    p.add_argument("--sdft-alpha", type=float_in(0, 1), default=SDFT_ALPHA,
+                   help="sdft: EMA rate, phi <- alpha*theta + (1-alpha)*phi (default: %(default)s)")
+    p.add_argument("--sdft-kl", choices=["reverse", "forward"], default=SDFT_KL,
+                   help="sdft: reverse = KL(student || teacher) (default: %(default)s)")
+    p.add_argument("--sdft-temperature", type=float_in(0), default=SDFT_TEMPERATURE,
+                   help="sdft: sampling temperature (default: %(default)s)")
+    p.add_argument("--sdft-max-new-tokens", type=int_at_least(1), default=SDFT_MAX_NEW_TOKENS,
+                   help="sdft: response length cap (default: %(default)s)")
+    p.add_argument("--sdft-skip-tokens", type=int_at_least(0), default=SDFT_SKIP_TOKENS,
+                   help="sdft: leading response tokens left out of the loss (default: %(default)s)")
+    p.add_argument("--sdft-template", default=SDFT_TEMPLATE,
+                   help="sdft: the teacher's user turn, with {prompt} and {demo} (the gold answer); "
+                        "default: the official code's")
     p.add_argument("--peak-tflops", type=float_in(0, lo_open=True), help="device peak for the MFU estimate (default: H100 bf16 dense "
                                                      "on CUDA, a measured fp32 matmul on CPU)")
     p.add_argument("--max-steps", type=int_at_least(1), help="stop after this many optimizer steps (for smoke tests)")
@@ -185,38 +231,94 @@ def measured_peak_flops(device, dtype) -> float:
     return 8 * 2 * 1024**3 / (time.perf_counter() - t)
 
 
-def save_state(model, opt, sched, step, workdir: Path, rank: int, plan_id: str):
-    """Resumable training state (sharded model + optimizer via torch.distributed.checkpoint, schedule, position),
-    written to a temporary directory and renamed, so a crash never leaves a half-written state."""
+def sample_seed(seed: int, step: int, idx: int) -> int:
+    """The seed of example idx's response at optimizer step `step` (sdft): a function of the example, not of the
+    rank that samples it, so any world size (and a resumed run) samples the same responses."""
+    return int(hashlib.sha256(f"{seed}:{step}:{idx}".encode()).hexdigest()[:15], 16)
+
+
+def sample_responses(model, prompts: list[list[int]], seeds: list[int], args, stop_ids) -> list[dict]:
+    """One response per prompt from the training model itself (sdft). Under FSDP each unit is gathered once and
+    kept whole while the KV-cache sampler runs, so its many small forwards need no collective and ranks may sample
+    different numbers of tokens; afterwards the blocks are sharded again as build_model left them."""
+    from model.generate import generate
+    units = [*model.model.layers, model]
+    for unit in units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False, recurse=False)  # the root's own setting already is False
+    try:
+        return generate(model, prompts, temperature=args.sdft_temperature, max_new_tokens=args.sdft_max_new_tokens,
+                        stop_ids=stop_ids, seeds=seeds, batch_size=SDFT_GEN_BATCH, progress=False)
+    finally:
+        for block in model.model.layers:
+            block.set_reshard_after_forward(dist.get_world_size() > 1, recurse=False)
+        for unit in units:
+            unit.reshard()
+
+
+def on_policy_batches(mine: list[int], outs: list[dict], prompt_ids, teacher_ids, args, device):
+    """This rank's (student, teacher) example pairs, packed into micro-batches. The student's sequence is its
+    prompt + its response y, the teacher's is the prompt with the demonstration + the same y; both predict y at the
+    same positions of the response, so their hidden states line up token for token. Every rank gets the same
+    number of micro-batches (FSDP needs every rank in every collective). Returns (micro-batches, number of loss
+    tokens in the whole step, student tokens in the whole step)."""
+    pairs = []
+    for i, out in zip(mine, outs):
+        y = out["token_ids"]
+        tgt = [IGNORE] * min(args.sdft_skip_tokens, len(y)) + y[args.sdft_skip_tokens:]
+        pairs.append((Example(prompt_ids[i] + y, [IGNORE] * (len(prompt_ids[i]) - 1) + tgt + [IGNORE]),
+                      Example(teacher_ids[i] + y, [IGNORE] * (len(teacher_ids[i]) - 1) + tgt + [IGNORE])))
+    bins = pack(list(range(len(pairs))), [max(len(s.ids), len(t.ids)) for s, t in pairs], args.micro_tokens, 1)[0]
+    n_bins = torch.tensor(len(bins), device=device)
+    dist.all_reduce(n_bins, op=dist.ReduceOp.MAX)
+    bins += [[] for _ in range(int(n_bins) - len(bins))]
+    counts = torch.tensor([sum(s.n_targets for s, _ in pairs), sum(len(s.ids) for s, _ in pairs)], device=device)
+    dist.all_reduce(counts)
+    return [[pairs[j] for j in b] for b in bins], *counts.tolist()
+
+
+def save_state(model, opt, sched, step, workdir: Path, rank: int, plan_id: str, teacher=None):
+    """Resumable training state (sharded model + optimizer via torch.distributed.checkpoint, schedule, position,
+    and an EMA teacher's weights when there is one), written to a temporary directory and renamed, so a crash never
+    leaves a half-written state."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     tmp, final = workdir / "state.tmp", workdir / "state"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    state = {"model": msd, "optim": osd}
+    if teacher is not None:
+        state["teacher"] = get_model_state_dict(teacher)
+    dcp.save(state, checkpoint_id=str(tmp))
     if rank == 0:
         torch.save({"step": step, "sched": sched.state_dict(), "plan": plan_id}, tmp / "progress.pt")
         replace_dir(tmp, final)
     dist.barrier()
 
 
-def load_state(model, opt, sched, workdir: Path, plan_id: str) -> int:
+def load_state(model, opt, sched, workdir: Path, plan_id: str, teacher=None) -> int:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
 
     state = workdir / "state"
     if not (state / "progress.pt").exists():
         return 0
     progress = torch.load(state / "progress.pt", weights_only=False)
     if progress.get("plan") != plan_id:
-        raise UserError(f"{state} was saved for a different run (data, epochs, batch, seed, lr or "
-                         f"max length differ); refusing to --resume from it")
+        raise UserError(f"{state} was saved for a different run (data, epochs, batch, seed, lr, "
+                        f"max length or objective differ); refusing to --resume from it")
     msd, osd = get_state_dict(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(state))
+    sd = {"model": msd, "optim": osd}
+    if teacher is not None:
+        sd["teacher"] = get_model_state_dict(teacher)
+    dcp.load(sd, checkpoint_id=str(state))
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    if teacher is not None:
+        set_model_state_dict(teacher, sd["teacher"])
     sched.load_state_dict(progress["sched"])
     return progress["step"]
 
@@ -250,23 +352,45 @@ def main(argv=None):
 
     # 1. data: every rank tokenizes the same mixture and plans the same steps
     tok = ChatTokenizer.from_dir(args.model)
-    examples, dropped = tokenize_sft(load_mixture(args.data.split(",")), tok, args.max_len)
+    records = load_mixture(args.data.split(","))
+    examples, dropped = tokenize_sft(records, tok, args.max_len)
     if not examples:
         raise InputError(f"no example of {args.data} fits --max-len {args.max_len}")
+    if args.objective == "sdft":  # the student's prompt x, and the teacher's x with the demonstration in context
+        kept = [r for r in records if tok.sft_length(r["prompt"], r["response"]) <= args.max_len]
+        prompt_ids = [tok.prompt_ids(r["prompt"]) for r in kept]
+        try:
+            teacher_ids = [tok.prompt_ids(args.sdft_template.format(prompt=r["prompt"], demo=r["response"]))
+                           for r in kept]
+        except (KeyError, IndexError, ValueError) as e:
+            raise UserError(f"--sdft-template must use only {{prompt}} and {{demo}} (double other "
+                             f"braces): {e!r}")
+        if "{prompt}" not in args.sdft_template or "{demo}" not in args.sdft_template:
+            raise UserError("--sdft-template must contain both {prompt} and {demo}")
     lengths = [len(e.ids) for e in examples]
-    has_replay = 0 < sum(e.replay for e in examples) < len(examples)  # log the loss per source
+    # log the loss per source (sdft trains on the student's own responses, not on the records' answers)
+    has_replay = args.objective != "sdft" and 0 < sum(e.replay for e in examples) < len(examples)
     steps = plan_steps(len(examples), args.global_batch, args.epochs, args.seed)
     total_steps = len(steps)  # the schedule always spans the whole plan, also when --max-steps stops early
     if args.max_steps is not None:
         steps = steps[:args.max_steps]
+    objective = {"sft": {}, "sft-kl": {k: v for k, v in vars(args).items() if k.startswith("sft_kl")},
+                 "sdft": {k: v for k, v in vars(args).items() if k.startswith("sdft")}}[args.objective]
     plan_id = hashlib.sha256(json.dumps([args.data, lengths, args.epochs, args.global_batch, args.seed, args.lr,
-                                         args.max_len]).encode()).hexdigest()
+                                         args.max_len, args.objective, objective]).encode()).hexdigest()
 
-    # 2. model (and the SDFT teacher, an EMA copy of the student)
+    # 2. model, and the teacher of sft-kl / sdft: a copy of the initial weights (an EMA from there on, or frozen);
+    #    sdft's "student" teacher is the training model itself
     model = build_model(args.model, device, compute_dtype, args.activation_checkpointing)
-    teacher = build_model(args.model, device, compute_dtype) if args.sdft_beta > 0 else None
-    if teacher is not None:
+    teacher, ema_rate = None, None
+    if args.objective == "sft-kl" or (args.objective == "sdft" and args.sdft_teacher != "student"):
+        teacher = build_model(args.model, device, compute_dtype)
         teacher.requires_grad_(False)
+    if args.objective == "sft-kl":
+        ema_rate = 1 - args.sft_kl_ema
+    elif args.objective == "sdft" and args.sdft_teacher == "ema":
+        ema_rate = args.sdft_alpha
+    ema_teacher = teacher if ema_rate is not None else None  # part of the resumable state
 
     # 3. optimizer and schedule
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay,
@@ -277,10 +401,7 @@ def main(argv=None):
         workdir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     if args.resume:
-        start = load_state(model, opt, sched, workdir, plan_id)
-        if teacher is not None and start:
-            raise UserError("--resume with SDFT is not supported (the EMA teacher is not checkpointed); run "
-                            "without --resume")
+        start = load_state(model, opt, sched, workdir, plan_id, ema_teacher)
     if rank == 0:  # keep the log consistent with the state we resume from
         kept = [l for l in (log_path.read_text().splitlines() if log_path.exists() and start else [])
                 if l.endswith("}") and json.loads(l)["step"] <= start]  # a kill can cut the last line short
@@ -295,7 +416,8 @@ def main(argv=None):
         n_tok = sum(lengths)
         print(f"train.py: {len(examples)} examples ({dropped} longer than {args.max_len} dropped), {n_tok} tokens, "
               f"{len(steps)} steps of <= {args.global_batch} sequences on {world} rank(s), {device.type}, "
-              f"{str(compute_dtype).removeprefix('torch.')}", flush=True)
+              f"{str(compute_dtype).removeprefix('torch.')}, objective {args.objective}"
+              + (f" (teacher {args.sdft_teacher}, KL {args.sdft_kl})" if args.objective == "sdft" else ""), flush=True)
         print(f"train.py: kernels: attention {attention.describe()}; cross-entropy {cross_entropy.get_backend()}",
               flush=True)
 
@@ -306,25 +428,49 @@ def main(argv=None):
         t0 = time.perf_counter()
         batch = steps[step]
         n_targets = sum(examples[i].n_targets for i in batch)  # the global token count: every rank plans it
+        step_tokens = sum(lengths[i] for i in batch)
         micro = pack(batch, lengths, args.micro_tokens, world)[rank]
-        packed_tokens += sum(lengths[i] for mb in micro for i in mb)
+        if args.objective == "sdft":
+            # the student answers this rank's prompts; its responses replace the gold answers as training tokens
+            mine = [i for mb in micro for i in mb]
+            t_gen = time.perf_counter()
+            outs = sample_responses(model, [prompt_ids[i] for i in mine],
+                                    [sample_seed(args.seed, step, i) for i in mine], args, tok.stop_ids)
+            gen_seconds = time.perf_counter() - t_gen
+            micro, n_targets, step_tokens = on_policy_batches(mine, outs, prompt_ids, teacher_ids, args, device)
+            packed_tokens += sum(len(s.ids) for mb in micro for s, _ in mb)
+        else:
+            packed_tokens += sum(lengths[i] for mb in micro for i in mb)
         packed_slots += len(micro) * args.micro_tokens
         nll_sum = torch.zeros((), device=device)
         kl_sum = torch.zeros((), device=device)
         src_sum = torch.zeros(2, device=device)  # NLL sums of task and replay examples
         for mb in micro:
+            if args.objective == "sdft":
+                # the teacher (no gradient) reads prompt + demonstration + y; the student reads prompt + y and
+                # computes both sides' full-vocabulary log-probs chunk by chunk. FSDP leaves the root unit (lm_head)
+                # unsharded after a forward, so the teacher's full lm_head weight is at hand.
+                scorer = teacher if teacher is not None else model
+                ids, pos, tgt, cu, max_len = collate([t for _, t in mb], device)
+                with torch.no_grad():
+                    t_hidden = scorer(ids, pos, return_hidden=True, cu_seqlens=cu, max_seqlen=max_len)[tgt != IGNORE]
+                ids, pos, tgt, cu, max_len = collate([s for s, _ in mb], device)
+                kl = model(ids, pos, labels=tgt, teacher=(t_hidden, scorer.lm_head.weight.detach()),
+                           kl_direction=args.sdft_kl, kl_only=True, cu_seqlens=cu, max_seqlen=max_len)
+                loss = kl
+                kl_sum += kl.detach()
+                (loss / max(n_targets, 1)).backward()
+                continue
             ids, pos, tgt, cu, max_len = collate([examples[i] for i in mb], device)
             kw = dict(cu_seqlens=cu, max_seqlen=max_len)
             mask, slot = replay_split([examples[i] for i in mb], device) if has_replay else (None, 0)
             if teacher is None:
                 nll = model(ids, pos, labels=tgt, replay_mask=mask, **kw)
-            else:
+            else:  # sft-kl: the teacher reads the same gold sequence
                 with torch.no_grad():
-                    t_hidden = teacher(ids, pos, return_hidden=True, **kw)[tgt != -100]
-                # FSDP leaves the root unit (lm_head) unsharded after a forward, so its full weight is at hand;
-                # the student computes both sides' log-probs chunk by chunk
+                    t_hidden = teacher(ids, pos, return_hidden=True, **kw)[tgt != IGNORE]
                 t_weight = teacher.lm_head.weight
-                nll, kl = model(ids, pos, labels=tgt, teacher=(t_hidden, t_weight), kl_direction=args.sdft_kl,
+                nll, kl = model(ids, pos, labels=tgt, teacher=(t_hidden, t_weight), kl_direction=args.sft_kl_direction,
                                 replay_mask=mask, **kw)
                 kl_sum += kl.detach()
             if mask is None:
@@ -332,12 +478,14 @@ def main(argv=None):
             else:  # a micro-batch of both sources: the forward returned (task, replay) sums
                 src_sum += nll.detach()
                 nll = nll.sum()
-            loss = nll if teacher is None else nll + args.sdft_beta * kl
+            loss = nll if teacher is None else nll + args.sft_kl_beta * kl
             (loss / max(n_targets, 1)).backward()
             nll_sum += nll.detach()
         sums = torch.cat([torch.stack([nll_sum, kl_sum]), src_sum])
         dist.all_reduce(sums)
         train_loss, kl_mean, task_nll, replay_nll = (sums / max(n_targets, 1)).tolist()
+        if args.objective == "sdft":
+            train_loss = kl_mean  # the whole objective: there is no NLL term
         if not math.isfinite(train_loss):
             raise UserError(f"non-finite loss {train_loss} at step {step + 1}; stopping. The last good "
                              f"training state (if any) is intact in {workdir / 'state'}")
@@ -346,35 +494,36 @@ def main(argv=None):
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if teacher is not None:
+        if ema_teacher is not None:
             # a forward with no backward can leave the teacher's units (always the root: embeddings, norm, lm_head)
             # unsharded, as plain tensors: reshard so the EMA below updates the sharded parameters
             for unit in [*teacher.model.layers, teacher]:
                 unit.reshard()
-            with torch.no_grad():
+            with torch.no_grad():  # phi <- rate * theta + (1 - rate) * phi
                 for t_p, s_p in zip(teacher.parameters(), model.parameters()):
-                    t_p.lerp_(s_p, 1 - args.sdft_ema)
+                    t_p.lerp_(s_p, ema_rate)
 
-        step_tokens = sum(lengths[i] for i in batch)
         tokens_seen += step_tokens
         dt = time.perf_counter() - t0
         record = {"step": step + 1, "loss": train_loss, "grad_norm": grad_norm, "lr": lr, "tokens": step_tokens,
                   "target_tokens": n_targets, "tokens_per_s": step_tokens / dt,
                   "mfu": step_tokens * flops_per_token / dt / peak / world}
-        if teacher is not None:
+        if args.objective != "sft":
             record["kl"] = kl_mean
         if has_replay:  # per source: that source's NLL per response token of that source
             n_replay = sum(examples[i].n_targets for i in batch if examples[i].replay)
             record["loss_task"] = task_nll * n_targets / (n_targets - n_replay) if n_targets > n_replay else None
             record["loss_replay"] = replay_nll * n_targets / n_replay if n_replay else None
             record["target_tokens_replay"] = n_replay
+        if args.objective == "sdft":
+            record["gen_seconds"] = gen_seconds
         if rank == 0:
             with open(log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update()
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < len(steps):
-            save_state(model, opt, sched, step + 1, workdir, rank, plan_id)
+            save_state(model, opt, sched, step + 1, workdir, rank, plan_id, ema_teacher)
     bar.close()
 
     # 5. final weights: gather the full state dict to rank 0 and write a Hugging Face checkpoint directory

@@ -11,6 +11,8 @@
   does not depend on the sampling temperature (vLLM's logprobs_mode="raw_logprobs").
 - Sampling is softmax(logits / temperature) + torch.multinomial with one seeded torch.Generator per call; batches
   run in a fixed order, so (prompts, seed, batch_size) fixes the output. temperature 0 is greedy (argmax).
+  With `seeds=` (one per prompt) each prompt gets a generator of its own instead, so its response does not depend
+  on which other prompts share its batch, nor on which rank of a training job samples it (train.py's SDFT).
   No top-k, no top-p, no repetition penalty.
 """
 import time
@@ -20,14 +22,18 @@ import torch
 from model.transformer import KVCache, Transformer
 
 
-def sample_next(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
-    """logits [B,V] -> (token ids [B] long, raw log-prob of each sampled token [B] fp32)."""
+def sample_next(logits: torch.Tensor, temperature: float, generator):
+    """logits [B,V] -> (token ids [B] long, raw log-prob of each sampled token [B] fp32).
+    generator: one torch.Generator (or None) for the whole batch, or a list of B generators, one per row."""
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(-1)
     else:
         probs = torch.softmax(logits / temperature, dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if isinstance(generator, list):
+            tokens = torch.cat([torch.multinomial(probs[r:r + 1], 1, generator=g)[0] for r, g in enumerate(generator)])
+        else:
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     # log_softmax(logits)[tok] without materialising a second [B,V] tensor
     logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return tokens, logprobs
@@ -35,8 +41,10 @@ def sample_next(logits: torch.Tensor, temperature: float, generator: torch.Gener
 
 @torch.inference_mode()
 def generate_batch(model: Transformer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                   stop_ids, generator: torch.Generator | None, pad_id: int = 0) -> list[dict]:
-    """Sample one response for each prompt in a single left-padded batch. See the module docstring."""
+                   stop_ids, generator, pad_id: int = 0) -> list[dict]:
+    """Sample one response for each prompt in a single left-padded batch. See the module docstring.
+    generator: one torch.Generator (or None), or a list with one generator per prompt."""
+    per_row = isinstance(generator, list)
     device = model.lm_head.weight.device
     B, P = len(prompts), max(len(p) for p in prompts)
     if min(len(p) for p in prompts) == 0:
@@ -62,7 +70,8 @@ def generate_batch(model: Transformer, prompts: list[list[int]], *, max_new_toke
     rows = torch.arange(B, device=device)  # original row of each live row
     next_pos = lengths.clone()  # position id of the token about to be fed, per live row
     for step in range(max_new_tokens):
-        tokens, logprobs = sample_next(logits, temperature, generator)
+        gen = [generator[r] for r in rows.tolist()] if per_row else generator
+        tokens, logprobs = sample_next(logits, temperature, gen)
         out_tokens[rows, step] = tokens
         out_logprobs[rows, step] = logprobs
         if step == max_new_tokens - 1:
@@ -89,15 +98,19 @@ def generate_batch(model: Transformer, prompts: list[list[int]], *, max_new_toke
 
 
 def generate(model: Transformer, prompts: list[list[int]], *, temperature: float = 0.1, max_new_tokens: int = 512,
-             stop_ids=(), seed: int = 0, batch_size: int = 32, pad_id: int = 0, progress: bool = True) -> list[dict]:
-    """One response per prompt (token id lists), returned in the input order. See the module docstring."""
+             stop_ids=(), seed: int = 0, seeds: list[int] | None = None, batch_size: int = 32, pad_id: int = 0,
+             progress: bool = True) -> list[dict]:
+    """One response per prompt (token id lists), returned in the input order. See the module docstring.
+    seeds: one seed per prompt (then `seed` is unused): each prompt samples from a generator of its own."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     stop_ids = set(int(t) for t in stop_ids)
     device = model.lm_head.weight.device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
+    generator = torch.Generator(device=device).manual_seed(seed) if seeds is None else None
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     results = [None] * len(prompts)
     bar = None
@@ -108,7 +121,9 @@ def generate(model: Transformer, prompts: list[list[int]], *, temperature: float
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
         outs = generate_batch(model, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
-                              temperature=temperature, stop_ids=stop_ids, generator=generator, pad_id=pad_id)
+                              temperature=temperature, stop_ids=stop_ids, pad_id=pad_id,
+                              generator=generator if seeds is None else
+                              [torch.Generator(device=device).manual_seed(seeds[i]) for i in idx])
         for i, o in zip(idx, outs):
             results[i] = o
         n_tokens += sum(len(o["token_ids"]) for o in outs)

@@ -183,13 +183,14 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, position_ids, *, cu_seqlens=None, max_seqlen=None, labels=None, cache=None,
-                return_hidden=False, teacher=None, kl_direction="reverse", replay_mask=None):
+                return_hidden=False, teacher=None, kl_direction="reverse", replay_mask=None, kl_only=False):
         """input_ids, position_ids: [B,T] long. What comes back depends on the arguments:
 
         labels [B,T] (already shifted: labels[b,t] is the target of position t, -100 ignored)
             -> SUM of token NLL, fp32 scalar (the caller divides by the global token count);
             with teacher = (hidden [M,H], lm_head weight [V,H]) of a teacher at the M non-ignored positions
-            -> (NLL sum, KL sum) for self-distillation (kernels.kl.chunked_kl);
+            -> (NLL sum, KL sum) for self-distillation (kernels.kl.chunked_kl); with kl_only, the KL sum alone
+            (on-policy SDFT: the labels are the student's own samples, and no cross-entropy is trained on them);
             with replay_mask [B,T] bool, the NLL sum comes as a [2] tensor: (sum over positions where the mask is
             False, sum where it is True), each token still entering the loss kernel once (task vs replay loss);
         return_hidden -> final-normed hidden states [B,T,H]; otherwise -> logits [B,T,V].
@@ -212,6 +213,8 @@ class Transformer(nn.Module):
         h = self.model.norm(x)
         if labels is not None:
             h, labels = h.flatten(0, 1), labels.flatten()
+            if kl_only:
+                return chunked_kl(h[labels != -100], self.lm_head.weight, *teacher, kl_direction)
             if replay_mask is None:
                 nll = fused_linear_cross_entropy(h, self.lm_head.weight, labels)
             else:

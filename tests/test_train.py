@@ -1,6 +1,7 @@
 """train.py end to end on tiny checkpoints: packed loss = unpacked loss (values and gradients), world size 2 = world
 size 1 (untied and tied embeddings), SIGKILL + --resume = an uninterrupted run, over-long examples dropped and
-counted, bad data and NaN losses fail loudly without writing --out, the output loads in ours and transformers, SDFT.
+counted, bad data and NaN losses fail loudly without writing --out, the output loads in ours and transformers,
+sft-kl (on-policy SDFT: test_sdft.py).
 
 Every training run is a real subprocess (`python train.py`, or torchrun with 2 gloo ranks) with OMP_NUM_THREADS=1:
 tiny-tensor ops with 2 threads on a busy 2-core machine are many times slower than with one.
@@ -342,9 +343,9 @@ def test_nan_loss_stops_without_a_checkpoint(ckpt, tmp_path, how):
         assert "at step 1" in r.stderr
 
 
-def test_sdft_runs_and_kl_starts_at_zero(ckpt, ref, tmp_path):
-    out = tmp_path / "sdft"
-    train(ckpt, out, "--sdft-beta", "0.5", "--sdft-ema", "0.5")
+def test_sft_kl_runs_and_kl_starts_at_zero(ckpt, ref, tmp_path):
+    out = tmp_path / "sft-kl"
+    train(ckpt, out, "--objective", "sft-kl", "--sft-kl-beta", "0.5", "--sft-kl-ema", "0.5")
     records = log(out)
     assert all("kl" in x for x in records) and "kl" not in log(ref)[0]
     assert abs(records[0]["kl"]) <= 1e-6, "teacher == student at step 1"
