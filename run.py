@@ -18,8 +18,10 @@ For each method and seed, stage i = 1..N:
                 n_{i+1} = task i+1's training subsample size (5,000 on TRACE) BEFORE the over-long filter, as the
                 official code's int(5000 * rho); per-task: rho * n_j of each prior task j (TRACE's
                 past_task_ratio), each capped by what the task has
-Baselines: sft (no replay), mtl (stage i trains the base on tasks 1..i jointly: the upper bound), sdft (SFT +
-beta * KL to an EMA teacher).
+Baselines: sft (no replay), mtl (stage i trains the base on tasks 1..i jointly: the upper bound), sdft (on-policy
+Self-Distillation Fine-Tuning as Shenfeld et al. 2026 define it: the student samples, a demonstration-conditioned EMA
+teacher scores; train.py --objective sdft), sft-kl (SFT + beta * KL to an EMA teacher on the gold tokens: the OPR
+paper's one-line description of SDFT).
 
 Every step runs as a subprocess writing into a temporary directory that is renamed into runs/NAME/steps/ and
 recorded in manifest.json when it succeeds. A step's key hashes everything that changes its numbers: its settings,
@@ -62,7 +64,7 @@ from data.trace import filter_overlong, load_task, task_file
 from model.tokenizer import ChatTokenizer
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("sft", "replay", "opr-ru", "opr-sc", "opr-low", "opr-random", "mtl", "sdft")
+METHODS = ("sft", "replay", "opr-ru", "opr-sc", "opr-low", "opr-random", "mtl", "sdft", "sft-kl")
 # CPU threads per step: float results depend on the thread count, so it is pinned (and part of every step's key)
 # rather than derived from the core count; 1 is also the fastest for the tiny model's small ops. Overridden by
 # --threads, or by an OMP_NUM_THREADS the caller set explicitly.
@@ -76,17 +78,19 @@ PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=train.LR, global_b
              eval_repeats=8,           # the official tools/eval.py: 8 samples per test prompt, scores averaged
              scoring="paper",          # the official tools/eval.py rules (data/metrics.py); CPU presets: lenient
              replay_budget="total",    # the equal-budget comparison of the paper's budget table
-             sdft_beta=0.5, epochs=None,  # epochs None: the task table's [5,3,7,5,3,5,5,7]
+             sft_kl_beta=train.SFT_KL_BETA, sdft_teacher=train.SDFT_TEACHER, sdft_alpha=train.SDFT_ALPHA,
+             sdft_kl=train.SDFT_KL, sdft_temperature=train.SDFT_TEMPERATURE,
+             sdft_max_new_tokens=train.SDFT_MAX_NEW_TOKENS, epochs=None,  # epochs None: the task table's [5,3,7,5,3,5,5,7]
              n_train=128, n_test=32)      # sizes of the embedded benchmark when no --data is given
 PRESETS = {
     # tiny Llama on the embedded benchmark: 8 stages x 4 methods in minutes on 2 CPU cores
     # (256 steps per stage as before; 256 distinct training prompts, a 51-example buffer; 64 test prompts per task:
     # more would cost evaluation time the 10-minute budget does not have today, see BENCHMARKS.md)
     "tiny": dict(PAPER, rho=0.2, lr=5e-4, global_batch=4, max_len=512, micro_tokens=4096, max_new_tokens=32,
-                 n_train=256, n_test=64, epochs="4", eval_repeats=1, scoring="lenient"),
+                 sdft_max_new_tokens=32, n_train=256, n_test=64, epochs="4", eval_repeats=1, scoring="lenient"),
     # SmolLM2-135M-Instruct on the embedded benchmark, sized for CPU
     "smollm2": dict(PAPER, rho=0.2, lr=5e-5, global_batch=16, max_len=512, micro_tokens=4096, max_new_tokens=40,
-                    n_train=48, n_test=16, epochs="2", eval_repeats=1, scoring="lenient"),
+                    sdft_max_new_tokens=40, n_train=48, n_test=16, epochs="2", eval_repeats=1, scoring="lenient"),
     "paper": PAPER,
 }
 # ------------------------------------------------------------------------------------------------------------------
@@ -136,7 +140,11 @@ def parse_args(argv=None):
                    help="total: b = rho * n_next split over the prior tasks (the equal-budget comparison, "
                         "default); per-task: rho times each prior task's own training-set size (TRACE's "
                         "past_task_ratio), for replay and the OPR methods alike")
-    p.add_argument("--sdft-beta", type=float_in(0), help="SDFT KL weight (default 0.5)")
+    p.add_argument("--sft-kl-beta", type=float_in(0), help=f"sft-kl: KL weight (default {train.SFT_KL_BETA})")
+    p.add_argument("--sdft-teacher", choices=["ema", "base", "student"],
+                   help=f"sdft: the teacher's weights (default {train.SDFT_TEACHER}, the paper's Algorithm 1)")
+    p.add_argument("--sdft-max-new-tokens", type=int_at_least(1), help="sdft: length cap of the student's "
+                   "responses (default: per preset; paper 1024, the official SDFT code's)")
     p.add_argument("--jobs", type=int_at_least(1),
                    help="steps run in parallel on CPU (default: cores // threads; always 1 with GPUs); never changes "
                         "results")
@@ -334,8 +342,8 @@ def main(argv=None):
     args = parse_args(argv)
     preset = "paper" if args.model else (args.base or "tiny")
     cfg = dict(PRESETS[preset])
-    for k in ("methods", "rho", "lr", "global_batch", "max_new_tokens", "n_train", "n_test", "eval_limit", "sdft_beta",
-              "epochs", "max_train", "eval_repeats", "scoring", "replay_budget"):
+    for k in ("methods", "rho", "lr", "global_batch", "max_new_tokens", "n_train", "n_test", "eval_limit", "sft_kl_beta",
+              "sdft_teacher", "sdft_max_new_tokens", "epochs", "max_train", "eval_repeats", "scoring", "replay_budget"):
         if getattr(args, k, None) is not None:
             cfg[k] = getattr(args, k)
     methods = [m.strip() for m in str(cfg["methods"]).split(",")]
@@ -468,7 +476,7 @@ def main(argv=None):
     row0 = {seed: eval_step(None, 0, tasks, seed) for seed in seeds}  # the base on every task, shared by all methods
     for rho in rhos:
         for method in methods:
-            label = method if len(rhos) == 1 or method in ("sft", "mtl", "sdft") else f"{method}@{rho:g}"
+            label = method if len(rhos) == 1 or method in ("sft", "mtl", "sdft", "sft-kl") else f"{method}@{rho:g}"
             if label in runs:
                 continue
             runs[label] = {}
@@ -482,7 +490,11 @@ def main(argv=None):
                         chain.append((t_key, eval_step(t_key, i + 1, tasks[:i + 2], seed)))
                     runs[label][seed] = chain
                     continue
-                extra = ["--sdft-beta", str(cfg["sdft_beta"])] if method == "sdft" else []
+                extra = {"sft-kl": ["--objective", "sft-kl", "--sft-kl-beta", str(cfg["sft_kl_beta"])],
+                         "sdft": ["--objective", "sdft", "--sdft-teacher", cfg["sdft_teacher"], "--sdft-alpha",
+                                  str(cfg["sdft_alpha"]), "--sdft-kl", cfg["sdft_kl"], "--sdft-temperature",
+                                  str(cfg["sdft_temperature"]), "--sdft-max-new-tokens",
+                                  str(cfg["sdft_max_new_tokens"])]}.get(method, [])
                 prev, buffer_key = None, None
                 for i, task in enumerate(tasks):
                     t_key = train_step(prev, i + 1, [task], buffer_key, seed, extra)

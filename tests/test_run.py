@@ -329,3 +329,28 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(env, run_a):
                 assert portable(db / rel) == portable(da / rel), f"{key}/{rel} differs"
     for name in ["report.md", *FIGURES]:
         assert (out / name).is_file()
+
+
+def test_sdft_and_sft_kl_rows(env):
+    """Both SDFT rows exist: sdft trains on-policy (train.py --objective sdft with the preset's Algorithm 1 settings),
+    sft-kl is SFT + KL to an EMA teacher; every stage of each is its own training step."""
+    out = env["root"] / "sdft"
+    p = subprocess.run(command(env["base"], out, methods="sdft,sft-kl") + ["--sdft-max-new-tokens", "6"], cwd=REPO,
+                       env=env["env"], capture_output=True, text=True)
+    assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["methods"]) == ["sdft", "sft-kl"]
+    for m in results["methods"].values():
+        assert [len(row) for row in m["seeds"]["0"]["matrix"]] == [1, 2, 3]
+    objectives = Counter()
+    for d in step_dirs(out, "s*-train-*"):
+        summary = json.loads((d / "ckpt" / "train_summary.json").read_text())["args"]
+        objectives[summary["objective"]] += 1
+        log = read_jsonl(d / "ckpt" / "train_log.jsonl")
+        assert all("kl" in r for r in log)
+        if summary["objective"] == "sdft":
+            assert (summary["sdft_teacher"], summary["sdft_alpha"], summary["sdft_max_new_tokens"]) == ("ema", 0.01, 6)
+            assert all(0 < r["target_tokens"] <= 6 * GLOBAL_BATCH and "gen_seconds" in r for r in log)
+        else:
+            assert summary["sft_kl_beta"] == 0.5
+    assert objectives == {"sdft": 3, "sft-kl": 3}
