@@ -109,6 +109,25 @@ def test_native_seed_reproduces_and_differs(model):
     assert run(0) != run(1)
 
 
+def test_native_per_prompt_seeds_do_not_depend_on_the_batch(model):
+    """seeds= (train.py's SDFT): a prompt's response is a function of its own seed, whatever prompts share its batch
+    or whichever rank samples it; rows that stop early drop out of the batch without shifting the others' draws."""
+    stop = native_generate(model, PROMPTS[:1], temperature=1.0, max_new_tokens=10, seeds=[7],
+                           progress=False)[0]["token_ids"][3]
+
+    def run(prompts, seeds, batch_size=4):
+        return [o["token_ids"] for o in native_generate(model, prompts, temperature=1.0, max_new_tokens=10,
+                                                        stop_ids={stop}, seeds=seeds, batch_size=batch_size,
+                                                        progress=False)]
+    together = run(PROMPTS, [7, 8, 9, 10])
+    assert len(together[0]) == 4  # row 0 stops first: the KVCache.keep path runs
+    assert [run([p], [s])[0] for p, s in zip(PROMPTS, [7, 8, 9, 10])] == together
+    assert run(PROMPTS[::-1], [10, 9, 8, 7], batch_size=3)[::-1] == together
+    assert run(PROMPTS, [7, 8, 9, 11])[:3] == together[:3] and run(PROMPTS, [7, 8, 9, 11])[3] != together[3]
+    with pytest.raises(ValueError, match="2 seeds for 4 prompts"):
+        run(PROMPTS, [1, 2])
+
+
 def test_sampling_entry_point_native(ckpt, model):
     outs = sampling.generate(ckpt, PROMPTS, temperature=0.0, max_new_tokens=6, engine="native", progress=False)
     ref = greedy(model, PROMPTS, n=6, stop_ids={2})  # stop ids read from the checkpoint's tokenizer: <|im_end|> = 2
