@@ -37,7 +37,7 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run (run.py's tiny preset: 1)")
-    p.add_argument("--max-new-tokens", type=int, default=40, help="SDFT response cap (tiny preset: 40)")
+    p.add_argument("--max-new-tokens", type=int, default=40, help="SDFT response cap (the measurement in BENCHMARKS.md: 40)")
     args = p.parse_args()
 
     from data.embedded import ensure_embedded
