@@ -161,7 +161,7 @@ CASES = [
     flag("train", train_args, "--lr", "nan"),
     flag("train", train_args, "--micro-tokens", "0"),
     flag("train", train_args, "--max-len", "0"),
-    flag("train", train_args, "--sdft-ema", "2"),
+    flag("train", train_args, "--sft-kl-ema", "2"),
     flag("train", train_args, "--max-steps", "0"),
     flag("rollout", gen_args, "--limit", "0"),
     flag("rollout", gen_args, "--max-new-tokens", "0"),
