@@ -52,6 +52,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+import plan
 import rollout
 import train
 
@@ -155,6 +156,9 @@ def parse_args(argv=None):
                                  "any other non-empty directory is refused")
     p.add_argument("--overwrite", action="store_true", help="use --out even if it holds files run.py did not write")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--dry-run", action="store_true", help="print the plan: every step, its tokens, GPU-hours per "
+                                                          "method, FSDP2 memory per GPU (plan.py); run and write nothing")
+    plan.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -181,7 +185,7 @@ class Pipeline:
         step's numbers, `deps` the steps whose outputs it reads, `reads` the other files and directories it reads
         (their content goes into the key). Returns the step key (identical inputs -> identical keys -> run once)."""
         key = f"{name}-{stable_hash([kind, spec, deps, self.numerics, self.digests.of(reads)])}"
-        self.steps.setdefault(key, dict(kind=kind, deps=deps, build=build))
+        self.steps.setdefault(key, dict(kind=kind, deps=deps, build=build, spec=spec))
         return key
 
     def dir(self, key: str) -> Path:
@@ -513,6 +517,8 @@ def main(argv=None):
     print(f"run.py: preset {preset}, base {base}, data {data_root}, tasks {','.join(tasks)}, methods "
           f"{','.join(runs)}, seeds {seeds}; {len(pipe.steps)} steps ({sum(pipe.done(k) for k in pipe.steps)} "
           f"already done) in {run_dir}", flush=True)
+    if args.dry_run:  # the cost planner: nothing runs and nothing is written
+        return plan.print_plan(pipe.steps, runs, cfg, train_sets, tok, data_root, base, args)
     pipe.lock_run_dir()  # creates the run directory: everything above is checked
     pipe.digests.save()
     t0 = time.time()

@@ -1,0 +1,321 @@
+"""GPU benchmark: train.py's step (FSDP2, packed, bf16) tokens/s per GPU, MFU and peak memory for model shapes given as
+HF config.json files (random init: no weights needed), and the native engine's rollout tokens/s.
+
+    python bench/bench_gpu.py                                   # every config in bench/configs, every GPU
+    python bench/bench_gpu.py --configs qwen2.5-7b,llama-3.1-8b --mixes trace --ac on
+    python bench/bench_gpu.py --device cpu --configs tiny --steps 2 --rollout-new-tokens 8   # CPU smoke test
+
+Training grid: config x length mix x activation checkpointing (off/on) x attention backend x cross-entropy backend
+(only the backends that can run here). Each variant runs in a fresh process -- torchrun with one rank per GPU -- so
+kernel backends are chosen at import (KERNELS_ATTN_BACKEND / KERNELS_CE_BACKEND) and peak memory is the variant's
+own. The worker builds the model exactly as train.py does (train.build_model: meta -> fully_shard -> materialise),
+with random weights instead of a checkpoint, and times train.py's step: --global-batch documents packed into
+--micro-tokens micro-batches (data.packing.pack/collate), loss inside forward, backward, clip, AdamW.
+  tokens/s per GPU  document tokens of the timed steps / seconds / world size (after --warmup steps)
+  MFU               tokens/s per GPU x FLOPs per token (plan.flops_per_token, train.py's count: recomputation under
+                    activation checkpointing is not model FLOPs) / --peak-tflops
+  peak memory       torch.cuda.max_memory_allocated (CPU: the process's max RSS)
+Length mixes ("TRACE-like"): document lengths drawn around plan.PAPER_TASKS' per-task means (+-50 %), weighted by
+what each task contributes to training (examples x epochs): "trace" all eight tasks, "short" the classification
+and arithmetic tasks, "long" MeetingBank and 20Minuten (capped at --max-len).
+Rollouts: the native KV-cache engine (model/generate.py) on one GPU, random weights (so no row stops early),
+prompts of the "trace" mix's prompt lengths, --rollout-new-tokens new tokens, at batch 1 / 32 / 256.
+Results: one JSON line per variant in --out, and a markdown table on stdout.
+"""
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# ---- defaults ---------------------------------------------------------------------------------------------------
+CONFIGS = "qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b,llama-3.1-8b"  # directories under bench/configs ("tiny": model.base)
+MIXES = "trace,short,long"
+GLOBAL_BATCH = 128       # documents per optimizer step (train.py's default)
+MICRO_TOKENS = 16384     # train.py's default
+MAX_LEN = 2048
+STEPS = 6                # timed optimizer steps per variant
+WARMUP = 2               # untimed steps first (allocator, autotuning)
+ROLLOUT_BATCHES = "1,32,256"
+ROLLOUT_NEW_TOKENS = 256
+PEAK_TFLOPS = 989.0      # H100 SXM bf16 dense
+# -----------------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test (fp32, one process)")
+    p.add_argument("--configs", default=CONFIGS, help="comma list of bench/configs names, 'tiny', or directories "
+                                                      "holding a config.json (default: %(default)s)")
+    p.add_argument("--mixes", default=MIXES, help="length mixes: trace, short, long (default: %(default)s)")
+    p.add_argument("--ac", choices=["off", "on", "both"], default="both", help="activation checkpointing")
+    p.add_argument("--attn", default="all", help="attention backends (comma list, or all that can run here)")
+    p.add_argument("--ce", default="all", help="cross-entropy backends (comma list, or all that can run here)")
+    p.add_argument("--gpus", type=int, help="ranks per training variant (default: every visible GPU)")
+    p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="(default: %(default)s)")
+    p.add_argument("--micro-tokens", type=int, default=MICRO_TOKENS, help="(default: %(default)s)")
+    p.add_argument("--max-len", type=int, default=MAX_LEN, help="(default: %(default)s)")
+    p.add_argument("--steps", type=int, default=STEPS, help="timed steps per variant (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps first (default: %(default)s)")
+    p.add_argument("--rollout-batches", default=ROLLOUT_BATCHES, help="(default: %(default)s); '' skips rollouts")
+    p.add_argument("--rollout-new-tokens", type=int, default=ROLLOUT_NEW_TOKENS, help="(default: %(default)s)")
+    p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="for MFU (default: %(default)s)")
+    p.add_argument("--out", default="runs/bench_gpu.jsonl", help="JSON lines, one per variant (default: %(default)s)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per variant before it is recorded as failed")
+    p.add_argument("--worker", choices=["train", "rollout"], help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--mix", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--ac-on", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def config_dir(name: str, tmp: Path) -> Path:
+    """A directory holding config.json: bench/configs/<name>, 'tiny' (model.base.TINY, written to tmp), or a path."""
+    if name == "tiny":
+        from model.base import TINY
+        d = tmp / "tiny"
+        d.mkdir(exist_ok=True)
+        cfg = {"model_type": "llama", "hidden_act": "silu", "head_dim": TINY["hidden_size"] // TINY["num_attention_heads"],
+               **TINY}
+        (d / "config.json").write_text(json.dumps(cfg))
+        return d
+    d = REPO / "bench" / "configs" / name
+    d = d if d.is_dir() else Path(name)
+    if not (d / "config.json").is_file():
+        raise SystemExit(f"bench_gpu.py: --configs: no config.json for {name!r} (looked in {d})")
+    return d
+
+
+def mix_lengths(mix: str, n: int, max_len: int, seed: int = 0) -> list[tuple[int, int]]:
+    """n (document length, answer length) pairs of a TRACE-like mix (see the module docstring)."""
+    from data.tasks import get_task
+    from plan import PAPER_TASKS, TEMPLATE_ANSWER
+    tasks = {"trace": list(PAPER_TASKS), "long": ["MeetingBank", "20Minuten"],
+             "short": ["C-STANCE", "FOMC", "ScienceQA", "NumGLUE-cm", "NumGLUE-ds"]}.get(mix)
+    if tasks is None:
+        raise SystemExit(f"bench_gpu.py: unknown --mixes entry {mix!r} (known: trace, short, long)")
+    rng = random.Random(seed)
+    weights = [PAPER_TASKS[t][0] * get_task(t).epochs for t in tasks]
+    out = []
+    for t in rng.choices(tasks, weights, k=n):
+        _, prompt, answer, _ = PAPER_TASKS[t]
+        p = max(8, round(prompt * rng.uniform(0.5, 1.5)))
+        a = max(1, round(answer * rng.uniform(0.5, 1.5))) + TEMPLATE_ANSWER
+        out.append((min(p + a, max_len), min(a, max_len - 1)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- workers
+
+def random_init(model, ckpt_dir):
+    """Stands in for model.checkpoint.load_into in train.build_model: N(0, 0.02) matrices, unit norms, zero biases."""
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+            else:
+                p.fill_(1.0 if "norm" in name else 0.0)
+    model.tie_weights()
+
+
+def train_worker(args):
+    import torch
+    import torch.distributed as dist
+    import train
+    from data.packing import IGNORE, Example, collate, pack
+    from kernels import attention, cross_entropy
+    from plan import flops_per_token
+
+    rank, world, device = train.setup_distributed()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    train.load_into = random_init  # train.build_model, with random weights instead of a checkpoint's
+    model = train.build_model(args.config, device, dtype, args.ac_on)
+    cfg = model.cfg
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    n_steps = args.warmup + args.steps
+    docs = mix_lengths(args.mix, n_steps * args.global_batch, args.max_len)
+    g = torch.Generator().manual_seed(0)
+    examples = []
+    for length, answer in docs:
+        ids = torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist()
+        examples.append(Example(ids, [IGNORE] * (length - answer) + ids[length - answer + 1:] + [IGNORE]))
+    lengths = [len(e.ids) for e in examples]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = tokens = 0
+    for step in range(n_steps):
+        if step == args.warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0, tokens = time.perf_counter(), 0
+        batch = list(range(step * args.global_batch, (step + 1) * args.global_batch))
+        n_targets = sum(examples[i].n_targets for i in batch)
+        for mb in pack(batch, lengths, args.micro_tokens, world)[rank]:
+            ids, pos, tgt, cu, max_len = collate([examples[i] for i in mb], device)
+            (model(ids, pos, labels=tgt, cu_seqlens=cu, max_seqlen=max_len) / n_targets).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens += sum(lengths[i] for i in batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    peak = torch.tensor(float(torch.cuda.max_memory_allocated() if device.type == "cuda"
+                              else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    mean_doc = sum(lengths) / len(lengths)
+    tok_s_gpu = tokens / seconds / world
+    if rank == 0:
+        print("RESULT " + json.dumps({
+            "kind": "train", "world": world, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "dtype": str(dtype).removeprefix("torch."), "attention": attention.describe(),
+            "cross_entropy": cross_entropy.get_backend(), "mean_doc": round(mean_doc, 1),
+            "tokens_per_s_per_gpu": round(tok_s_gpu, 1),
+            "mfu": tok_s_gpu * flops_per_token(cfg, mean_doc) / (args.peak_tflops * 1e12),
+            "peak_memory_gb": round(peak.item() / 1e9, 2), "timed_steps": args.steps, "seconds": round(seconds, 2)}),
+            flush=True)
+    dist.destroy_process_group()
+
+
+def rollout_worker(args):
+    import torch
+    from model.checkpoint import load_config
+    from model.generate import generate
+    from model.transformer import Transformer
+
+    cuda = args.device == "cuda"
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    with torch.device("meta"):
+        model = Transformer(load_config(args.config))
+    model.to_empty(device=device)
+    random_init(model, None)
+    model.to(dtype).eval()
+    prompts_len = [p - a for p, a in mix_lengths("trace", args.batch, args.max_len, seed=1)]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in prompts_len]
+    generate(model, prompts[:1], max_new_tokens=4, batch_size=1, progress=False)  # warm-up
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    outs = generate(model, prompts, temperature=0.1, max_new_tokens=args.rollout_new_tokens, batch_size=args.batch,
+                    progress=False)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    new = sum(len(o["token_ids"]) for o in outs)
+    print("RESULT " + json.dumps({
+        "kind": "rollout", "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "dtype": str(dtype).removeprefix("torch."), "batch": args.batch, "new_tokens": new,
+        "mean_prompt": round(sum(prompts_len) / len(prompts_len), 1), "seconds": round(seconds, 2),
+        "new_tokens_per_s": round(new / seconds, 1),
+        "peak_memory_gb": round((torch.cuda.max_memory_allocated() if cuda else
+                                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 1e9, 2)}), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+def backends(kind: str, wanted: str, device: str) -> list[str]:
+    if device == "cpu":  # the CPU path: the pure-torch kernels only
+        return ["sdpa"] if kind == "attn" else ["chunked"]
+    code = ("from kernels import attention as a; print(','.join(b for b in a.BACKENDS if a.available(b) is None))"
+            if kind == "attn" else
+            "from kernels import cross_entropy as c; print('liger,chunked' if c._load_liger() else 'chunked')")
+    runnable = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip().split(",")
+    return runnable if wanted == "all" else [b for b in wanted.split(",") if b in runnable]
+
+
+def run_variant(cmd: list[str], env: dict, timeout: int) -> dict:
+    try:
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout}s"}
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    if p.returncode != 0 or not lines:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["?"]
+        return {"error": ("out of memory" if "out of memory" in p.stderr.lower() else tail[0])[:300]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker == "train":
+        return train_worker(args)
+    if args.worker == "rollout":
+        return rollout_worker(args)
+    import torch
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_gpu.py: no CUDA device; use --device cpu for the smoke test")
+    gpus = 1 if args.device == "cpu" else (args.gpus or torch.cuda.device_count())
+    tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    attn, ce = backends("attn", args.attn, args.device), backends("ce", args.ce, args.device)
+    acs = {"off": [False], "on": [True], "both": [False, True]}[args.ac]
+    launcher = [sys.executable] if gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   f"--nproc_per_node={gpus}"]
+    common = ["--global-batch", str(args.global_batch), "--micro-tokens", str(args.micro_tokens), "--max-len",
+              str(args.max_len), "--steps", str(args.steps), "--warmup", str(args.warmup), "--peak-tflops",
+              str(args.peak_tflops), "--device", args.device, "--rollout-new-tokens", str(args.rollout_new_tokens)]
+    results = []
+    with open(out, "a") as f:
+        def record(r):
+            results.append(r)
+            f.write(json.dumps(r) + "\n")
+            f.flush()
+            print(json.dumps(r), flush=True)
+
+        for name in args.configs.split(","):
+            cdir = config_dir(name, tmp)
+            for mix in args.mixes.split(","):
+                mix_lengths(mix, 1, args.max_len)  # an unknown mix fails here, before any run
+                for ac in acs:
+                    for a in attn:
+                        for c in ce:
+                            cmd = launcher + [str(Path(__file__).resolve()), "--worker", "train", "--config",
+                                              str(cdir), "--mix", mix, *common] + (["--ac-on"] if ac else [])
+                            r = run_variant(cmd, dict(env, KERNELS_ATTN_BACKEND=a, KERNELS_CE_BACKEND=c),
+                                            args.timeout)
+                            record({"config": name, "mix": mix, "ac": ac, "attn": a, "ce": c, "gpus": gpus, **r})
+            for b in [int(x) for x in args.rollout_batches.split(",") if x]:
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "rollout", "--config", str(cdir),
+                       "--batch", str(b), *common]
+                record({"config": name, "batch": b, **run_variant(cmd, env, args.timeout)})
+
+    print(f"\n| config | mix | AC | attention | CE | GPUs | tok/s per GPU | MFU | peak mem (GB) |")
+    print("|---|---|---|---|---|---:|---:|---:|---:|")
+    for r in results:
+        if "mix" in r:
+            cells = (f"{r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_memory_gb']:.1f}"
+                     if "error" not in r else f"{r['error']} | | ")
+            print(f"| {r['config']} | {r['mix']} | {'on' if r['ac'] else 'off'} | {r['attn']} | {r['ce']} | "
+                  f"{r['gpus']} | {cells} |")
+    print(f"\n| config | rollout batch | new tok/s | peak mem (GB) |")
+    print("|---|---:|---:|---:|")
+    for r in results:
+        if "batch" in r:
+            cells = f"{r['new_tokens_per_s']:,.1f} | {r['peak_memory_gb']:.1f}" if "error" not in r else f"{r['error']} |"
+            print(f"| {r['config']} | {r['batch']} | {cells} |")
+    if any("error" in r for r in results):
+        print(f"bench_gpu.py: {sum('error' in r for r in results)} variant(s) failed (see {out})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

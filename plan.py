@@ -1,0 +1,452 @@
+"""plan.py — the cost planner: what a run.py command will train and generate, in GPU-hours, before it runs.
+
+    python run.py --model DIR --data TRACE --gpus 8 --dry-run     # the plan of that exact command; runs nothing
+    python plan.py --paper [--trace ../shared/trace]              # the paper's grid on Qwen2.5-7B shapes
+
+For every step the pipeline would run (the same keys as run.py's Pipeline), from the real data:
+  train    tokens = epochs x sum of the chat-templated lengths of its mixture (the task's examples that pass the
+           over-long filter + the previous stage's buffer): exactly train.py's train_summary.json "tokens" when the
+           buffer is known before the run (none, or gold replay); for an OPR buffer (model answers, unknown until
+           the rollout) the gold answers' mean length stands in, and an upper bound takes every answer at
+           max_new_tokens
+  rollout  prompts = every prior task's filtered training prompts; prompt tokens; new tokens: an upper bound
+  eval     (prompts x max_new_tokens) and an estimate (the gold answer's length, + end-of-turn)
+  replay / score   CPU only: no GPU time
+GPU-hours, for a throughput profile (flags below, defaults in the block underneath):
+  train    tokens / train tok/s per GPU (+ a fixed start/load/save overhead per step on every GPU); the default
+           train tok/s is MFU x peak / FLOPs per token, with train.py's own FLOPs count (6 N + 6 V H + attention at
+           the mixture's mean document length), SDFT x 4/3 (the teacher's extra forward)
+  generate new tokens / gen tok/s per GPU + prompt tokens / prefill tok/s per GPU (+ the overhead per step)
+FSDP2 memory per GPU at --plan-gpus ranks, as train.py holds it: fp32 master weights, fp32 gradients and AdamW's
+two fp32 moments, all sharded; the bf16 compute copies all-gathered per unit (the root unit -- embeddings, final
+norm, lm_head -- for the whole step, two blocks at a time: current + prefetch) with their bf16 gradients before the
+reduce-scatter; the loss kernel's fp32 [V, H] weight-gradient accumulator and one chunk of logits; activations at
+--micro-tokens tokens with and without activation checkpointing (the tensors autograd keeps per token and layer,
+listed in activation_bytes_per_token_layer).
+"""
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# ---- defaults: the throughput profile (BENCHMARKS.md "Anchors"; nothing here was measured on a GPU) --------------
+PEAK_TFLOPS = 989.0      # H100 SXM, bf16 dense
+TRAIN_MFU = 0.36         # torchtitan Llama-3.1-8B, FSDP2 bf16 on 8xH100: 33-39 % MFU (~5,800 tok/s per GPU)
+GEN_TOK_S = 4000.0       # generated tokens/s per GPU (vLLM, 7-8B bf16, large batches): an assumption, not an anchor
+PREFILL_FACTOR = 3.0     # prompt tokens cost a forward only: prefill tok/s = 3 x train tok/s (same MFU, 2N vs 6N)
+STEP_OVERHEAD_S = 120.0  # per GPU step: process start, loading the checkpoint (and saving one) or the engine start-up
+GPUS = 8
+GPU_MEMORY_GB = 80.0     # H100 80 GB
+PAPER_GPU_HOURS = 32.0   # the paper: one model's 8 stages
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser):
+    """The planner's flags (run.py --dry-run and plan.py share them)."""
+    g = p.add_argument_group("cost planner (--dry-run)")
+    g.add_argument("--plan-train-tok-s", type=float, help=f"train.py tokens/s per GPU (default: {TRAIN_MFU:.0%} MFU "
+                                                          f"of {PEAK_TFLOPS:g} TFLOP/s over the model's FLOPs per token)")
+    g.add_argument("--plan-gen-tok-s", type=float, default=GEN_TOK_S,
+                   help="generated tokens/s per GPU for rollouts and evaluation (default: %(default)s)")
+    g.add_argument("--plan-gpus", type=int, default=GPUS, help="GPUs the run uses (default: %(default)s)")
+    g.add_argument("--plan-overhead-s", type=float, default=STEP_OVERHEAD_S,
+                   help="fixed seconds per GPU step: start, load, save (default: %(default)s)")
+    g.add_argument("--plan-mfu", type=float, default=TRAIN_MFU, help="training MFU (default: %(default)s)")
+    g.add_argument("--plan-peak-tflops", type=float, default=PEAK_TFLOPS,
+                   help="peak TFLOP/s per GPU (default: %(default)s, H100 bf16 dense)")
+
+
+@dataclass
+class Profile:
+    train_tok_s: float | None = None  # None: from MFU x peak / FLOPs per token
+    gen_tok_s: float = GEN_TOK_S
+    gpus: int = GPUS
+    overhead_s: float = STEP_OVERHEAD_S
+    mfu: float = TRAIN_MFU
+    peak_tflops: float = PEAK_TFLOPS
+    micro_tokens: int = 16384  # train.py --micro-tokens: activations, and whether checkpointing is needed
+
+    @classmethod
+    def from_args(cls, args, micro_tokens: int) -> "Profile":
+        return cls(args.plan_train_tok_s, args.plan_gen_tok_s, args.plan_gpus, args.plan_overhead_s, args.plan_mfu,
+                   args.plan_peak_tflops, micro_tokens)
+
+
+# ---------------------------------------------------------------------------------------------- arithmetic
+
+def flops_per_token(cfg, mean_doc: float) -> float:
+    """Training FLOPs per token, train.py's MFU count: 6 x (non-embedding parameters) + 6 V H (lm_head) + causal
+    attention 6 L Hq D x mean document length."""
+    return (6 * cfg.num_params(embeddings=False) + 6 * cfg.vocab_size * cfg.hidden_size
+            + 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * mean_doc)
+
+
+def train_tok_s(cfg, mean_doc: float, profile: Profile) -> float:
+    if profile.train_tok_s:
+        return profile.train_tok_s
+    return profile.mfu * profile.peak_tflops * 1e12 / flops_per_token(cfg, mean_doc)
+
+
+def activation_bytes_per_token_layer(cfg) -> int:
+    """Bytes autograd keeps per token and block in bf16 training with a flash-type attention kernel (no [T, T]
+    scores; tests/test_plan.py counts them on a real block): each RMSNorm its fp32 input (4 H), fp32 1/rms (4),
+    the bf16 normalised input of the weight multiply (2 H) and its output (2 H, the next projections' input); RoPE only the shared cos/sin; the attention kernel
+    the rotated q and k, v, its output (also o_proj's input) and an fp32 log-sum-exp per head; the MLP the gate
+    and up outputs, silu(gate) and their product (down_proj's input): 4 x I."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    norms = 2 * (4 * H + 4 + 2 * H + 2 * H)
+    attn = 2 * (q + 2 * kv) + 2 * q + 4 * cfg.num_attention_heads
+    mlp = 2 * 4 * I
+    return norms + attn + mlp
+
+
+def memory_per_gpu(cfg, gpus: int, micro_tokens: int) -> dict:
+    """Bytes per GPU of train.py's FSDP2 bf16 training (see the module docstring). Keys: each component, and
+    'total' / 'total_checkpointed' (with --activation-checkpointing)."""
+    P = cfg.num_params(embeddings=True)
+    V, H, L = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
+    root = V * H * (1 if cfg.tie_word_embeddings else 2) + H  # embeddings (+ lm_head) + final norm
+    block = (P - root) / L
+    act_layer = activation_bytes_per_token_layer(cfg) * micro_tokens
+    chunk_rows = max(1, 128 * 2**20 // (4 * V))  # kernels/cross_entropy.py's chunk (liger's is similar)
+    m = {
+        "master weights fp32 (sharded)": 4 * P / gpus,
+        "gradients fp32 (sharded)": 4 * P / gpus,
+        "AdamW moments fp32 (sharded)": 8 * P / gpus,
+        "bf16 root unit, all-gathered": 2 * root,
+        "bf16 blocks in flight (2) + their grads": 2 * 2 * block * 2,
+        "loss: fp32 lm_head grad + logits chunk": 4 * V * H + 4 * chunk_rows * V,
+        "activations": L * act_layer + 2 * H * micro_tokens,
+        "activations, checkpointed": L * 2 * H * micro_tokens + act_layer + 2 * H * micro_tokens,
+    }
+    fixed = sum(v for k, v in m.items() if not k.startswith("activations"))
+    m["total"] = fixed + m["activations"]
+    m["total_checkpointed"] = fixed + m["activations, checkpointed"]
+    return m
+
+
+@dataclass
+class StepCost:
+    key: str
+    kind: str
+    deps: list
+    train_tokens: int = 0        # what train.py will count (estimate when `exact` is False)
+    train_tokens_max: int = 0
+    exact: bool = True
+    mean_doc: float = 0.0
+    sdft: bool = False
+    prompts: int = 0
+    prompt_tokens: int = 0
+    new_tokens_max: int = 0
+    new_tokens_est: int = 0
+    gpu_hours: float = 0.0
+    gpu_hours_max: float = 0.0
+    methods: list = field(default_factory=list)
+
+
+def needs_checkpointing(cfg, profile: Profile) -> bool:
+    """True when train.py's memory without activation checkpointing exceeds GPU_MEMORY_GB."""
+    return memory_per_gpu(cfg, profile.gpus, profile.micro_tokens)["total"] > GPU_MEMORY_GB * 1e9
+
+
+def price(c: StepCost, cfg, profile: Profile):
+    """Fill in c.gpu_hours (estimate) and c.gpu_hours_max (upper bound). Training that only fits with activation
+    checkpointing pays a second forward (x 4/3); SDFT's teacher forward another 1/3."""
+    over = profile.overhead_s * profile.gpus / 3600
+    tps = train_tok_s(cfg, c.mean_doc or 512, profile)
+    if c.kind == "train":
+        f = (1 + c.sdft / 3 + needs_checkpointing(cfg, profile) / 3) if not profile.train_tok_s else 1 + c.sdft / 3
+        c.gpu_hours = over + f * c.train_tokens / tps / 3600
+        c.gpu_hours_max = over + f * c.train_tokens_max / tps / 3600
+    elif c.kind in ("eval", "rollout"):
+        prefill = c.prompt_tokens / (PREFILL_FACTOR * tps)
+        c.gpu_hours = over + (c.new_tokens_est / profile.gen_tok_s + prefill) / 3600
+        c.gpu_hours_max = over + (c.new_tokens_max / profile.gen_tok_s + prefill) / 3600
+
+
+# ---------------------------------------------------------------------------------------------- run.py's plan
+
+class Lengths:
+    """Chat-templated token counts, each computed once: sft(ex) is the length train.py and the over-long filter
+    use; prompt(ex) the prompt with the generation header, as rollout.py and evaluate.py feed it."""
+
+    def __init__(self, tok):
+        self.tok, self._sft, self._prompt, self._empty = tok, {}, {}, {}
+
+    def sft(self, ex) -> int:
+        k = (ex.task, ex.idx, ex.prompt)
+        if k not in self._sft:
+            self._sft[k] = self.tok.sft_length(ex.prompt, ex.answer)
+        return self._sft[k]
+
+    def prompt(self, ex) -> int:
+        if ex.prompt not in self._prompt:
+            self._prompt[ex.prompt] = len(self.tok.prompt_ids(ex.prompt))
+        return self._prompt[ex.prompt]
+
+    def sft_empty(self, ex) -> int:
+        """The conversation with an empty answer: prompt + header + end-of-turn (a response adds its tokens)."""
+        if ex.prompt not in self._empty:
+            self._empty[ex.prompt] = self.tok.sft_length(ex.prompt, "")
+        return self._empty[ex.prompt]
+
+
+def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data_root, model_cfg,
+             profile: Profile) -> list[StepCost]:
+    """One StepCost per step of run.py's Pipeline (steps: key -> {kind, deps, spec}), in its order."""
+    from data.replay import allocate, buffer_size, select
+    from data.trace import filter_overlong, load_task
+
+    L = Lengths(tok)
+    max_new = cfg_run["max_new_tokens"]
+    tests = {}
+
+    def test_set(task):
+        if task not in tests:
+            exs = filter_overlong(load_task(data_root, task, "test"), tok.sft_length, cfg_run["max_len"])[0]
+            tests[task] = exs[:cfg_run["eval_limit"]] if cfg_run["eval_limit"] else exs
+        return tests[task]
+
+    def generation(c, examples):
+        c.prompts = len(examples)
+        c.prompt_tokens = sum(L.prompt(e) for e in examples)
+        c.new_tokens_max = c.prompts * max_new
+        # the gold answer (+ end-of-turn) as the expected response length, capped at the budget
+        c.new_tokens_est = sum(min(max_new, L.sft(e) - L.prompt(e)) for e in examples)
+
+    def buffer_lengths(key) -> tuple[list[int], list[int], bool]:
+        """(estimated lengths, upper-bound lengths, exact?) of the examples of the buffer step `key`."""
+        s = steps[key]
+        spec = s["spec"]
+        if s["kind"] == "replay":  # gold replay: the same seeded draw run.py makes, so exact
+            prior, stage = spec["prior"], len(spec["prior"])
+            counts = allocate(buffer_size(spec["rho"], spec["n"]), {t: len(train_sets[t]) for t in prior})
+            picked = [e for t in prior for e in select(train_sets[t], [0.0] * len(train_sets[t]), counts[t],
+                                                        "random", f"{spec['seed']}:{stage}:{t}")]
+            lens = [L.sft(e) for e in picked]
+            return lens, lens, True
+        prior = steps[s["deps"][0]]["spec"]["prior"]  # score <- rollout of the prior tasks
+        counts = allocate(buffer_size(spec["rho"], spec["n"]), {t: len(train_sets[t]) for t in prior})
+        est, hi = [], []
+        for t in prior:
+            mean = sum(L.sft(e) for e in train_sets[t]) / len(train_sets[t])
+            est += [round(mean)] * counts[t]
+            hi += sorted((L.sft_empty(e) + max_new for e in train_sets[t]), reverse=True)[:counts[t]]
+        return est, hi, False
+
+    costs = {}
+    for key, s in steps.items():
+        spec, kind = s["spec"], s["kind"]
+        c = StepCost(key, kind, list(s["deps"]))
+        if kind == "train":
+            task_lens = [L.sft(e) for t in spec["tasks"] for e in train_sets[t]]
+            est, hi = list(task_lens), list(task_lens)
+            for d in s["deps"]:
+                if steps[d]["kind"] in ("replay", "score"):
+                    b_est, b_hi, exact = buffer_lengths(d)
+                    est, hi, c.exact = est + b_est, hi + b_hi, c.exact and exact
+            c.train_tokens, c.train_tokens_max = spec["ep"] * sum(est), spec["ep"] * sum(hi)
+            c.mean_doc = sum(est) / max(len(est), 1)
+            c.sdft = "--sdft-beta" in spec.get("extra", [])
+        elif kind == "rollout":
+            generation(c, [e for t in spec["prior"] for e in train_sets[t]])
+        elif kind == "eval":
+            generation(c, [e for t in spec["tasks"] for e in test_set(t)])
+        price(c, model_cfg, profile)
+        costs[key] = c
+
+    for label, by_seed in runs.items():  # which methods use each step (shared steps: several)
+        keys = set()
+        todo = [k for chain in by_seed.values() for pair in chain for k in pair]
+        while todo:
+            k = todo.pop()
+            if k not in keys:
+                keys.add(k)
+                todo += steps[k]["deps"]
+        for k in keys:
+            costs[k].methods.append(label)
+    return list(costs.values())
+
+
+# ---------------------------------------------------------------------------------------------- the report
+
+def gb(x: float) -> str:
+    return f"{x / 1e9:.1f} GB" if x >= 1e9 else f"{x / 1e6:.1f} MB"
+
+
+def format_memory(model_cfg, gpus: int, micro_tokens: int) -> str:
+    m = memory_per_gpu(model_cfg, gpus, micro_tokens)
+    lines = [f"FSDP2 memory per GPU ({gpus} GPUs, {micro_tokens} tokens per micro-batch, bf16 compute, fp32 master):"]
+    for k, v in m.items():
+        if not k.startswith("total"):
+            lines.append(f"  {k:<42} {gb(v):>10}")
+    for k, label in (("total", "without"), ("total_checkpointed", "with")):
+        fits = "fits" if m[k] <= GPU_MEMORY_GB * 1e9 else "does NOT fit"
+        lines.append(f"  total {label} activation checkpointing{'':<{11 - len(label)}} {gb(m[k]):>10}  "
+                     f"({fits} in {GPU_MEMORY_GB:g} GB)")
+    return "\n".join(lines)
+
+
+def format_plan(costs: list[StepCost], model_cfg, profile: Profile, micro_tokens: int, title: str,
+                methods: list[str]) -> str:
+    """The printed plan: one line per step, GPU-hours per method and in total, memory per GPU."""
+    lines = [title, "",
+             f"{'step':<44} {'kind':<8} {'train_tok':>11} {'train_max':>11} {'prompts':>8} {'prompt_tok':>11} "
+             f"{'new_est':>10} {'new_max':>11} {'gpu_h':>7} {'gpu_h_max':>9}  after"]
+    for c in costs:
+        lines.append(f"{c.key:<44} {c.kind:<8} {c.train_tokens:>11} {c.train_tokens_max:>11} {c.prompts:>8} "
+                     f"{c.prompt_tokens:>11} {c.new_tokens_est:>10} {c.new_tokens_max:>11} {c.gpu_hours:>7.2f} "
+                     f"{c.gpu_hours_max:>9.2f}  {','.join(c.deps) or '-'}")
+    lines.append("")
+    lines.append(f"{'GPU-hours':<28} {'train':>8} {'rollout':>8} {'eval':>8} {'total':>8} {'total_max':>10}")
+    for label, subset in [(m, [c for c in costs if m in c.methods]) for m in methods] + [("ALL (each step once)",
+                                                                                        costs)]:
+        by = {k: sum(c.gpu_hours for c in subset if c.kind == k) for k in ("train", "rollout", "eval")}
+        lines.append(f"{label:<28} {by['train']:>8.2f} {by['rollout']:>8.2f} {by['eval']:>8.2f} "
+                     f"{sum(c.gpu_hours for c in subset):>8.2f} {sum(c.gpu_hours_max for c in subset):>10.2f}")
+    train = [c for c in costs if c.kind == "train"]
+    mean_doc = sum(c.mean_doc * c.train_tokens for c in train) / max(sum(c.train_tokens for c in train), 1)
+    tps = train_tok_s(model_cfg, mean_doc or 512, profile)
+    ac = needs_checkpointing(model_cfg, profile) and not profile.train_tok_s
+    lines += ["", f"profile: train {tps:,.0f} tok/s per GPU{' before the x 4/3 of activation checkpointing' if ac else ''}"
+                  f"{' (given)' if profile.train_tok_s else f' ({profile.mfu:.0%} MFU of {profile.peak_tflops:g} TFLOP/s, mean document {mean_doc:.0f} tokens)'}"
+                  f", generation {profile.gen_tok_s:,.0f} new tok/s per GPU, prefill {PREFILL_FACTOR:g}x train tok/s, "
+                  f"{profile.overhead_s:g} s overhead per step on each of {profile.gpus} GPUs",
+              "train_tok: exact (train.py's count) except after an OPR buffer (model answers: gold-length estimate; "
+              "train_max: every answer at max_new_tokens); new_max: every response at max_new_tokens", "",
+              format_memory(model_cfg, profile.gpus, micro_tokens)]
+    return "\n".join(lines)
+
+
+def parse_plan(text: str) -> dict:
+    """The step table of a printed plan back as {key: {kind, train_tokens, ..., deps}} (tests, scripts)."""
+    out = {}
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("step ")) + 1
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        f = line.split()
+        out[f[0]] = dict(kind=f[1], train_tokens=int(f[2]), train_tokens_max=int(f[3]), prompts=int(f[4]),
+                         prompt_tokens=int(f[5]), new_tokens_est=int(f[6]), new_tokens_max=int(f[7]),
+                         gpu_hours=float(f[8]), gpu_hours_max=float(f[9]), deps=[] if f[10] == "-" else f[10].split(","))
+    return out
+
+
+def print_plan(steps, runs, cfg_run, train_sets, tok, data_root, base, args):
+    """run.py --dry-run: plan every step of the DAG run.py built and print it."""
+    from model.checkpoint import load_config
+    model_cfg = load_config(base)
+    profile = Profile.from_args(args, cfg_run["micro_tokens"])
+    costs = plan_run(steps, runs, cfg_run, train_sets, tok, data_root, model_cfg, profile)
+    if needs_checkpointing(model_cfg, profile):
+        print("plan.py: WARNING: at --micro-tokens "
+              f"{profile.micro_tokens} train.py needs --activation-checkpointing to fit {GPU_MEMORY_GB:g} GB per GPU "
+              "(see the memory table); the GPU-hours assume it")
+    print(format_plan(costs, model_cfg, profile, cfg_run["micro_tokens"],
+                      f"plan (dry run: nothing ran, nothing was written): {len(costs)} steps, model {base}", list(runs)))
+    return costs
+
+
+# ---------------------------------------------------------------------------------------------- the paper's grid
+# Per-task sizes for the paper's grid when the TRACE files are not at hand (Qwen2.5 chat template: ~29 tokens of
+# system prompt and headers around the prompt, ~2 after the answer). n_train after the over-long filter (2,048),
+# mean prompt tokens (templated), mean answer tokens, test examples. ASSUMPTIONS, except where `--trace` finds the
+# task's files (FOMC and NumGLUE-cm/-ds in ../shared/trace): then counts and lengths come from them, at
+# CHARS_PER_TOKEN (no Qwen tokenizer here).
+CHARS_PER_TOKEN = 4.0
+TEMPLATE_PROMPT, TEMPLATE_ANSWER = 29, 2
+PAPER_TASKS = {  # task: (n_train kept, mean prompt tokens, mean answer tokens, n_test)
+    "C-STANCE": (5000, 150, 1, 2000),      # Chinese stance texts, a letter answer
+    "FOMC": (5000, 112, 1, 496),           # measured: 329 chars + template; test 496 (shared/trace)
+    "MeetingBank": (4000, 1300, 80, 1000),  # long transcripts: ~1/5 over 2,048 tokens dropped; summaries
+    "Py150": (5000, 600, 12, 1000),        # code context, the next line
+    "ScienceQA": (5000, 180, 1, 2000),     # question + choices, a letter
+    "NumGLUE-cm": (5000, 81, 1, 81),       # measured: 206 chars; test 81
+    "NumGLUE-ds": (5000, 64, 1, 325),      # measured: 140 chars; test 325
+    "20Minuten": (5000, 700, 90, 1000),    # German news articles, simplified summaries
+}
+
+
+def paper_tasks(trace_dir=None) -> dict:
+    """PAPER_TASKS, with the rows of the tasks whose files are under trace_dir measured from them."""
+    from data.trace import load_task
+    table = dict(PAPER_TASKS)
+    for task in table:
+        if trace_dir is None or not (Path(trace_dir) / task / "train.json").is_file():
+            continue
+        train, test = load_task(trace_dir, task, "train"), load_task(trace_dir, task, "test")
+        prompt = sum(len(e.prompt) for e in train) / len(train) / CHARS_PER_TOKEN + TEMPLATE_PROMPT
+        answer = sum(len(e.answer) for e in train) / len(train) / CHARS_PER_TOKEN
+        table[task] = (len(train), round(prompt), max(1, round(answer)), len(test))
+    return table
+
+
+def paper_grid(model_cfg, profile: Profile, trace_dir=None, rho: float = 0.01, max_new: int = 512) -> list[StepCost]:
+    """One model's 8 stages of an OPR method, as run.py plans them: train stage i on task i (+ the buffer of
+    rho x 5000 model answers from tasks < i) for the task's epochs, evaluate tasks 1..i, and (i < 8) roll out
+    every training prompt of tasks 1..i once, <= max_new new tokens."""
+    from data.tasks import TASK_ORDER, get_task
+    table = paper_tasks(trace_dir)
+    doc = {t: table[t][1] + table[t][2] + TEMPLATE_ANSWER for t in TASK_ORDER}  # one SFT example's tokens
+    costs, prev = [], None
+    for i, task in enumerate(TASK_ORDER):
+        n, ep, prior = table[task][0], get_task(task).epochs, TASK_ORDER[:i]
+        c = StepCost(f"s{i + 1}-train-{task}", "train", [prev] if prev else [])
+        n_buf = round(rho * n) if prior else 0
+        buf = n_buf * sum(doc[t] for t in prior) / max(len(prior), 1)
+        buf_max = n_buf * (sum(table[t][1] for t in prior) / max(len(prior), 1) + max_new + TEMPLATE_ANSWER)
+        c.train_tokens, c.train_tokens_max = round(ep * (n * doc[task] + buf)), round(ep * (n * doc[task] + buf_max))
+        c.mean_doc, c.exact = doc[task], not prior
+        costs.append(c)
+        seen = TASK_ORDER[:i + 1]
+        e = StepCost(f"s{i + 1}-eval", "eval", [c.key])
+        e.prompts = sum(table[t][3] for t in seen)
+        e.prompt_tokens = sum(table[t][3] * table[t][1] for t in seen)
+        e.new_tokens_est = sum(table[t][3] * min(max_new, table[t][2] + 1) for t in seen)
+        e.new_tokens_max = e.prompts * max_new
+        costs.append(e)
+        if i + 1 < len(TASK_ORDER):
+            r = StepCost(f"s{i + 1}-rollout", "rollout", [c.key])
+            r.prompts = sum(table[t][0] for t in seen)
+            r.prompt_tokens = sum(table[t][0] * table[t][1] for t in seen)
+            r.new_tokens_est = sum(table[t][0] * min(max_new, table[t][2] + 1) for t in seen)
+            r.new_tokens_max = r.prompts * max_new
+            costs.append(r)
+        prev = c.key
+    for c in costs:
+        price(c, model_cfg, profile)
+        c.methods = ["opr"]
+    return costs
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--paper", action="store_true", required=True,
+                   help="plan the paper's grid (one OPR model, 8 TRACE stages) on --config's shapes")
+    p.add_argument("--config", default=str(Path(__file__).resolve().parent / "bench" / "configs" / "qwen2.5-7b"),
+                   help="model directory with an HF config.json (default: %(default)s)")
+    p.add_argument("--trace", help="TRACE root: tasks found there are measured instead of assumed")
+    p.add_argument("--micro-tokens", type=int, default=16384, help="tokens per micro-batch (default: %(default)s)")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    from model.checkpoint import load_config
+    cfg = load_config(args.config)
+    profile = Profile.from_args(args, args.micro_tokens)
+    table = paper_tasks(args.trace)
+    print(f"{'task':<12} {'n_train':>7} {'prompt_tok':>10} {'answer_tok':>10} {'n_test':>6}  source")
+    for t, (n, pr, an, nt) in table.items():
+        measured = table[t] != PAPER_TASKS[t] or (args.trace and (Path(args.trace) / t / "train.json").is_file())
+        print(f"{t:<12} {n:>7} {pr:>10} {an:>10} {nt:>6}  {'measured (' + args.trace + ')' if measured else 'assumed'}")
+    costs = paper_grid(cfg, profile, args.trace)
+    print(format_plan(costs, cfg, profile, args.micro_tokens, f"\nplan of the paper's grid on {args.config}", ["opr"]))
+    total = sum(c.gpu_hours for c in costs)
+    print(f"\npaper: {PAPER_GPU_HOURS:g} GPU-hours for one model's 8 stages; this plan: {total:.1f} "
+          f"({total / PAPER_GPU_HOURS:.2f}x), upper bound {sum(c.gpu_hours_max for c in costs):.1f}")
+    return costs
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""bench/bench_gpu.py's CPU smoke path runs end to end (the GPU grid itself needs a GPU): every variant reports,
+the timed tokens are the mix's documents, and the rollout generates batch x new tokens (random weights never stop)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+
+def test_bench_gpu_cpu_smoke_path(tmp_path):
+    from bench_gpu import mix_lengths
+    out = tmp_path / "bench.jsonl"
+    cmd = [sys.executable, str(REPO / "bench" / "bench_gpu.py"), "--device", "cpu", "--configs", "tiny", "--mixes",
+           "trace", "--steps", "1", "--warmup", "1", "--global-batch", "8", "--micro-tokens", "2048", "--max-len",
+           "512", "--rollout-batches", "1,3", "--rollout-new-tokens", "5", "--out", str(out)]
+    p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    train = [r for r in rows if r.get("kind") == "train"]
+    assert [(r["ac"], r["attn"], r["ce"]) for r in train] == [(False, "sdpa", "chunked"), (True, "sdpa", "chunked")]
+    docs = mix_lengths("trace", 2 * 8, 512)  # warm-up step + timed step, 8 documents each
+    mean_doc = sum(n for n, _ in docs) / len(docs)
+    for r in train:
+        assert r["mean_doc"] == round(mean_doc, 1) and r["tokens_per_s_per_gpu"] > 0 and r["peak_memory_gb"] > 0
+        assert r["dtype"] == "float32" and r["attention"] == "sdpa" and r["world"] == 1
+    rollouts = [r for r in rows if r.get("kind") == "rollout"]
+    assert [(r["batch"], r["new_tokens"]) for r in rollouts] == [(1, 5), (3, 15)]
+    assert "| tiny | trace | on | sdpa | chunked | 1 |" in p.stdout
