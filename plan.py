@@ -196,7 +196,7 @@ class Lengths:
 def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data_root, model_cfg,
              profile: Profile) -> list[StepCost]:
     """One StepCost per step of run.py's Pipeline (steps: key -> {kind, deps, spec}), in its order."""
-    from data.replay import allocate, buffer_size, select
+    from data.replay import replay_counts, select
     from data.trace import filter_overlong, load_task
 
     L = Lengths(tok)
@@ -209,12 +209,12 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
             tests[task] = exs[:cfg_run["eval_limit"]] if cfg_run["eval_limit"] else exs
         return tests[task]
 
-    def generation(c, examples):
-        c.prompts = len(examples)
-        c.prompt_tokens = sum(L.prompt(e) for e in examples)
+    def generation(c, examples, repeats=1):
+        c.prompts = repeats * len(examples)  # evaluate.py --repeats: K responses per prompt, one generate call
+        c.prompt_tokens = repeats * sum(L.prompt(e) for e in examples)
         c.new_tokens_max = c.prompts * max_new
         # the gold answer (+ end-of-turn) as the expected response length, capped at the budget
-        c.new_tokens_est = sum(min(max_new, L.sft(e) - L.prompt(e)) for e in examples)
+        c.new_tokens_est = repeats * sum(min(max_new, L.sft(e) - L.prompt(e)) for e in examples)
 
     def buffer_lengths(key) -> tuple[list[int], list[int], bool]:
         """(estimated lengths, upper-bound lengths, exact?) of the examples of the buffer step `key`."""
@@ -222,13 +222,13 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
         spec = s["spec"]
         if s["kind"] == "replay":  # gold replay: the same seeded draw run.py makes, so exact
             prior, stage = spec["prior"], len(spec["prior"])
-            counts = allocate(buffer_size(spec["rho"], spec["n"]), {t: len(train_sets[t]) for t in prior})
+            counts = replay_counts(spec["budget"], {t: len(train_sets[t]) for t in prior})
             picked = [e for t in prior for e in select(train_sets[t], [0.0] * len(train_sets[t]), counts[t],
                                                         "random", f"{spec['seed']}:{stage}:{t}")]
             lens = [L.sft(e) for e in picked]
             return lens, lens, True
         prior = steps[s["deps"][0]]["spec"]["prior"]  # score <- rollout of the prior tasks
-        counts = allocate(buffer_size(spec["rho"], spec["n"]), {t: len(train_sets[t]) for t in prior})
+        counts = replay_counts(spec["budget"], {t: len(train_sets[t]) for t in prior})  # one rollout per example
         est, hi = [], []
         for t in prior:
             mean = sum(L.sft(e) for e in train_sets[t]) / len(train_sets[t])
@@ -253,7 +253,7 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
         elif kind == "rollout":
             generation(c, [e for t in spec["prior"] for e in train_sets[t]])
         elif kind == "eval":
-            generation(c, [e for t in spec["tasks"] for e in test_set(t)])
+            generation(c, [e for t in spec["tasks"] for e in test_set(t)], spec.get("repeats", 1))
         price(c, model_cfg, profile)
         costs[key] = c
 
@@ -267,6 +267,8 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
                 todo += steps[k]["deps"]
         for k in keys:
             costs[k].methods.append(label)
+    for c in costs.values():  # steps outside every chain (row 0: the base's evaluation) serve every method
+        c.methods = c.methods or list(runs)
     return list(costs.values())
 
 
