@@ -386,14 +386,25 @@ def paper_tasks(trace_dir=None) -> dict:
     return table
 
 
-def paper_grid(model_cfg, profile: Profile, trace_dir=None, rho: float = 0.01, max_new: int = 512) -> list[StepCost]:
-    """One model's 8 stages of an OPR method, as run.py plans them: train stage i on task i (+ the buffer of
-    rho x 5000 model answers from tasks < i) for the task's epochs, evaluate tasks 1..i, and (i < 8) roll out
-    every training prompt of tasks 1..i once, <= max_new new tokens."""
+def paper_grid(model_cfg, profile: Profile, trace_dir=None, rho: float = 0.01, max_new: int = 512,
+               repeats: int = 8) -> list[StepCost]:
+    """One model's 8 stages of an OPR method, as run.py plans them: row 0 evaluates the base on every task; stage i
+    trains on task i (+ the buffer of rho x 5000 model answers from tasks < i) for the task's epochs, evaluates
+    tasks 1..i+1 (`repeats` samples per test prompt, the paper preset's 8), and (i < 8) rolls out every training
+    prompt of tasks 1..i once, <= max_new new tokens."""
     from data.tasks import TASK_ORDER, get_task
     table = paper_tasks(trace_dir)
     doc = {t: table[t][1] + table[t][2] + TEMPLATE_ANSWER for t in TASK_ORDER}  # one SFT example's tokens
-    costs, prev = [], None
+
+    def evaluation(key, deps, seen):
+        e = StepCost(key, "eval", deps)
+        e.prompts = repeats * sum(table[t][3] for t in seen)
+        e.prompt_tokens = repeats * sum(table[t][3] * table[t][1] for t in seen)
+        e.new_tokens_est = repeats * sum(table[t][3] * min(max_new, table[t][2] + 1) for t in seen)
+        e.new_tokens_max = e.prompts * max_new
+        return e
+
+    costs, prev = [evaluation("s0-eval", [], TASK_ORDER)], None
     for i, task in enumerate(TASK_ORDER):
         n, ep, prior = table[task][0], get_task(task).epochs, TASK_ORDER[:i]
         c = StepCost(f"s{i + 1}-train-{task}", "train", [prev] if prev else [])
@@ -404,12 +415,7 @@ def paper_grid(model_cfg, profile: Profile, trace_dir=None, rho: float = 0.01, m
         c.mean_doc, c.exact = doc[task], not prior
         costs.append(c)
         seen = TASK_ORDER[:i + 1]
-        e = StepCost(f"s{i + 1}-eval", "eval", [c.key])
-        e.prompts = sum(table[t][3] for t in seen)
-        e.prompt_tokens = sum(table[t][3] * table[t][1] for t in seen)
-        e.new_tokens_est = sum(table[t][3] * min(max_new, table[t][2] + 1) for t in seen)
-        e.new_tokens_max = e.prompts * max_new
-        costs.append(e)
+        costs.append(evaluation(f"s{i + 1}-eval", [c.key], TASK_ORDER[:i + 2]))  # + task i+1, for FWT
         if i + 1 < len(TASK_ORDER):
             r = StepCost(f"s{i + 1}-rollout", "rollout", [c.key])
             r.prompts = sum(table[t][0] for t in seen)
@@ -432,6 +438,8 @@ def main(argv=None):
                    help="model directory with an HF config.json (default: %(default)s)")
     p.add_argument("--trace", help="TRACE root: tasks found there are measured instead of assumed")
     p.add_argument("--micro-tokens", type=int, default=16384, help="tokens per micro-batch (default: %(default)s)")
+    p.add_argument("--eval-repeats", type=int, default=8, help="samples per test prompt (default: %(default)s, the "
+                                                               "paper preset's)")
     add_arguments(p)
     args = p.parse_args(argv)
     from model.checkpoint import load_config
@@ -442,7 +450,7 @@ def main(argv=None):
     for t, (n, pr, an, nt) in table.items():
         measured = table[t] != PAPER_TASKS[t] or (args.trace and (Path(args.trace) / t / "train.json").is_file())
         print(f"{t:<12} {n:>7} {pr:>10} {an:>10} {nt:>6}  {'measured (' + args.trace + ')' if measured else 'assumed'}")
-    costs = paper_grid(cfg, profile, args.trace)
+    costs = paper_grid(cfg, profile, args.trace, repeats=args.eval_repeats)
     print(format_plan(costs, cfg, profile, args.micro_tokens, f"\nplan of the paper's grid on {args.config}", ["opr"]))
     total = sum(c.gpu_hours for c in costs)
     print(f"\npaper: {PAPER_GPU_HOURS:g} GPU-hours for one model's 8 stages; this plan: {total:.1f} "
