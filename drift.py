@@ -25,10 +25,11 @@ Then, for all prompts at once:
 
 Engine handling and the embedded-benchmark fallback are the same as evaluate.py's.
 """
-import argparse
 import statistics
 import time
 from pathlib import Path
+
+from data.cli import InputError, Parser, float_in, int_at_least, main_cli, task_names
 
 # ---- defaults (each has a flag below) ----------------------------------------------------------------------------
 LIMIT = 32             # test prompts per task: a few dozen keep the step cheap next to training
@@ -43,28 +44,26 @@ BATCH_SIZE = 32        # native engine batch size
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="CUR: the newer checkpoint (HF layout, tokenizer + chat template)")
     p.add_argument("--ref", required=True, help="PREV: the checkpoint before the update (same tokenizer as --ckpt)")
     p.add_argument("--data", default=None,
                    help="TRACE root with <Task>/test.json (default: the embedded benchmark, generated into a cache)")
-    p.add_argument("--tasks", default=None,
+    p.add_argument("--tasks", default=None, type=task_names,
                    help="comma-separated prior tasks (default: every task with a test split under --data)")
     p.add_argument("--out", default=None, help="output directory (default: <ckpt>/drift)")
-    p.add_argument("--limit", type=int, default=LIMIT, help="test prompts per task (0 = all) (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=TEMPERATURE, help="sampling temperature of CUR (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="response length cap (default: %(default)s)")
-    p.add_argument("--max-len", type=int, default=MAX_LEN, help="drop test examples whose templated length exceeds this (default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out even if drift.py did not write it")
+    p.add_argument("--limit", type=int_at_least(0), default=LIMIT, help="test prompts per task (0 = all) (default: %(default)s)")
+    p.add_argument("--temperature", type=float_in(0.0, None), default=TEMPERATURE, help="sampling temperature of CUR (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=MAX_NEW_TOKENS, help="response length cap (default: %(default)s)")
+    p.add_argument("--max-len", type=int_at_least(1), default=MAX_LEN, help="drop test examples whose templated length exceeds this (default: %(default)s)")
     p.add_argument("--seed", type=int, default=SEED, help="sampling seed (default: %(default)s)")
     p.add_argument("--engine", default=ENGINE, choices=["auto", "native", "vllm"],
                    help="sampling engine; auto = vllm when CUDA and vllm are present, else native (default: %(default)s)")
-    p.add_argument("--tp", type=int, default=TP, help="vLLM tensor-parallel size (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="native engine batch size (default: %(default)s)")
+    p.add_argument("--tp", type=int_at_least(1), default=TP, help="vLLM tensor-parallel size (default: %(default)s)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE, help="native engine batch size (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = p.parse_args(argv)
-    if args.limit < 0:
-        p.error(f"--limit must be >= 0, got {args.limit}")
-    return args
+    return p.parse_args(argv)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -83,8 +82,7 @@ def main(argv=None):
     import torch
 
     from data.embedded import ensure_embedded
-    from data.jsonl import write_json, write_jsonl
-    from data.tasks import parse_tasks
+    from data.jsonl import check_output, write_json, write_jsonl
     from data.trace import load_filtered, tasks_in
     from model.checkpoint import load_config, load_model
     from model.logprobs import response_stats
@@ -97,13 +95,13 @@ def main(argv=None):
     # a KL over two different vocabularies is meaningless: the tokenizers must be one
     if (cur_dir / "tokenizer.json").read_bytes() != (ref_dir / "tokenizer.json").read_bytes() \
             or cur_cfg.vocab_size != ref_cfg.vocab_size:
-        raise SystemExit(f"drift.py: --ckpt {cur_dir} and --ref {ref_dir} have different tokenizers or vocab sizes; "
+        raise InputError(f"--ckpt {cur_dir} and --ref {ref_dir} have different tokenizers or vocab sizes; "
                          f"the per-token KL needs one vocabulary")
     root = Path(args.data) if args.data is not None else ensure_embedded()
-    tasks = parse_tasks(args.tasks) if args.tasks else tasks_in(root, "test")
+    tasks = args.tasks or tasks_in(root, "test")
     if not tasks:
-        raise SystemExit(f"drift.py: no task directories with a test.json under {root}")
-    out_dir = Path(args.out) if args.out else cur_dir / "drift"
+        raise InputError(f"no task directories with a test.json under {root}")
+    out_dir = check_output(Path(args.out) if args.out else cur_dir / "drift", "drift", args.overwrite)
     engine = resolve_engine(args.engine)
 
     # 1-2. held-out prompts of the prior tasks
@@ -161,4 +159,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main_cli(main, "drift.py")

@@ -172,6 +172,8 @@ OUTPUT_KINDS = {
     "rollouts": (False, "a rollout file written by rollout.py", lambda f: _first_record_has(f, ("token_ids", "logprobs",
                                                                                                 "finish_reason"))),
     "buffer": (False, "a replay buffer written by score.py", lambda f: _first_record_has(f, ("scorer", "select"))),
+    "drift": (True, "a drift measurement written by drift.py (drift.json, drift_samples.jsonl only)",
+              _only({"drift.json", "drift_samples.jsonl"})),
 }
 
 

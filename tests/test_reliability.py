@@ -118,7 +118,8 @@ def no_file(env, tmp, path_in_ckpt) -> Path:
 
 # Each case: (id, script, args(env, tmp) -> (argv, named)) where `named` must appear in stderr (a path or a flag).
 B, D, R = "base", "data", "rollouts"
-T = dict(train="train.py", rollout="rollout.py", score="score.py", evaluate="evaluate.py", run="run.py")
+T = dict(train="train.py", rollout="rollout.py", score="score.py", evaluate="evaluate.py", run="run.py",
+         drift="drift.py")
 
 
 def train_args(env, tmp, *extra, data=None, model=None):
@@ -128,6 +129,11 @@ def train_args(env, tmp, *extra, data=None, model=None):
 
 def gen_args(env, tmp, *extra, ckpt=None, data=None):
     return ["--ckpt", ckpt or env["base"], "--data", data or env["data"], "--out", tmp / "out", "--quiet", *extra]
+
+
+def drift_args(env, tmp, *extra, ckpt=None):
+    return ["--ckpt", ckpt or env["base"], "--ref", env["base"], "--data", env["data"], "--out", tmp / "out",
+            "--quiet", *extra]
 
 
 def score_args(env, tmp, *extra, rollouts=None):
@@ -248,6 +254,13 @@ CASES = [
     ("score-out-foreign-file", "score", lambda env, tmp: (
         score_args(env, tmp)[:-1] + [foreign_file(tmp)], str(tmp / "mine.jsonl"))),
     ("run-out-foreign-dir", "run", lambda env, tmp: (run_args(env, tmp)[:-1] + [foreign_dir(tmp)], str(tmp / "mine"))),
+    # --- drift.py follows the same rules ---------------------------------------------------------------------------
+    flag("drift", drift_args, "--limit", "-1"),
+    flag("drift", drift_args, "--max-new-tokens", "0"),
+    flag("drift", drift_args, "--tasks", "NoSuchTask"),
+    ("drift-missing-ckpt", "drift", lambda env, tmp: (drift_args(env, tmp, ckpt=tmp / "nope"), str(tmp / "nope"))),
+    ("drift-out-foreign-dir", "drift", lambda env, tmp: (
+        drift_args(env, tmp)[:-3] + ["--out", foreign_dir(tmp), "--quiet"], str(tmp / "mine"))),
 ]
 
 

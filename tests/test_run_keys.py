@@ -97,9 +97,10 @@ def test_edited_answer_reruns_exactly_the_dependent_steps(setup, run_one_core):
         before = after
         return new
 
-    # the second task's test answers feed only its evaluations: stage 2's, one per method
+    # the second task's test answers feed only its evaluations: the base's row 0 (every task), stage 1's (which
+    # scores the next task too, for FWT) and stage 2's, one per method
     edit("test", TASKS[1])
-    assert new_steps() == ["s2-eval"] * 3
+    assert new_steps() == ["s0-eval", "s1-eval"] + ["s2-eval"] * 3
     # its training answers feed stage 2's training (every method) and so stage 2's evaluations; stage 1, the
     # stage-1 rollouts and the buffers (built from task 1) are untouched
     edit("train", TASKS[1])
