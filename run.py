@@ -82,16 +82,20 @@ PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=train.LR, global_b
              sft_kl_beta=train.SFT_KL_BETA, sdft_teacher=train.SDFT_TEACHER, sdft_alpha=train.SDFT_ALPHA,
              sdft_kl=train.SDFT_KL, sdft_temperature=train.SDFT_TEMPERATURE,
              sdft_max_new_tokens=train.SDFT_MAX_NEW_TOKENS, epochs=None,  # epochs None: the task table's [5,3,7,5,3,5,5,7]
+             activation_checkpointing=True,  # 7-8B at 16,384 tokens per micro-batch: ~29 GB/GPU with, ~125 without
+
              n_train=128, n_test=32)      # sizes of the embedded benchmark when no --data is given
 PRESETS = {
     # tiny Llama on the embedded benchmark: 8 stages x 4 methods in minutes on 2 CPU cores
     # (256 steps per stage as before; 256 distinct training prompts, a 51-example buffer; 64 test prompts per task:
     # more would cost evaluation time the 10-minute budget does not have today, see BENCHMARKS.md)
     "tiny": dict(PAPER, rho=0.2, lr=5e-4, global_batch=4, max_len=512, micro_tokens=4096, max_new_tokens=32,
-                 sdft_max_new_tokens=32, n_train=256, n_test=64, epochs="4", eval_repeats=1, scoring="lenient"),
+                 sdft_max_new_tokens=32, n_train=256, n_test=64, epochs="4", eval_repeats=1, scoring="lenient",
+                 activation_checkpointing=False),
     # SmolLM2-135M-Instruct on the embedded benchmark, sized for CPU
     "smollm2": dict(PAPER, rho=0.2, lr=5e-5, global_batch=16, max_len=512, micro_tokens=4096, max_new_tokens=40,
-                    sdft_max_new_tokens=40, n_train=48, n_test=16, epochs="2", eval_repeats=1, scoring="lenient"),
+                    sdft_max_new_tokens=40, n_train=48, n_test=16, epochs="2", eval_repeats=1, scoring="lenient",
+                    activation_checkpointing=False),
     "paper": PAPER,
 }
 # ------------------------------------------------------------------------------------------------------------------
@@ -403,6 +407,10 @@ def main(argv=None):
     gen_spec = dict(engine=engine, **{k: cfg[k] for k in (
         "temperature", "max_new_tokens", "max_len", "max_train", "eval_limit")})
 
+    # on GPUs: recomputing blocks in backward saves memory and leaves the numbers as they are (tests/test_train.py):
+    # not part of the key
+    ac = ["--activation-checkpointing"] if cfg["activation_checkpointing"] and gpus else []
+
     def train_step(prev, stage, task_list, buffer_key, seed, extra=(), n_epochs=None):
         name = f"s{stage}-train-{task_list[-1] if len(task_list) == 1 else 'joint'}"
         spec = dict(tasks=task_list, seed=seed, lr=cfg["lr"], gb=cfg["global_batch"], extra=list(extra),
@@ -420,7 +428,7 @@ def main(argv=None):
                               "--out", str(tmp / "ckpt"), "--epochs", str(spec["ep"]), "--lr", str(cfg["lr"]),
                               "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
                               "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", "0",
-                              "--quiet", *extra]
+                              "--quiet", *extra, *ac]
         return pipe.add("train", name, spec, [d for d in (prev, buffer_key) if d], build,
                         reads=files("train", task_list) + ([] if prev else base_files))
 

@@ -230,6 +230,14 @@ def test_two_ranks_equal_one_process(which, request, tmp_path):
     assert any(not torch.allclose(w0[k], w1[k]) for k in w1), "training did not change the weights"
 
 
+def test_activation_checkpointing_changes_no_number(ckpt, ref, tmp_path):
+    """run.py turns it on for the paper's setting on GPUs: it may only save memory, never change the run."""
+    out = tmp_path / "ac"
+    train(ckpt, out, "--activation-checkpointing")
+    assert [r["loss"] for r in log(out)] == [r["loss"] for r in log(ref)]
+    assert_same_weights(weights(out), weights(ref), 0.0)
+
+
 def kill_once_state_is_saved(ckpt, out: Path) -> tuple[bool, str, Path]:
     """Start train.py, SIGKILL it as soon as a training state exists. Returns (was it still running, its output,
     the state's progress.pt)."""
