@@ -8,9 +8,6 @@ Runs are real subprocesses with OMP_NUM_THREADS=1, as in test_train.py (whose he
 """
 import json
 import shutil
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from test_train import (MAX_LEN, N_STEPS, REPO, assert_close_rel, assert_same_weights, ckpt, env, log,  # noqa: F401
-                        train, train_cmd, weights)
+                        kill_once_state_is_saved, train, train_cmd, weights)
 
 import train as train_script  # noqa: E402
 from data.packing import plan_steps  # noqa: E402
@@ -173,18 +170,7 @@ def test_sdft_two_ranks_equal_one_process(sharp, runs, tmp_path):
 def test_sdft_sigkill_then_resume_equals_uninterrupted_run(sharp, runs, tmp_path):
     """The EMA teacher is saved with the training state: steps 3-4 after a resume score against the same teacher."""
     out = tmp_path / "killed"
-    state = out.with_name(out.name + ".partial") / "state" / "progress.pt"
-    p = subprocess.Popen(train_cmd(sharp, out, *case_args("ema")), cwd=REPO, env=env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not state.exists() and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        alive = p.poll() is None
-        p.send_signal(signal.SIGKILL)
-    finally:
-        p.kill()
-        output = p.communicate()[0]
+    alive, output, state = kill_once_state_is_saved(sharp, out, *case_args("ema"))
     assert alive, f"train.py ended before it could be killed:\n{output[-3000:]}"
     assert torch.load(state, weights_only=False)["step"] == 2
     train(sharp, out, *case_args("ema"), "--resume")

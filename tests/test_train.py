@@ -238,11 +238,11 @@ def test_activation_checkpointing_changes_no_number(ckpt, ref, tmp_path):
     assert_same_weights(weights(out), weights(ref), 0.0)
 
 
-def kill_once_state_is_saved(ckpt, out: Path) -> tuple[bool, str, Path]:
-    """Start train.py, SIGKILL it as soon as a training state exists. Returns (was it still running, its output,
-    the state's progress.pt)."""
+def kill_once_state_is_saved(ckpt, out: Path, *extra) -> tuple[bool, str, Path]:
+    """Start train.py (with `extra` flags), SIGKILL it as soon as a training state exists. Returns (was it still
+    running, its output, the state's progress.pt)."""
     state = out.with_name(out.name + ".partial") / "state" / "progress.pt"
-    p = subprocess.Popen(train_cmd(ckpt, out), cwd=REPO, env=env(), stdout=subprocess.PIPE,
+    p = subprocess.Popen(train_cmd(ckpt, out, *extra), cwd=REPO, env=env(), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
