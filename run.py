@@ -20,6 +20,9 @@ For each method and seed, stage i = 1..N:
                 past_task_ratio), each capped by what the task has
 Baselines: sft (no replay), mtl (stage i trains the base on tasks 1..i jointly: the upper bound), sdft (SFT +
 beta * KL to an EMA teacher).
+The paper's mechanism is measured on every chain: after every stage i >= 2, drift.py(ckpt_i, ckpt_{i-1}) on the test
+prompts of tasks 1..i-1 (per-update KL, --drift-limit prompts per task), and every buffer's per-token NLL under the
+checkpoint that built it (score.py for OPR, buffer_nll.py for gold replay).
 
 Every step runs as a subprocess writing into a temporary directory that is renamed into runs/NAME/steps/ and
 recorded in manifest.json when it succeeds. A step's key hashes everything that changes its numbers: its settings,
@@ -46,6 +49,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+import drift
 import rollout
 import train
 
@@ -72,6 +76,7 @@ PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=train.LR, global_b
              scoring="paper",          # the official tools/eval.py rules (data/metrics.py); CPU presets: lenient
              replay_budget="total",    # the equal-budget comparison of the paper's budget table
              sdft_beta=0.5, epochs=None,  # epochs None: the task table's [5,3,7,5,3,5,5,7]
+             drift_limit=drift.LIMIT,     # test prompts per prior task for the per-update KL (0: no drift steps)
              n_train=128, n_test=32)      # sizes of the embedded benchmark when no --data is given
 PRESETS = {
     # tiny Llama on the embedded benchmark: 8 stages x 4 methods in minutes on 2 CPU cores
@@ -122,6 +127,8 @@ def parse_args(argv=None):
                         "default); per-task: rho times each prior task's own training-set size (TRACE's "
                         "past_task_ratio), for replay and the OPR methods alike")
     p.add_argument("--sdft-beta", type=float, help="SDFT KL weight (default 0.5)")
+    p.add_argument("--drift-limit", type=int, help="test prompts per prior task for drift.py's per-update KL after "
+                                                   "every stage >= 2 (default: per preset; 0 = no drift steps)")
     p.add_argument("--jobs", type=int, help="steps run in parallel on CPU (default: cores // threads; always 1 with "
                                             "GPUs); never changes results")
     p.add_argument("--threads", type=int, help=f"CPU threads per step (default: $OMP_NUM_THREADS if set, else "
@@ -209,7 +216,7 @@ def main(argv=None):
     preset = "paper" if args.model else (args.base or "tiny")
     cfg = dict(PRESETS[preset])
     for k in ("methods", "rho", "lr", "global_batch", "max_new_tokens", "n_train", "n_test", "eval_limit", "sdft_beta",
-              "epochs", "max_train", "eval_repeats", "scoring", "replay_budget"):
+              "epochs", "max_train", "eval_repeats", "scoring", "replay_budget", "drift_limit"):
         if getattr(args, k, None) is not None:
             cfg[k] = getattr(args, k)
     methods = [m.strip() for m in str(cfg["methods"]).split(",")]
@@ -373,6 +380,43 @@ def main(argv=None):
                             buffer_key = opr_buffer(t_key, i + 1, prior, scorer, mode, seed, next_task, rho)
                 runs[label][seed] = chain
 
+    # the paper's mechanism, measured on every chain: the per-update KL(pi_i || pi_i-1) on the prior tasks' held-out
+    # prompts after every stage i >= 2 (drift.py), and each replay buffer's per-token NLL under the checkpoint that
+    # built it (score.py records it for OPR buffers; buffer_nll.py computes it for gold ones)
+    def drift_step(cur_key, prev_key, stage, prior, seed):
+        def build(tmp, dirs):
+            return py + [str(HERE / "drift.py"), "--ckpt", str(dirs[cur_key] / "ckpt"), "--ref",
+                         str(dirs[prev_key] / "ckpt"), *common_data, "--tasks", ",".join(prior), "--out",
+                         str(tmp / "drift"), "--seed", str(seed), "--limit", str(cfg["drift_limit"]),
+                         "--max-new-tokens", str(cfg["max_new_tokens"]), "--quiet", *engine]
+        spec = dict(prior=prior, seed=seed, limit=cfg["drift_limit"], temperature=drift.TEMPERATURE,
+                    max_new_tokens=cfg["max_new_tokens"], max_len=cfg["max_len"], engine=engine)
+        return pipe.add("drift", f"s{stage}-drift", spec, [cur_key, prev_key], build, reads=files("test", prior))
+
+    def gold_nll_step(train_key, buffer_key, stage):
+        def build(tmp, dirs):
+            return py + [str(HERE / "buffer_nll.py"), "--ckpt", str(dirs[train_key] / "ckpt"), "--buffer",
+                         str(dirs[buffer_key] / "buffer.jsonl"), "--max-len", str(cfg["max_len"]), "--out",
+                         str(tmp / "buffer_stats.json"), "--quiet"]
+        return pipe.add("buffer-nll", f"s{stage}-nll-gold", dict(max_len=cfg["max_len"]), [train_key, buffer_key],
+                        build)
+
+    probes = {}  # label -> seed -> {"drift": [(stage, key)], "buffers": [(stage, key)], "rollouts": [(stage, key)]}
+    for label, by_seed in runs.items():
+        for seed, chain in by_seed.items():
+            found = probes.setdefault(label, {}).setdefault(seed, dict(drift=[], buffers=[], rollouts=[],
+                                                                        train=[t for t, _ in chain]))
+            for i in range(1, len(chain)):  # chain[i] is stage i + 1; its buffer was built after stage i
+                cur, prev = chain[i][0], chain[i - 1][0]
+                if cfg["drift_limit"]:
+                    found["drift"].append((i + 1, drift_step(cur, prev, i + 1, tasks[:i], seed)))
+                for dep in pipe.steps[cur]["deps"]:
+                    if pipe.steps[dep]["kind"] == "score":  # OPR: score.py wrote buffer_stats.json
+                        found["buffers"].append((i, dep))
+                        found["rollouts"].append((i, pipe.steps[dep]["deps"][0]))
+                    elif pipe.steps[dep]["kind"] == "replay":
+                        found["buffers"].append((i, gold_nll_step(prev, dep, i)))
+
     print(f"run.py: preset {preset}, base {base}, data {data_root}, tasks {','.join(tasks)}, methods "
           f"{','.join(runs)}, seeds {seeds}; {len(pipe.steps)} steps ({sum(pipe.done(k) for k in pipe.steps)} "
           f"already done) in {run_dir}", flush=True)
@@ -381,7 +425,13 @@ def main(argv=None):
     pipe.execute()
 
     results = collect(pipe, runs, row0, tasks, dict(preset=preset, base=str(base), data=str(data_root), cfg=cfg,
-                                                    numerics=numerics, train_sizes=train_sizes))
+                                                    numerics=numerics, train_sizes=train_sizes), probes)
+    # what each kind of step cost in this run (summed step times; the drift steps' share is the probes' price)
+    results["meta"]["step_seconds"] = {}
+    for key in pipe.steps:
+        kind = pipe.steps[key]["kind"]
+        results["meta"]["step_seconds"][kind] = round(results["meta"]["step_seconds"].get(kind, 0.0)
+                                                      + pipe.manifest[key]["seconds"], 2)
     write_json(run_dir / "results.json", results)
     from report import format_table, write_report
     write_report(results, run_dir)
@@ -409,10 +459,11 @@ def epochs_per_task(spec, tasks) -> dict:
     return dict(zip(tasks, values))
 
 
-def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict) -> dict:
+def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, probes: dict | None = None) -> dict:
     """results.json: per method and seed, the accuracy matrix (row i: tasks 1..i after stage i), row 0 (the base
     on every task), next_task (a(i, i+1): task i+1 after stage i, before training on it), the continual-learning
-    metrics of data.metrics.cl_metrics, and the per-step training loss of every stage."""
+    metrics of data.metrics.cl_metrics, the per-step training loss of every stage, and the mechanism probes
+    (collect_probes; report.py's docstring lists the fields)."""
     from data.metrics import cl_metrics
 
     def scores_of(key):
@@ -434,7 +485,32 @@ def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict) -> 
             methods[label]["seeds"][str(seed)] = {"matrix": matrix, "row0": base_row, "next_task": next_task,
                                                   "cl_metrics": cl_metrics(matrix, base_row, next_task),
                                                   "loss_curves": losses}
+            if probes:
+                methods[label]["seeds"][str(seed)].update(collect_probes(pipe, probes[label][seed]))
     return {"tasks": tasks, "methods": methods, "meta": meta}
+
+
+def collect_probes(pipe: Pipeline, found: dict) -> dict:
+    """Per seed: "drift" = [{"stage" i, "tasks": {task: drift.py's per-task numbers}, "all", "seconds"}] for every
+    stage i >= 2 (KL(pi_i || pi_i-1) on tasks 1..i-1); "buffer_stats" = [{"stage" i, score.py's / buffer_nll.py's
+    buffer_stats.json}] for the buffer built after stage i; "rollout_checks" = [{"stage" i, rollout.py's
+    logprob_check}]; "loss_sources" = per stage, {"task": [per step], "replay": [per step]} (train.py's loss_task
+    and loss_replay), or None for a stage trained without replay."""
+    out = {"drift": [], "buffer_stats": [], "rollout_checks": [], "loss_sources": []}
+    for key in found["train"]:
+        log = [json.loads(line) for line in (pipe.dir(key) / "ckpt" / "train_log.jsonl").read_text().splitlines()]
+        out["loss_sources"].append({"task": [x["loss_task"] for x in log], "replay": [x["loss_replay"] for x in log]}
+                                   if log and "loss_replay" in log[0] else None)
+    for stage, key in found["drift"]:
+        d = json.loads((pipe.dir(key) / "drift" / "drift.json").read_text())
+        out["drift"].append({"stage": stage, "tasks": d["tasks"], "all": d["all"]})
+    for stage, key in found["buffers"]:
+        out["buffer_stats"].append({"stage": stage, **json.loads((pipe.dir(key) / "buffer_stats.json").read_text())})
+    for stage, key in found["rollouts"]:
+        path = pipe.dir(key) / "rollouts_summary.json"
+        if path.exists():
+            out["rollout_checks"].append({"stage": stage, **(json.loads(path.read_text())["logprob_check"] or {})})
+    return out
 
 
 if __name__ == "__main__":

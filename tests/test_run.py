@@ -41,7 +41,8 @@ N_TRAIN, RHO, GLOBAL_BATCH = 8, 0.5, 4
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # steps of the plan: train 1+4+4 (stage 1 shared), eval 1+1+4+4 (row 0 and stage 1 shared), gold buffers 2
 # (replay), rollouts 1+2 (stage 1 shared by opr-ru and opr-sc), score 2+2
-N_STEPS = {"train": 9, "eval": 10, "replay": 2, "rollout": 3, "score": 4}
+N_STEPS = {"train": 9, "eval": 10, "replay": 2, "rollout": 3, "score": 4, "drift": 8, "buffer-nll": 2}
+# drift after stages 2 and 3 of each method (8), the gold buffers' NLL under the checkpoint that built them (2)
 
 
 def command(base: Path, out: Path, methods=",".join(METHODS), *extra) -> list[str]:
@@ -235,14 +236,14 @@ def test_report_acc_bwt_and_figures(run_a):
 
 def test_a_subset_of_methods_reuses_every_step(env, run_a):
     """Steps are keyed by content, not by the command line: re-running with fewer methods (on a copy of the run) finds
-    all 17 of their steps done (replay: 3 train, 3 eval, 2 gold; opr-sc: 2 more train and eval, 2 rollouts, 2 score;
-    row 0) and only re-collects the results."""
+    all 23 of their steps done (replay: 3 train, 3 eval, 2 gold, 2 gold NLL, 2 drift; opr-sc: 2 more train and
+    eval, 2 rollouts, 2 score, 2 drift; row 0) and only re-collects the results."""
     out = env["root"] / "run_subset"
     shutil.copytree(run_a, out)
     p = subprocess.run(command(env["base"], out, methods="replay,opr-sc"), cwd=REPO, env=env["env"],
                        capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    assert re.search(r"; 17 steps \(17 already done\)", p.stdout), p.stdout[:2000]
+    assert re.search(r"; 23 steps \(23 already done\)", p.stdout), p.stdout[:2000]
     assert (out / "manifest.json").read_text() == (run_a / "manifest.json").read_text()  # nothing ran
     a = json.loads((run_a / "results.json").read_text())["methods"]
     b = json.loads((out / "results.json").read_text())["methods"]
@@ -326,3 +327,32 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(env, run_a):
                 assert portable(db / rel) == portable(da / rel), f"{key}/{rel} differs"
     for name in ["report.md", *FIGURES]:
         assert (out / name).is_file()
+
+
+def test_mechanism_probes_in_results(run_a):
+    """drift after every stage >= 2 (KL of stage i vs i-1 on tasks 1..i-1), each buffer's NLL bound, the rollout
+    log-prob check and the per-source training loss, as the step outputs hold them."""
+    results = json.loads((run_a / "results.json").read_text())
+    for m in METHODS:
+        run = results["methods"][m]["seeds"]["0"]
+        assert [d["stage"] for d in run["drift"]] == [2, 3], m
+        for d in run["drift"]:
+            assert list(d["tasks"]) == TASKS[:d["stage"] - 1]
+            assert all(v["n"] == 4 and v["mean_seq_kl"] > 0 and v["kl_per_token"] > 0 for v in d["tasks"].values())
+            (step,) = [p for p in step_dirs(run_a, f"s{d['stage']}-drift-*")
+                       if json.loads((p / "drift" / "drift.json").read_text())["all"] == d["all"]]
+        stages = [b["stage"] for b in run["buffer_stats"]]
+        want_scorer = {"sft": None, "replay": "gold", "opr-ru": "ru", "opr-sc": "sc"}[m]
+        assert stages == ([] if m == "sft" else [1, 2]), m
+        for b in run["buffer_stats"]:
+            assert b["scorer"] == want_scorer and b["all"]["selected"]["n"] == buffer_size(RHO, N_TRAIN)
+            assert b["all"]["selected"]["nll_mean"] > 0
+        checks = run["rollout_checks"]
+        assert [c["stage"] for c in checks] == ([1, 2] if m.startswith("opr") else []), m
+        assert all(c["max_abs_dlogp"] <= 1e-4 and not c["warned"] for c in checks)  # the native engine agrees
+        srcs = run["loss_sources"]
+        assert srcs[0] is None and all((s is None) == (m == "sft") for s in srcs[1:]), m
+        for s, total in zip(srcs[1:], run["loss_curves"][1:]):
+            if s is not None:
+                assert len(s["task"]) == len(s["replay"]) == len(total)
+    assert results["meta"]["step_seconds"]["drift"] > 0
