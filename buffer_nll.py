@@ -9,7 +9,7 @@ buffer (Vanilla Replay) has no log-probs, so this script computes them:
      longer than --max-len are dropped and counted, as train.py drops them)
   3. teacher-force --ckpt on them (model/logprobs.py): l = mean NLL per target token of each record
   4. write --out atomically in score.py's buffer_stats.json layout, so the report compares l across buffers:
-       {"scorer": "gold", "select": null, "budget": n, "spearman_ru_sc": null, "ckpt", "dropped_overlong",
+       {"scorer": "gold", "select": null, "budget": n, "spearman_ru_sc": null, "dropped_overlong",
         "tasks": {task: {"n", "spearman_ru_sc": null, "selected": {"n", "nll_mean", "nll_max", "token_nll_max"},
                          "rejected": null}},
         "all": {"selected": {...}, "rejected": null}}
@@ -66,7 +66,7 @@ def main(argv=None):
 
     # 4. score.py's layout
     tasks = list(dict.fromkeys(r["task"] for r in scored))
-    summary = {"scorer": "gold", "select": None, "budget": len(records), "spearman_ru_sc": None, "ckpt": str(ckpt),
+    summary = {"scorer": "gold", "select": None, "budget": len(records), "spearman_ru_sc": None,
                "dropped_overlong": dropped,
                "tasks": {t: {"n": sum(r["task"] == t for r in scored), "spearman_ru_sc": None,
                              "selected": nll_stats([r for r in scored if r["task"] == t]), "rejected": None}

@@ -49,7 +49,7 @@ def command(base: Path, out: Path, methods=",".join(METHODS), *extra) -> list[st
     return [sys.executable, str(REPO / "run.py"), "--model", str(base), "--tasks", ",".join(TASKS),
             "--methods", methods, "--n-train", str(N_TRAIN), "--eval-limit", "4", "--epochs", "1",
             "--global-batch", str(GLOBAL_BATCH), "--lr", "1e-4", "--max-new-tokens", "6", "--rho", str(RHO),
-            "--eval-repeats", "1", "--jobs", "2", "--quiet", "--out", str(out), *extra]
+            "--eval-repeats", "1", "--drift-limit", "4", "--jobs", "2", "--quiet", "--out", str(out), *extra]
 
 
 def read_jsonl(path: Path) -> list[dict]:
