@@ -356,3 +356,7 @@ def test_mechanism_probes_in_results(run_a):
             if s is not None:
                 assert len(s["task"]) == len(s["replay"]) == len(total)
     assert results["meta"]["step_seconds"]["drift"] > 0
+    report = (run_a / "report.md").read_text()
+    assert "## Mechanism: per-update drift" in report and "Forgetting vs drift: 12 points" in report  # 4 x (1 + 2)
+    for name in ("fig_drift.png", "fig_drift_vs_forgetting.png", "fig_loss_sources.png"):
+        assert (run_a / name).read_bytes()[:8] == PNG_MAGIC and f"]({name})" in report, name
