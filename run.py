@@ -398,7 +398,7 @@ def main(argv=None):
             return py + [str(HERE / "buffer_nll.py"), "--ckpt", str(dirs[train_key] / "ckpt"), "--buffer",
                          str(dirs[buffer_key] / "buffer.jsonl"), "--max-len", str(cfg["max_len"]), "--out",
                          str(tmp / "buffer_stats.json"), "--quiet"]
-        return pipe.add("buffer-nll", f"s{stage}-nll-gold", dict(max_len=cfg["max_len"]), [train_key, buffer_key],
+        return pipe.add("buffer-nll", f"s{stage}-buffer-nll", dict(max_len=cfg["max_len"]), [train_key, buffer_key],
                         build)
 
     probes = {}  # label -> seed -> {"drift": [(stage, key)], "buffers": [(stage, key)], "rollouts": [(stage, key)]}

@@ -259,7 +259,8 @@ def test_per_task_replay_budget_and_eval_repeats(env, run_a):
     p = subprocess.run(command(env["base"], out, "replay", "--replay-budget", "per-task", "--eval-repeats", "2"),
                        cwd=REPO, env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    assert re.search(r"; 9 steps \(1 already done\)", p.stdout), p.stdout[:2000]  # s1-train re-used
+    # s1-train re-used; 4 evals, 3 trainings, 2 gold buffers, 2 drift steps, 2 gold-buffer NLL steps are new
+    assert re.search(r"; 13 steps \(1 already done\)", p.stdout), p.stdout[:2000]
     new = set(json.loads((out / "manifest.json").read_text())) - set(json.loads((run_a / "manifest.json").read_text()))
     bufs = sorted((k for k in new if "-gold-" in k), key=lambda k: k[:2])
     assert [Counter(r["task"] for r in read_jsonl(out / "steps" / k / "buffer.jsonl")) for k in bufs] == \
