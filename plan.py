@@ -160,10 +160,14 @@ def price(c: StepCost, cfg, profile: Profile):
         f = (1 + c.sdft / 3 + needs_checkpointing(cfg, profile) / 3) if not profile.train_tok_s else 1 + c.sdft / 3
         c.gpu_hours = over + f * c.train_tokens / tps / 3600
         c.gpu_hours_max = over + f * c.train_tokens_max / tps / 3600
-    elif c.kind in ("eval", "rollout"):
+    elif c.kind in ("eval", "rollout", "drift"):
         prefill = c.prompt_tokens / (PREFILL_FACTOR * tps)
+        if c.kind == "drift":  # + two models teacher-forced on the samples and on the gold answers
+            prefill += 4 * (c.prompt_tokens + c.new_tokens_est) / (PREFILL_FACTOR * tps)
         c.gpu_hours = over + (c.new_tokens_est / profile.gen_tok_s + prefill) / 3600
         c.gpu_hours_max = over + (c.new_tokens_max / profile.gen_tok_s + prefill) / 3600
+    elif c.kind == "buffer-nll":
+        c.gpu_hours = c.gpu_hours_max = over + c.prompt_tokens / (PREFILL_FACTOR * tps) / 3600
 
 
 # ---------------------------------------------------------------------------------------------- run.py's plan
@@ -249,11 +253,17 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
                     est, hi, c.exact = est + b_est, hi + b_hi, c.exact and exact
             c.train_tokens, c.train_tokens_max = spec["ep"] * sum(est), spec["ep"] * sum(hi)
             c.mean_doc = sum(est) / max(len(est), 1)
-            c.sdft = "--sdft-beta" in spec.get("extra", [])
+            c.sdft = "sdft" in spec.get("extra", [])  # --objective sdft (sft-kl's teacher pass is not priced)
         elif kind == "rollout":
             generation(c, [e for t in spec["prior"] for e in train_sets[t]])
         elif kind == "eval":
             generation(c, [e for t in spec["tasks"] for e in test_set(t)], spec.get("repeats", 1))
+        elif kind == "drift":  # drift.py: sample the first `limit` test prompts of each prior task, then both models
+            # teacher-force the samples and the gold answers (priced as prefill in price())
+            generation(c, [e for t in spec["prior"] for e in test_set(t)[:spec["limit"]]])
+        elif kind == "buffer-nll":  # buffer_nll.py: one teacher-forced forward over the gold buffer
+            b_est, _, _ = buffer_lengths(s["deps"][1])
+            c.prompts, c.prompt_tokens = len(b_est), sum(b_est)
         price(c, model_cfg, profile)
         costs[key] = c
 
@@ -302,11 +312,13 @@ def format_plan(costs: list[StepCost], model_cfg, profile: Profile, micro_tokens
                      f"{c.prompt_tokens:>11} {c.new_tokens_est:>10} {c.new_tokens_max:>11} {c.gpu_hours:>7.2f} "
                      f"{c.gpu_hours_max:>9.2f}  {','.join(c.deps) or '-'}")
     lines.append("")
-    lines.append(f"{'GPU-hours':<28} {'train':>8} {'rollout':>8} {'eval':>8} {'total':>8} {'total_max':>10}")
+    lines.append(f"{'GPU-hours':<28} {'train':>8} {'rollout':>8} {'eval':>8} {'probes':>8} {'total':>8} "
+                 f"{'total_max':>10}")
     for label, subset in [(m, [c for c in costs if m in c.methods]) for m in methods] + [("ALL (each step once)",
                                                                                         costs)]:
         by = {k: sum(c.gpu_hours for c in subset if c.kind == k) for k in ("train", "rollout", "eval")}
-        lines.append(f"{label:<28} {by['train']:>8.2f} {by['rollout']:>8.2f} {by['eval']:>8.2f} "
+        probes = sum(c.gpu_hours for c in subset if c.kind in ("drift", "buffer-nll"))  # run.py's mechanism probes
+        lines.append(f"{label:<28} {by['train']:>8.2f} {by['rollout']:>8.2f} {by['eval']:>8.2f} {probes:>8.2f} "
                      f"{sum(c.gpu_hours for c in subset):>8.2f} {sum(c.gpu_hours_max for c in subset):>10.2f}")
     train = [c for c in costs if c.kind == "train"]
     mean_doc = sum(c.mean_doc * c.train_tokens for c in train) / max(sum(c.train_tokens for c in train), 1)

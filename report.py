@@ -18,7 +18,17 @@ results.json (written by run.py's collect; JSON):
            "row0": [a(0, j) for every task],                # optional: the base model before stage 1
            "next_task": [a(i, i+1) for i < N-1],            # optional: task i+1 after stage i, before training it
            "cl_metrics": {...},                             # optional: data.metrics.cl_metrics (recomputed here)
-           "loss_curves": [[loss per step of stage 0], ...]}  # optional
+           "loss_curves": [[loss per step of stage 0], ...],  # optional
+           # optional, run.py's mechanism probes (drift.py, score.py / buffer_nll.py, rollout.py, train.py):
+           "drift": [{"stage": i, "tasks": {task: {"n", "mean_seq_kl", "median_seq_kl", "kl_per_token",
+                      "mean_tokens", "gold_nll_cur", "gold_nll_ref"}}, "all": {same}}],  # stages i >= 2: KL of
+                                                            # stage i vs i-1 on the test prompts of tasks 1..i-1
+           "buffer_stats": [{"stage": i, "scorer", "select", "spearman_ru_sc", "tasks": {...}, "all": {"selected":
+                             {"n", "nll_mean", "nll_max", "token_nll_max"}, "rejected": {same} or null}}],
+                                                            # the buffer built after stage i: per-token NLL under
+                                                            # the checkpoint that built it
+           "rollout_checks": [{"stage": i, "k", "tokens", "mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "warned"}],
+           "loss_sources": [{"task": [per step], "replay": [per step]} or null per stage]}
 
     summarize(results)        numbers: mean/std over seeds of ACC, BWT, FWT, forgetting, TRACE's OP and 1/N BWT
                               and the final per-task scores; the mean matrix with row 0 and next-task scores
@@ -46,7 +56,7 @@ import tempfile
 from pathlib import Path
 
 from data.metrics import acc_bwt, cl_metrics
-from data.stats import mean_std
+from data.stats import mean_std, pearson, spearman
 
 REFERENCE = "replay"  # the baseline of the "delta vs replay" figure
 FIGURES = {  # file name -> what it shows (paper figure)
@@ -57,6 +67,12 @@ FIGURES = {  # file name -> what it shows (paper figure)
     "fig_delta_vs_replay.png": f"final per-task score minus the '{REFERENCE}' method's (paper Fig. 5)",
     "fig_bwt_acc.png": "BWT vs ACC, one point per method (paper Fig. 1, right)",
     "fig_forgetting.png": "per-task forgetting (best earlier score - final score) per method; FWT in the legend",
+}
+MECHANISM_FIGURES = {  # drawn when results.json holds run.py's mechanism probes
+    "fig_drift.png": "per-update KL(pi_i || pi_i-1) on the prior tasks' held-out prompts, per stage (paper Eq. 1's "
+                     "quantity)",
+    "fig_drift_vs_forgetting.png": "per-task forgetting a(i, j) - a(i-1, j) against the KL on task j's prompts",
+    "fig_loss_sources.png": "training loss per step on the stage's own examples (solid) and on replayed ones (dashed)",
 }
 
 
@@ -252,10 +268,11 @@ def markdown_report(results, summary=None, figures=()) -> str:
     out += ["", "## Accuracy matrices (mean over seeds)", ""]
     for m, s in summary.items():
         out += [f"### {m}", "", matrix_table(tasks, s), ""]
+    out += [*mechanism_section(results), ""]
     if figures:
         out += ["## Figures", ""]
         for f in figures:
-            out += [f"![{Path(f).stem}]({f})", "", f"*{FIGURES[f]}*", ""]
+            out += [f"![{Path(f).stem}]({f})", "", f"*{({**FIGURES, **MECHANISM_FIGURES})[f]}*", ""]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -419,6 +436,190 @@ def plot_forgetting(tasks, summary, path: Path):
     plt.close(fig)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The paper's mechanism: per-update drift, forgetting vs drift, the buffer's loss bound (run.py's probes)
+
+
+def drift_numbers(results) -> dict:
+    """From the runs' "drift" entries: per method and stage the seed-mean of the mean sequence KL and of the KL per
+    token over the prior tasks' prompts, the (KL on task j, a(i, j) - a(i-1, j)) points of every seed, stage i >= 2
+    and prior task j, and their Pearson and Spearman correlations. Empty when no run has drift entries."""
+    tasks = results["tasks"]
+    per_stage, points = {}, []
+    for m, entry in results["methods"].items():
+        by_stage = {}
+        for run in entry["seeds"].values():
+            for d in run.get("drift") or []:
+                by_stage.setdefault(d["stage"], []).append(d["all"])
+                i = d["stage"] - 1  # matrix row of stage d["stage"]
+                if i >= len(run["matrix"]):
+                    continue
+                for j, t in enumerate(tasks[:i]):
+                    if t in d["tasks"]:
+                        points.append({"method": m, "stage": d["stage"], "task": t, "kl": d["tasks"][t]["mean_seq_kl"],
+                                       "forgetting": run["matrix"][i][j] - run["matrix"][i - 1][j]})
+        if by_stage:
+            per_stage[m] = {s: {"seq_kl": statistics.fmean(a["mean_seq_kl"] for a in v),
+                                "kl_per_token": statistics.fmean(a["kl_per_token"] for a in v), "n_seeds": len(v)}
+                            for s, v in sorted(by_stage.items())}
+    xs, ys = [p["kl"] for p in points], [p["forgetting"] for p in points]
+    return {"per_stage": per_stage, "points": points,
+            "pearson": pearson(xs, ys) if len(points) > 2 else None,
+            "spearman": spearman(xs, ys) if len(points) > 2 else None}
+
+
+def drift_table(tasks, dn: dict) -> str:
+    stages = sorted({s for v in dn["per_stage"].values() for s in v})
+    header = ["method", *[f"{s}: {tasks[s - 1]}" for s in stages]]
+    rows = [[m, *[f"{v[s]['seq_kl']:.3g} ({v[s]['kl_per_token']:.2g})" if s in v else "-" for s in stages]]
+            for m, v in dn["per_stage"].items()]
+    return _md_table(header, rows)
+
+
+def buffer_numbers(results) -> dict:
+    """Per method: the seed- and stage-mean of each buffer's l (per-token NLL under the checkpoint that built it:
+    selected mean, selected max = l_max, rejected mean) and of the RU/SC Spearman correlation."""
+    out = {}
+    for m, entry in results["methods"].items():
+        stats = [b for run in entry["seeds"].values() for b in run.get("buffer_stats") or []]
+        if not stats:
+            continue
+
+        def avg(xs):
+            xs = [x for x in xs if x is not None]
+            return statistics.fmean(xs) if xs else None
+        sel = [b["all"]["selected"] for b in stats]
+        rej = [b["all"]["rejected"] for b in stats if b["all"].get("rejected")]
+        out[m] = {"scorer": stats[0]["scorer"], "buffers": len(stats),
+                  "nll_mean": avg(s["nll_mean"] for s in sel), "nll_max": max((s["nll_max"] for s in sel
+                                                                               if s["nll_max"] is not None), default=None),
+                  "token_nll_max": avg(s["token_nll_max"] for s in sel),
+                  "rejected_nll_mean": avg(r["nll_mean"] for r in rej) if rej else None,
+                  "spearman_ru_sc": avg(b.get("spearman_ru_sc") for b in stats)}
+    return out
+
+
+def buffer_table(bn: dict) -> str:
+    f = lambda x, p=3: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    return _md_table(["method", "buffer", "buffers", "l mean", "l_max", "mean max-token NLL", "rejected l mean",
+                      "Spearman(RU, SC)"],
+                     [[m, b["scorer"], str(b["buffers"]), f(b["nll_mean"]), f(b["nll_max"]), f(b["token_nll_max"]),
+                       f(b["rejected_nll_mean"]), f(b["spearman_ru_sc"], 2)] for m, b in bn.items()])
+
+
+def rollout_check_lines(results) -> list:
+    """One line per method whose rollouts were checked against the trainer's forward pass."""
+    out = []
+    for m, entry in results["methods"].items():
+        checks = [c for run in entry["seeds"].values() for c in run.get("rollout_checks") or [] if c.get("k")]
+        if checks:
+            warned = sum(bool(c["warned"]) for c in checks)
+            out.append(f"{m}: {len(checks)} rollout sets, mean |Δ log p| per token up to "
+                       f"{max(c['mean_abs_dlogp'] for c in checks):.2g}, max single token "
+                       f"{max(c['max_abs_dlogp'] for c in checks):.2g} nats, k3 KL up to "
+                       f"{max(c['k3_kl'] for c in checks):.2g}" + (f"; WARNED {warned} times" if warned else ""))
+    return out
+
+
+def mechanism_section(results, dn=None, bn=None) -> list:
+    """report.md lines for the mechanism probes (nothing when the run has none)."""
+    dn, bn = dn or drift_numbers(results), bn or buffer_numbers(results)
+    checks = rollout_check_lines(results)
+    if not (dn["per_stage"] or bn or checks):
+        return []
+    out = ["", "## Mechanism: per-update drift and the buffer's loss bound", ""]
+    if dn["per_stage"]:
+        fmt = lambda x: "undefined" if x is None else f"{x:+.2f}"  # noqa: E731
+        out += ["Per-update KL(π_i ‖ π_i−1) on held-out prompts of tasks 1..i−1, after stage i (column: stage and the "
+                "task it trains): mean over prompts of the summed per-token KL of a response sampled from π_i "
+                "(nats per response), KL per token in parentheses; mean over seeds (drift.py).", "",
+                drift_table(results["tasks"], dn), "",
+                f"- Forgetting vs drift: {len(dn['points'])} points (method, seed, stage i, prior task j) of "
+                f"a(i, j) − a(i−1, j) against the KL on task j's prompts; Pearson r = {fmt(dn['pearson'])}, "
+                f"Spearman ρ = {fmt(dn['spearman'])}. The paper's bound predicts larger drift, larger drops "
+                f"(a negative correlation); a correlation over few points of a small test set is weak evidence "
+                f"either way."]
+    if bn:
+        out += ["", "Each replay buffer's per-token NLL l under the checkpoint that built it (paper Eq. 3: OPR keeps "
+                "l <= l_max small; gold and low-score buffers need not): mean over buffers (stages and seeds) of the "
+                "selected examples' mean l; l_max = the largest over all of them; the rejected rollouts' mean l; "
+                "the rank correlation of task score (RU) and mean log-prob (SC) over all rollouts (the paper's "
+                "assumption that correct answers are likely ones).", "", buffer_table(bn)]
+    if checks:
+        out += ["", "Rollout log-probs, engine vs the trainer's forward pass (rollout.py --check-logprobs):", ""]
+        out += [f"- {line}" for line in checks]
+    return out
+
+
+def plot_drift(tasks, dn: dict, path: Path):
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(tasks)), 3.2))
+    for m, v in dn["per_stage"].items():
+        ax.plot(list(v), [x["seq_kl"] for x in v.values()], "o-", lw=1, ms=3, label=m)
+    ax.set_xticks(range(2, len(tasks) + 1), [f"{s}\n{tasks[s - 1]}" for s in range(2, len(tasks) + 1)], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("KL(π_i ‖ π_i−1), nats / response")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_drift_vs_forgetting(dn: dict, path: Path):
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(4.8, 3.6))
+    for m in dict.fromkeys(p["method"] for p in dn["points"]):
+        pts = [p for p in dn["points"] if p["method"] == m]
+        ax.scatter([p["kl"] for p in pts], [p["forgetting"] for p in pts], s=10, alpha=0.7, label=m)
+    ax.axhline(0, color="0.6", ls=":", lw=0.8)
+    ax.set_xscale("symlog", linthresh=1e-3)
+    ax.set_xlabel("KL on task j's prompts after stage i (nats / response)")
+    ax.set_ylabel("a(i, j) − a(i−1, j)")
+    r = dn["pearson"]
+    ax.set_title(f"Pearson r = {r:+.2f}" if r is not None else "", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_loss_sources(tasks, results, path: Path):
+    """Methods that replay: the loss on the stage's own task examples (solid) and on the replayed ones (dashed),
+    seed-mean per step, each stage stretched to unit width as in fig_loss.png."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(tasks)), 3.2))
+    for k, (m, entry) in enumerate(results["methods"].items()):
+        runs = [r.get("loss_sources") or [] for r in entry["seeds"].values()]
+        if not any(any(s for s in r) for r in runs):
+            continue
+        color = f"C{k % 10}"
+        for src, style in (("task", "-"), ("replay", "--")):
+            xs, ys = [], []
+            for i in range(min(len(r) for r in runs)):
+                curves = [r[i][src] for r in runs if r[i] is not None]
+                if not curves:
+                    continue
+                n = min(len(c) for c in curves)
+                vals = [[c[t] for c in curves if c[t] is not None] for t in range(n)]
+                xs += [i + t / n for t in range(n) if vals[t]]
+                ys += [statistics.fmean(v) for v in vals if v]
+            if xs:
+                ax.plot(xs, ys, style, color=color, lw=0.8, label=f"{m} {src}")
+    for i in range(1, len(tasks)):
+        ax.axvline(i, color="0.6", ls=":", lw=0.8)
+    ax.set_xticks([i + 0.5 for i in range(len(tasks))], tasks, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("train loss per token")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+def _md_table(header, rows) -> str:
+    """A plain Markdown table: first column left-aligned, the others right-aligned."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)] +
+                      ["| " + " | ".join(r) + " |" for r in rows])
+
+
 def write_report(results, out_dir) -> Path:
     """Write out_dir/report.md and its figures (see FIGURES). Everything is rendered in a temporary directory first and
     then moved into place, so a failure leaves the previous report untouched. A figure without data (no 'replay'
@@ -438,13 +639,20 @@ def write_report(results, out_dir) -> Path:
     if any(s["bwt"]["mean"] is not None for s in summary.values()):
         plots["fig_bwt_acc.png"] = lambda p: plot_bwt_acc(summary, p)
         plots["fig_forgetting.png"] = lambda p: plot_forgetting(tasks, summary, p)
+    dn = drift_numbers(results)
+    if dn["per_stage"]:
+        plots["fig_drift.png"] = lambda p: plot_drift(tasks, dn, p)
+    if dn["points"]:
+        plots["fig_drift_vs_forgetting.png"] = lambda p: plot_drift_vs_forgetting(dn, p)
+    if any(any(r.get("loss_sources") or []) for e in results["methods"].values() for r in e["seeds"].values()):
+        plots["fig_loss_sources.png"] = lambda p: plot_loss_sources(tasks, results, p)
 
     tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out_dir))
     try:
         for name, plot in plots.items():
             plot(tmp / name)
         (tmp / "report.md").write_text(markdown_report(results, summary, figures=list(plots)), encoding="utf-8")
-        for name in FIGURES:
+        for name in [*FIGURES, *MECHANISM_FIGURES]:
             if name not in plots and (out_dir / name).exists():
                 (out_dir / name).unlink()
         for name in [*plots, "report.md"]:  # report.md last: it only ever links figures already in place

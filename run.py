@@ -22,6 +22,9 @@ Baselines: sft (no replay), mtl (stage i trains the base on tasks 1..i jointly: 
 Self-Distillation Fine-Tuning as Shenfeld et al. 2026 define it: the student samples, a demonstration-conditioned EMA
 teacher scores; train.py --objective sdft), sft-kl (SFT + beta * KL to an EMA teacher on the gold tokens: the OPR
 paper's one-line description of SDFT).
+The paper's mechanism is measured on every chain: after every stage i >= 2, drift.py(ckpt_i, ckpt_{i-1}) on the test
+prompts of tasks 1..i-1 (per-update KL, --drift-limit prompts per task), and every buffer's per-token NLL under the
+checkpoint that built it (score.py for OPR, buffer_nll.py for gold replay).
 
 Every step runs as a subprocess writing into a temporary directory that is renamed into runs/NAME/steps/ and
 recorded in manifest.json when it succeeds. A step's key hashes everything that changes its numbers: its settings,
@@ -52,6 +55,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+import drift
 import plan
 import rollout
 import train
@@ -83,7 +87,7 @@ PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=train.LR, global_b
              sdft_kl=train.SDFT_KL, sdft_temperature=train.SDFT_TEMPERATURE,
              sdft_max_new_tokens=train.SDFT_MAX_NEW_TOKENS, epochs=None,  # epochs None: the task table's [5,3,7,5,3,5,5,7]
              activation_checkpointing=True,  # 7-8B at 16,384 tokens per micro-batch: ~29 GB/GPU with, ~125 without
-
+             drift_limit=drift.LIMIT,     # test prompts per prior task for the per-update KL (0: no drift steps)
              n_train=128, n_test=32)      # sizes of the embedded benchmark when no --data is given
 PRESETS = {
     # tiny Llama on the embedded benchmark: 8 stages x 4 methods in minutes on 2 CPU cores
@@ -150,6 +154,8 @@ def parse_args(argv=None):
                    help=f"sdft: the teacher's weights (default {train.SDFT_TEACHER}, the paper's Algorithm 1)")
     p.add_argument("--sdft-max-new-tokens", type=int_at_least(1), help="sdft: length cap of the student's "
                    "responses (default: per preset; paper 1024, the official SDFT code's)")
+    p.add_argument("--drift-limit", type=int_at_least(0), help="test prompts per prior task for drift.py's per-update "
+                   "KL after every stage >= 2 (default: per preset; 0 = no drift steps)")
     p.add_argument("--jobs", type=int_at_least(1),
                    help="steps run in parallel on CPU (default: cores // threads; always 1 with GPUs); never changes "
                         "results")
@@ -351,7 +357,8 @@ def main(argv=None):
     preset = "paper" if args.model else (args.base or "tiny")
     cfg = dict(PRESETS[preset])
     for k in ("methods", "rho", "lr", "global_batch", "max_new_tokens", "n_train", "n_test", "eval_limit", "sft_kl_beta",
-              "sdft_teacher", "sdft_max_new_tokens", "epochs", "max_train", "eval_repeats", "scoring", "replay_budget"):
+              "sdft_teacher", "sdft_max_new_tokens", "epochs", "max_train", "eval_repeats", "scoring", "replay_budget",
+              "drift_limit"):
         if getattr(args, k, None) is not None:
             cfg[k] = getattr(args, k)
     methods = [m.strip() for m in str(cfg["methods"]).split(",")]
@@ -522,6 +529,43 @@ def main(argv=None):
                             buffer_key = opr_buffer(t_key, i + 1, prior, scorer, mode, seed, next_task, rho)
                 runs[label][seed] = chain
 
+    # the paper's mechanism, measured on every chain: the per-update KL(pi_i || pi_i-1) on the prior tasks' held-out
+    # prompts after every stage i >= 2 (drift.py), and each replay buffer's per-token NLL under the checkpoint that
+    # built it (score.py records it for OPR buffers; buffer_nll.py computes it for gold ones)
+    def drift_step(cur_key, prev_key, stage, prior, seed):
+        def build(tmp, dirs):
+            return py + [str(HERE / "drift.py"), "--ckpt", str(dirs[cur_key] / "ckpt"), "--ref",
+                         str(dirs[prev_key] / "ckpt"), *common_data, "--tasks", ",".join(prior), "--out",
+                         str(tmp / "drift"), "--seed", str(seed), "--limit", str(cfg["drift_limit"]),
+                         "--max-new-tokens", str(cfg["max_new_tokens"]), "--quiet", *engine]
+        spec = dict(prior=prior, seed=seed, limit=cfg["drift_limit"], temperature=drift.TEMPERATURE,
+                    max_new_tokens=cfg["max_new_tokens"], max_len=cfg["max_len"], engine=engine)
+        return pipe.add("drift", f"s{stage}-drift", spec, [cur_key, prev_key], build, reads=files("test", prior))
+
+    def gold_nll_step(train_key, buffer_key, stage):
+        def build(tmp, dirs):
+            return py + [str(HERE / "buffer_nll.py"), "--ckpt", str(dirs[train_key] / "ckpt"), "--buffer",
+                         str(dirs[buffer_key] / "buffer.jsonl"), "--max-len", str(cfg["max_len"]), "--out",
+                         str(tmp / "buffer_stats.json"), "--quiet"]
+        return pipe.add("buffer-nll", f"s{stage}-buffer-nll", dict(max_len=cfg["max_len"]), [train_key, buffer_key],
+                        build)
+
+    probes = {}  # label -> seed -> {"drift": [(stage, key)], "buffers": [(stage, key)], "rollouts": [(stage, key)]}
+    for label, by_seed in runs.items():
+        for seed, chain in by_seed.items():
+            found = probes.setdefault(label, {}).setdefault(seed, dict(drift=[], buffers=[], rollouts=[],
+                                                                        train=[t for t, _ in chain]))
+            for i in range(1, len(chain)):  # chain[i] is stage i + 1; its buffer was built after stage i
+                cur, prev = chain[i][0], chain[i - 1][0]
+                if cfg["drift_limit"]:
+                    found["drift"].append((i + 1, drift_step(cur, prev, i + 1, tasks[:i], seed)))
+                for dep in pipe.steps[cur]["deps"]:
+                    if pipe.steps[dep]["kind"] == "score":  # OPR: score.py wrote buffer_stats.json
+                        found["buffers"].append((i, dep))
+                        found["rollouts"].append((i, pipe.steps[dep]["deps"][0]))
+                    elif pipe.steps[dep]["kind"] == "replay":
+                        found["buffers"].append((i, gold_nll_step(prev, dep, i)))
+
     print(f"run.py: preset {preset}, base {base}, data {data_root}, tasks {','.join(tasks)}, methods "
           f"{','.join(runs)}, seeds {seeds}; {len(pipe.steps)} steps ({sum(pipe.done(k) for k in pipe.steps)} "
           f"already done) in {run_dir}", flush=True)
@@ -533,11 +577,21 @@ def main(argv=None):
     pipe.execute()
 
     results = collect(pipe, runs, row0, tasks, dict(preset=preset, base=str(base), data=str(data_root), cfg=cfg,
-                                                    numerics=numerics, train_sizes=train_sizes))
+                                                    numerics=numerics, train_sizes=train_sizes), probes)
     write_json(run_dir / "results.json", results)
     from report import format_table, write_report
     write_report(results, run_dir)
     print(format_table(results))
+    # what each kind of step cost (summed step seconds, a step counted in the run that executed it): timing.json,
+    # kept out of results.json so that the results stay a function of the command, its inputs and its seeds
+    timing = {}
+    for key, step in pipe.steps.items():
+        t = timing.setdefault(step["kind"], {"steps": 0, "seconds": 0.0})
+        t["steps"] += 1
+        t["seconds"] = round(t["seconds"] + pipe.manifest[key]["seconds"], 2)
+    write_json(run_dir / "timing.json", timing)
+    print("run.py: step seconds by kind: " + ", ".join(f"{k} {v['seconds']:.0f} s ({v['steps']})"
+                                                       for k, v in timing.items()))
     print(f"run.py: done in {time.time() - t0:.0f}s; report: {run_dir / 'report.md'}")
 
 
@@ -575,10 +629,11 @@ def epochs_per_task(spec, tasks) -> dict:
     return dict(zip(tasks, values))
 
 
-def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict) -> dict:
+def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, probes: dict | None = None) -> dict:
     """results.json: per method and seed, the accuracy matrix (row i: tasks 1..i after stage i), row 0 (the base
     on every task), next_task (a(i, i+1): task i+1 after stage i, before training on it), the continual-learning
-    metrics of data.metrics.cl_metrics, and the per-step training loss of every stage."""
+    metrics of data.metrics.cl_metrics, the per-step training loss of every stage, and the mechanism probes
+    (collect_probes; report.py's docstring lists the fields)."""
     from data.metrics import cl_metrics
 
     def scores_of(key):
@@ -600,7 +655,32 @@ def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict) -> 
             methods[label]["seeds"][str(seed)] = {"matrix": matrix, "row0": base_row, "next_task": next_task,
                                                   "cl_metrics": cl_metrics(matrix, base_row, next_task),
                                                   "loss_curves": losses}
+            if probes:
+                methods[label]["seeds"][str(seed)].update(collect_probes(pipe, probes[label][seed]))
     return {"tasks": tasks, "methods": methods, "meta": meta}
+
+
+def collect_probes(pipe: Pipeline, found: dict) -> dict:
+    """Per seed: "drift" = [{"stage" i, "tasks": {task: drift.py's per-task numbers}, "all"}] for every
+    stage i >= 2 (KL(pi_i || pi_i-1) on tasks 1..i-1); "buffer_stats" = [{"stage" i, score.py's / buffer_nll.py's
+    buffer_stats.json}] for the buffer built after stage i; "rollout_checks" = [{"stage" i, rollout.py's
+    logprob_check}]; "loss_sources" = per stage, {"task": [per step], "replay": [per step]} (train.py's loss_task
+    and loss_replay), or None for a stage trained without replay."""
+    out = {"drift": [], "buffer_stats": [], "rollout_checks": [], "loss_sources": []}
+    for key in found["train"]:
+        log = [json.loads(line) for line in (pipe.dir(key) / "ckpt" / "train_log.jsonl").read_text().splitlines()]
+        out["loss_sources"].append({"task": [x["loss_task"] for x in log], "replay": [x["loss_replay"] for x in log]}
+                                   if log and "loss_replay" in log[0] else None)
+    for stage, key in found["drift"]:
+        d = json.loads((pipe.dir(key) / "drift" / "drift.json").read_text())
+        out["drift"].append({"stage": stage, "tasks": d["tasks"], "all": d["all"]})
+    for stage, key in found["buffers"]:
+        out["buffer_stats"].append({"stage": stage, **json.loads((pipe.dir(key) / "buffer_stats.json").read_text())})
+    for stage, key in found["rollouts"]:
+        path = pipe.dir(key) / "rollouts_summary.json"
+        if path.exists():
+            out["rollout_checks"].append({"stage": stage, **(json.loads(path.read_text())["logprob_check"] or {})})
+    return out
 
 
 if __name__ == "__main__":

@@ -162,31 +162,6 @@ def ru_scores(records: list[dict], root: Path, scoring: str = SCORING) -> list[f
     return out
 
 
-def spearman(xs, ys):
-    """Spearman rank correlation (Pearson on average ranks, so ties are handled); None when either side is constant
-    or has fewer than 2 values. -inf is a value like any other (the lowest)."""
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r, i = [0.0] * len(v), 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-    if len(xs) != len(ys):
-        raise ValueError(f"spearman: {len(xs)} vs {len(ys)} values")
-    if len(xs) < 2:
-        return None
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
-    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
-
-
 def nll_stats(records: list[dict]) -> dict:
     """Per-token NLL under the producing checkpoint: l = -mean(logprobs) per rollout; its mean and max over the
     records, and the largest single-token NLL. Records without log-probs are skipped."""
@@ -201,12 +176,14 @@ def nll_stats(records: list[dict]) -> dict:
 def main(argv=None):
     args = parse_args(argv)
     from data.jsonl import check_output, write_json, write_jsonl
+    from data.stats import spearman
     from data.replay import allocate, buffer_size, select
     from data.tasks import parse_tasks
 
     rollout_path = Path(args.rollouts)
     out_path = check_output(Path(args.out) if args.out else rollout_path.with_name("buffer.jsonl"), "buffer",
                             args.overwrite)
+    check_output(stats_path(out_path), "buffer-stats", args.overwrite, "--out's buffer_stats.json")
 
     # 1. rollouts, grouped by task in task order
     records = read_rollouts(rollout_path)

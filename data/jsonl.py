@@ -172,9 +172,19 @@ OUTPUT_KINDS = {
     "rollouts": (False, "a rollout file written by rollout.py", lambda f: _first_record_has(f, ("token_ids", "logprobs",
                                                                                                 "finish_reason"))),
     "buffer": (False, "a replay buffer written by score.py", lambda f: _first_record_has(f, ("scorer", "select"))),
+    "buffer-stats": (False, "buffer statistics written by score.py or buffer_nll.py",
+                     lambda f: _json_object_has(f, ("scorer", "all"))),
     "drift": (True, "a drift measurement written by drift.py (drift.json, drift_samples.jsonl only)",
               _only({"drift.json", "drift_samples.jsonl"})),
 }
+
+
+def _json_object_has(path: Path, fields) -> bool:
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+        return isinstance(obj, dict) and all(k in obj for k in fields)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
 
 
 def _first_record_has(path: Path, fields) -> bool:

@@ -3,8 +3,10 @@ tables show them, and every figure is a real PNG; single seed, no 'replay' metho
 import copy
 import json
 
+import numpy as np
 import pytest
 
+import report
 from report import FIGURES, format_table, markdown_report, mean_loss_curves, summarize, write_report
 
 TASKS = ["C-STANCE", "FOMC", "MeetingBank"]
@@ -201,3 +203,72 @@ def test_command_line_rebuilds_the_report_from_results_json(tmp_path):
                            text=True)
         assert p.returncode != 0 and "Traceback" not in p.stderr and says in p.stderr, p.stderr
         assert p.stderr.count("\n") == 1 and not (bad / "report.md").exists()
+
+
+# --- the mechanism section: drift, forgetting vs drift, buffer loss ------------------------------------------------
+
+def mechanism_results():
+    """Two methods, three stages, one seed each, with drift entries (stages 2 and 3), buffers and rollout checks."""
+    def drift(stage, kls):
+        return {"stage": stage, "tasks": {t: {"n": 4, "mean_seq_kl": k, "kl_per_token": k / 10}
+                                          for t, k in zip(["C-STANCE", "FOMC"], kls)},
+                "all": {"n": 4 * len(kls), "mean_seq_kl": sum(kls) / len(kls), "kl_per_token": sum(kls) / len(kls) / 10}}
+
+    def buf(stage, scorer, mean, mx, rej=None, rho=None):
+        sel = {"n": 2, "nll_mean": mean, "nll_max": mx, "token_nll_max": 2 * mx}
+        return {"stage": stage, "scorer": scorer, "spearman_ru_sc": rho,
+                "all": {"selected": sel, "rejected": None if rej is None else {"n": 2, "nll_mean": rej,
+                                                                                "nll_max": rej, "token_nll_max": rej}}}
+    sft = {"matrix": [[90.0], [40.0, 80.0], [10.0, 50.0, 70.0]], "loss_curves": [[1.0], [1.0], [1.0]],
+           "drift": [drift(2, [2.0]), drift(3, [4.0, 1.0])], "buffer_stats": [], "rollout_checks": []}
+    opr = {"matrix": [[90.0], [85.0, 80.0], [80.0, 75.0, 70.0]], "loss_curves": [[1.0], [1.0], [1.0]],
+           "drift": [drift(2, [0.5]), drift(3, [0.25, 0.5])],
+           "buffer_stats": [buf(1, "ru", 0.1, 0.2, rej=0.9, rho=0.5), buf(2, "ru", 0.3, 0.6, rej=0.7, rho=0.1)],
+           "rollout_checks": [{"stage": 1, "k": 8, "tokens": 40, "mean_abs_dlogp": 1e-7, "max_abs_dlogp": 1e-6,
+                               "k3_kl": 1e-13, "warned": False}]}
+    return {"tasks": ["C-STANCE", "FOMC", "MeetingBank"],
+            "methods": {"sft": {"seeds": {"0": sft}}, "opr-ru": {"seeds": {"0": opr}}}, "meta": {}}
+
+
+def test_drift_numbers_points_and_correlations():
+    results = mechanism_results()
+    dn = report.drift_numbers(results)
+    assert dn["per_stage"]["sft"] == {2: {"seq_kl": 2.0, "kl_per_token": 0.2, "n_seeds": 1},
+                                      3: {"seq_kl": 2.5, "kl_per_token": 0.25, "n_seeds": 1}}
+    # points: (KL on task j, a(i, j) - a(i-1, j)) for stage 2 task C-STANCE and stage 3 tasks C-STANCE, FOMC
+    pts = sorted((p["method"], p["stage"], p["task"], p["kl"], p["forgetting"]) for p in dn["points"])
+    assert pts == sorted([("sft", 2, "C-STANCE", 2.0, -50.0), ("sft", 3, "C-STANCE", 4.0, -30.0),
+                          ("sft", 3, "FOMC", 1.0, -30.0), ("opr-ru", 2, "C-STANCE", 0.5, -5.0),
+                          ("opr-ru", 3, "C-STANCE", 0.25, -5.0), ("opr-ru", 3, "FOMC", 0.5, -5.0)])
+    xs, ys = [p[3] for p in pts], [p[4] for p in pts]
+    assert dn["pearson"] == pytest.approx(float(np.corrcoef(xs, ys)[0, 1]))
+    scipy_stats = pytest.importorskip("scipy.stats")
+    assert dn["spearman"] == pytest.approx(scipy_stats.spearmanr(xs, ys).statistic)
+    assert dn["pearson"] < 0  # larger drift, larger drop in this hand-made run
+
+
+def test_buffer_numbers_and_mechanism_section(tmp_path):
+    results = mechanism_results()
+    bn = report.buffer_numbers(results)
+    assert list(bn) == ["opr-ru"]
+    b = bn["opr-ru"]
+    assert b["buffers"] == 2 and b["nll_mean"] == pytest.approx(0.2) and b["nll_max"] == pytest.approx(0.6)
+    assert b["rejected_nll_mean"] == pytest.approx(0.8) and b["spearman_ru_sc"] == pytest.approx(0.3)
+    assert b["token_nll_max"] == pytest.approx(0.8)
+    text = "\n".join(report.mechanism_section(results))
+    assert "| sft | 2 (0.2) | 2.5 (0.25) |" in text
+    assert "| opr-ru | ru | 2 | 0.200 | 0.600 | 0.800 | 0.800 | 0.30 |" in text
+    assert "opr-ru: 1 rollout sets" in text and "WARNED" not in text
+    report.write_report(results, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "## Mechanism: per-update drift" in md
+    for name in ("fig_drift.png", "fig_drift_vs_forgetting.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({name})" in md
+    # a run without probes has no such section and no such figures
+    for e in results["methods"].values():
+        for run in e["seeds"].values():
+            for k in ("drift", "buffer_stats", "rollout_checks"):
+                run.pop(k)
+    assert report.mechanism_section(results) == []
+    report.write_report(results, tmp_path)
+    assert not (tmp_path / "fig_drift.png").exists() and "Mechanism" not in (tmp_path / "report.md").read_text()

@@ -41,14 +41,15 @@ N_TRAIN, RHO, GLOBAL_BATCH = 8, 0.5, 4
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # steps of the plan: train 1+4+4 (stage 1 shared), eval 1+1+4+4 (row 0 and stage 1 shared), gold buffers 2
 # (replay), rollouts 1+2 (stage 1 shared by opr-ru and opr-sc), score 2+2
-N_STEPS = {"train": 9, "eval": 10, "replay": 2, "rollout": 3, "score": 4}
+N_STEPS = {"train": 9, "eval": 10, "replay": 2, "rollout": 3, "score": 4, "drift": 8, "buffer-nll": 2}
+# drift after stages 2 and 3 of each method (8), the gold buffers' NLL under the checkpoint that built them (2)
 
 
 def command(base: Path, out: Path, methods=",".join(METHODS), *extra) -> list[str]:
     return [sys.executable, str(REPO / "run.py"), "--model", str(base), "--tasks", ",".join(TASKS),
             "--methods", methods, "--n-train", str(N_TRAIN), "--eval-limit", "4", "--epochs", "1",
             "--global-batch", str(GLOBAL_BATCH), "--lr", "1e-4", "--max-new-tokens", "6", "--rho", str(RHO),
-            "--eval-repeats", "1", "--jobs", "2", "--quiet", "--out", str(out), *extra]
+            "--eval-repeats", "1", "--drift-limit", "4", "--jobs", "2", "--quiet", "--out", str(out), *extra]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -238,14 +239,14 @@ def test_report_acc_bwt_and_figures(run_a):
 
 def test_a_subset_of_methods_reuses_every_step(env, run_a):
     """Steps are keyed by content, not by the command line: re-running with fewer methods (on a copy of the run) finds
-    all 17 of their steps done (replay: 3 train, 3 eval, 2 gold; opr-sc: 2 more train and eval, 2 rollouts, 2 score;
-    row 0) and only re-collects the results."""
+    all 23 of their steps done (replay: 3 train, 3 eval, 2 gold, 2 gold NLL, 2 drift; opr-sc: 2 more train and
+    eval, 2 rollouts, 2 score, 2 drift; row 0) and only re-collects the results."""
     out = env["root"] / "run_subset"
     shutil.copytree(run_a, out)
     p = subprocess.run(command(env["base"], out, methods="replay,opr-sc"), cwd=REPO, env=env["env"],
                        capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    assert re.search(r"; 17 steps \(17 already done\)", p.stdout), p.stdout[:2000]
+    assert re.search(r"; 23 steps \(23 already done\)", p.stdout), p.stdout[:2000]
     assert (out / "manifest.json").read_text() == (run_a / "manifest.json").read_text()  # nothing ran
     a = json.loads((run_a / "results.json").read_text())["methods"]
     b = json.loads((out / "results.json").read_text())["methods"]
@@ -261,7 +262,8 @@ def test_per_task_replay_budget_and_eval_repeats(env, run_a):
     p = subprocess.run(command(env["base"], out, "replay", "--replay-budget", "per-task", "--eval-repeats", "2"),
                        cwd=REPO, env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    assert re.search(r"; 9 steps \(1 already done\)", p.stdout), p.stdout[:2000]  # s1-train re-used
+    # s1-train re-used; 4 evals, 3 trainings, 2 gold buffers, 2 drift steps, 2 gold-buffer NLL steps are new
+    assert re.search(r"; 13 steps \(1 already done\)", p.stdout), p.stdout[:2000]
     new = set(json.loads((out / "manifest.json").read_text())) - set(json.loads((run_a / "manifest.json").read_text()))
     bufs = sorted((k for k in new if "-gold-" in k), key=lambda k: k[:2])
     assert [Counter(r["task"] for r in read_jsonl(out / "steps" / k / "buffer.jsonl")) for k in bufs] == \
@@ -354,3 +356,37 @@ def test_sdft_and_sft_kl_rows(env):
         else:
             assert summary["sft_kl_beta"] == 0.5
     assert objectives == {"sdft": 3, "sft-kl": 3}
+
+
+def test_mechanism_probes_in_results(run_a):
+    """drift after every stage >= 2 (KL of stage i vs i-1 on tasks 1..i-1), each buffer's NLL bound, the rollout
+    log-prob check and the per-source training loss, as the step outputs hold them."""
+    results = json.loads((run_a / "results.json").read_text())
+    for m in METHODS:
+        run = results["methods"][m]["seeds"]["0"]
+        assert [d["stage"] for d in run["drift"]] == [2, 3], m
+        for d in run["drift"]:
+            assert list(d["tasks"]) == TASKS[:d["stage"] - 1]
+            assert all(v["n"] == 4 and v["mean_seq_kl"] > 0 and v["kl_per_token"] > 0 for v in d["tasks"].values())
+            (step,) = [p for p in step_dirs(run_a, f"s{d['stage']}-drift-*")
+                       if json.loads((p / "drift" / "drift.json").read_text())["all"] == d["all"]]
+        stages = [b["stage"] for b in run["buffer_stats"]]
+        want_scorer = {"sft": None, "replay": "gold", "opr-ru": "ru", "opr-sc": "sc"}[m]
+        assert stages == ([] if m == "sft" else [1, 2]), m
+        for b in run["buffer_stats"]:
+            assert b["scorer"] == want_scorer and b["all"]["selected"]["n"] == buffer_size(RHO, N_TRAIN)
+            assert b["all"]["selected"]["nll_mean"] > 0
+        checks = run["rollout_checks"]
+        assert [c["stage"] for c in checks] == ([1, 2] if m.startswith("opr") else []), m
+        assert all(c["max_abs_dlogp"] <= 1e-4 and not c["warned"] for c in checks)  # the native engine agrees
+        srcs = run["loss_sources"]
+        assert srcs[0] is None and all((s is None) == (m == "sft") for s in srcs[1:]), m
+        for s, total in zip(srcs[1:], run["loss_curves"][1:]):
+            if s is not None:
+                assert len(s["task"]) == len(s["replay"]) == len(total)
+    timing = json.loads((run_a / "timing.json").read_text())
+    assert timing["drift"]["steps"] == 4 * 2 and timing["drift"]["seconds"] > 0 and "step_seconds" not in results["meta"]
+    report = (run_a / "report.md").read_text()
+    assert "## Mechanism: per-update drift" in report and "Forgetting vs drift: 12 points" in report  # 4 x (1 + 2)
+    for name in ("fig_drift.png", "fig_drift_vs_forgetting.png", "fig_loss_sources.png"):
+        assert (run_a / name).read_bytes()[:8] == PNG_MAGIC and f"]({name})" in report, name

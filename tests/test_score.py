@@ -8,6 +8,7 @@ import pytest
 
 import score
 from data.replay import allocate, buffer_size, replay_budget, replay_counts, select
+from data.stats import spearman
 
 # --- allocation ----------------------------------------------------------------------------------------------------
 
@@ -279,14 +280,14 @@ def test_score_ru_against_real_trace_gold(tmp_path):
 # --- the buffer's loss bound (Eq. 3) and the RU/SC rank correlation ------------------------------------------------
 
 def test_spearman_exact_values_and_ties():
-    assert score.spearman([1, 2, 3, 4], [10, 20, 30, 45]) == pytest.approx(1.0)
-    assert score.spearman([1, 2, 3, 4], [4, 3, 2, -math.inf]) == pytest.approx(-1.0)
-    assert score.spearman([5, 5, 5], [1, 2, 3]) is None and score.spearman([1], [2]) is None
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 45]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, -math.inf]) == pytest.approx(-1.0)
+    assert spearman([5, 5, 5], [1, 2, 3]) is None and spearman([1], [2]) is None
     # ties get average ranks: x ranks [1.5, 1.5, 3, 4], y ranks [1, 2, 3, 4] -> 4.5 / sqrt(4.5 * 5)
-    assert score.spearman([0, 0, 1, 2], [1, 2, 3, 4]) == pytest.approx(4.5 / math.sqrt(4.5 * 5))
+    assert spearman([0, 0, 1, 2], [1, 2, 3, 4]) == pytest.approx(4.5 / math.sqrt(4.5 * 5))
     scipy_stats = pytest.importorskip("scipy.stats")
     xs, ys = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]
-    assert score.spearman(xs, ys) == pytest.approx(scipy_stats.spearmanr(xs, ys).statistic)
+    assert spearman(xs, ys) == pytest.approx(scipy_stats.spearmanr(xs, ys).statistic)
 
 
 def test_score_records_nll_bound_and_rank_correlation(files, capsys):
