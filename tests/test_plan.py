@@ -89,6 +89,13 @@ def test_planned_generation_matches_what_rollout_and_eval_generated(real, dry):
         elif s["kind"] == "eval":
             records = [json.loads(x) for x in (real / "steps" / key / "eval" / "predictions.jsonl").read_text()
                        .splitlines()]
+        elif s["kind"] == "drift":
+            records = [json.loads(x) for x in (real / "steps" / key / "drift" / "drift_samples.jsonl").read_text()
+                       .splitlines()]
+        elif s["kind"] == "buffer-nll":  # one forward over the gold buffer it reads: no generation
+            buffer = real / "steps" / s["deps"][1] / "buffer.jsonl"
+            assert s["prompts"] == len(buffer.read_text().splitlines()) > 0 and s["new_tokens_max"] == 0, key
+            continue
         else:
             assert s["prompts"] == s["new_tokens_max"] == 0
             continue
@@ -103,7 +110,8 @@ def test_gpu_hours_add_up_per_method_and_in_total(dry):
     rows = {line[:28].strip(): line[28:].split() for line in stdout.splitlines()
             if line.startswith(("sft ", "replay ", "opr-ru ", "ALL "))}
     total = sum(s["gpu_hours"] for s in steps.values())
-    assert float(rows["ALL (each step once)"][3]) == pytest.approx(total, abs=0.01 * len(steps))
+    assert float(rows["ALL (each step once)"][4]) == pytest.approx(total, abs=0.01 * len(steps))  # train rollout eval
+    # probes total
     # sft uses a subset of replay's steps' kinds: train + eval only, no rollout
     assert float(rows["sft"][1]) == 0.0 and float(rows["opr-ru"][1]) > 0
 
