@@ -1,10 +1,135 @@
-"""Statistics for the report: spread over seeds.
+"""Statistics for the report: spread over seeds, paired differences, and two kinds of 95% intervals.
 
-    mean_std(xs)   {"mean", "std"}: the mean and the population std of a list of numbers (std None for one value)
+Two sources of noise, two intervals; neither covers the other's:
+  seeds     t-interval over seeds (needs >= 2): retraining with another seed changes the data order, the replay
+            draws, the rollout and the evaluation sampling, but NOT the test prompts (every seed is evaluated on the
+            same test set). Paired: a method and its reference share the seed, hence the stage-1 checkpoint and
+            the data order, so the interval is on the per-seed difference.
+  test set  percentile bootstrap over test prompts (works with one seed): the trained checkpoints are held fixed
+            and each task's test examples are resampled with replacement, the SAME resampled indices for every
+            method, stage and seed (all are evaluated on the same prompts), so differences stay paired.
+
+    mean_std(xs)                          {"mean", "std", "n"}: std = sample std (n-1 denominator), None when n == 1
+    t_quantile(df, level=0.95)            two-sided Student-t quantile, exact for integer df (t(0.975, 4) = 2.776)
+    t_interval(xs, level=0.95)            (lo, hi) of the mean of xs, None when len(xs) < 2
+    paired_differences(a, b)              {seed: a[seed] - b[seed]} over the seeds both have
+    bootstrap_indices(sizes, B, seed)     {task: int array [B, n_task]}: the shared resampled test indices
+    bootstrap_acc_bwt(runs, idx)          {"acc": [B], "bwt": [B] or None}: ACC/BWT per resample, mean over seeds
+    percentile_interval(samples, level)   (lo, hi) of bootstrap samples
+    excludes_zero(interval)               True when the interval lies strictly on one side of 0
+
+BOOTSTRAP_B and BOOTSTRAP_SEED are the defaults the report uses.
 """
+import math
 import statistics
+
+import numpy as np
+
+BOOTSTRAP_B = 1000     # resamples of the test set
+BOOTSTRAP_SEED = 0     # seed of the resampling's numpy Generator: the same results.json gives the same intervals
+LEVEL = 0.95           # every interval in the report
 
 
 def mean_std(xs) -> dict:
-    """{"mean", "std"} of a list of numbers; std is the population std, None for a single value."""
-    return {"mean": statistics.fmean(xs), "std": statistics.pstdev(xs) if len(xs) > 1 else None}
+    """{"mean", "std", "n"} of a list of numbers; std is the sample std (n-1 denominator), None for a single value."""
+    xs = list(xs)
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else None, "n": len(xs)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Student-t intervals over seeds
+
+
+def _t_central(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with integer df >= 1, in closed form (Abramowitz & Stegun 26.7.3-4)."""
+    theta = math.atan(t / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2 == 1:  # odd: (2/pi) (theta + sin cos (1 + 2/3 cos^2 + 2*4/(3*5) cos^4 + ... up to cos^(df-3)))
+        term, total = 1.0, 0.0
+        if df > 1:
+            total = 1.0
+            for k in range(1, (df - 3) // 2 + 1):
+                term *= (2 * k) / (2 * k + 1) * c2
+                total += term
+        return 2 / math.pi * (theta + s * math.cos(theta) * total) if df > 1 else 2 / math.pi * theta
+    # even: sin (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ... up to cos^(df-2))
+    term, total = 1.0, 1.0
+    for k in range(1, (df - 2) // 2 + 1):
+        term *= (2 * k - 1) / (2 * k) * c2
+        total += term
+    return s * total
+
+
+def t_quantile(df: int, level: float = LEVEL) -> float:
+    """The t with P(|T| <= t) = level for Student's t with df degrees of freedom (df >= 1, an integer): the
+    two-sided quantile, e.g. t_quantile(4) = t(0.975, 4) = 2.7764. Bisection on the exact CDF to 1e-12."""
+    if int(df) != df or df < 1:
+        raise ValueError(f"t_quantile: df must be a positive integer, got {df!r}")
+    if not 0 < level < 1:
+        raise ValueError(f"t_quantile: level must be in (0, 1), got {level!r}")
+    lo, hi = 0.0, 1.0
+    while _t_central(hi, int(df)) < level:
+        hi *= 2
+    while hi - lo > 1e-12 * max(1.0, hi):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_central(mid, int(df)) < level else (lo, mid)
+    return (lo + hi) / 2
+
+
+def t_interval(xs, level: float = LEVEL):
+    """(lo, hi) = mean -/+ t(df = n-1) * sample std / sqrt(n); None when there are fewer than 2 values."""
+    xs = list(xs)
+    if len(xs) < 2:
+        return None
+    half = t_quantile(len(xs) - 1, level) * statistics.stdev(xs) / math.sqrt(len(xs))
+    m = statistics.fmean(xs)
+    return (m - half, m + half)
+
+
+def paired_differences(a: dict, b: dict) -> dict:
+    """{seed: a[seed] - b[seed]} for the seeds present in both (in a's order); None values are skipped."""
+    return {s: a[s] - b[s] for s in a if s in b and a[s] is not None and b[s] is not None}
+
+
+def excludes_zero(interval) -> bool:
+    return interval is not None and (interval[0] > 0 or interval[1] < 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bootstrap over test prompts
+
+
+def bootstrap_indices(sizes: dict, B: int = BOOTSTRAP_B, seed: int = BOOTSTRAP_SEED) -> dict:
+    """{task: int64 array [B, n]} of indices drawn with replacement from range(n), n = sizes[task]. One numpy
+    Generator seeded with `seed` draws the tasks in the order of `sizes`, so the result is a function of
+    (sizes, B, seed) only. Every method, stage and seed is resampled with these same rows (paired)."""
+    rng = np.random.default_rng(seed)
+    return {t: rng.integers(0, n, size=(B, n)) for t, n in sizes.items()}
+
+
+def bootstrap_acc_bwt(runs: list, tasks: list, idx: dict) -> dict:
+    """ACC and BWT for every bootstrap resample, averaged over the seeds in `runs`.
+
+    runs: one entry per seed, each ragged like the accuracy matrix: runs[s][i][j] = the per-example scores (a list,
+    ordered like the test set) of task j after stage i. tasks: the names of the columns (keys of idx).
+    Returns {"acc": float array [B], "bwt": float array [B] or None with one stage}. The identity resample gives
+    the ACC/BWT of data.metrics.acc_bwt on the per-example means."""
+    accs, bwts = [], []
+    for run in runs:
+        n = len(run)
+        cell = {}  # (i, j) -> [B] resampled means; only the cells ACC/BWT read
+
+        def mean_at(i, j):
+            if (i, j) not in cell:
+                cell[(i, j)] = np.asarray(run[i][j], dtype=np.float64)[idx[tasks[j]]].mean(axis=1)
+            return cell[(i, j)]
+        accs.append(np.mean([mean_at(n - 1, j) for j in range(n)], axis=0))
+        if n > 1:
+            bwts.append(np.mean([mean_at(n - 1, j) - mean_at(j, j) for j in range(n - 1)], axis=0))
+    return {"acc": np.mean(accs, axis=0), "bwt": np.mean(bwts, axis=0) if bwts else None}
+
+
+def percentile_interval(samples, level: float = LEVEL):
+    """(lo, hi): the (1-level)/2 and (1+level)/2 quantiles of the bootstrap samples (numpy's linear rule)."""
+    lo, hi = np.quantile(np.asarray(samples, dtype=np.float64), [(1 - level) / 2, (1 + level) / 2])
+    return (float(lo), float(hi))

@@ -1,0 +1,74 @@
+"""Degenerate answers in one evaluation: label collapse, empty and length-capped responses.
+
+A score alone cannot tell "forgot the task" from "answers the majority class to everything" or "runs into the
+token cap". run.py computes these numbers from each evaluation's predictions.jsonl (fields prediction, gold,
+finish_reason, num_tokens), stores them in results.json, and report.py prints them next to the accuracy matrix
+with one warning line per flagged (method, stage, task).
+
+    diagnose(task, records) -> {"n", "empty", "length_capped", "mean_tokens",                      # every task
+                                "labels", "gold_labels", "top_label", "top_rate", "gold_majority_rate",
+                                "collapsed"}                                                        # classification
+    warnings(diag) -> ["predictions collapsed to 'C' (95% of answers; gold majority 46%)", ...]
+
+Rates are fractions in [0, 1] of all responses (examples x repeats). A label is data.metrics.answer_letter of the
+response, the character the task's metric compares ("" for an empty response). A task's predictions have
+COLLAPSED when one non-empty label is at least COLLAPSE_RATE of all responses while the gold labels' majority class
+is below COLLAPSE_RATE (a test set that is itself 95% "A" may rightly be answered "A").
+"""
+from collections import Counter
+
+from data.metrics import answer_letter
+from data.tasks import get_task
+
+# ---- thresholds of the warnings --------------------------------------------------------------------------------
+COLLAPSE_RATE = 0.9    # one label takes >= 90% of the responses (and the gold majority class does not)
+EMPTY_WARN = 0.2       # >= 20% of the responses are empty (all whitespace)
+LENGTH_WARN = 0.2      # >= 20% of the responses stopped at the max-new-tokens cap (finish_reason "length")
+# -----------------------------------------------------------------------------------------------------------------
+CLASSIFICATION_METRICS = ("letter_accuracy",)  # tasks whose answer is a label (C-STANCE, FOMC, ScienceQA)
+
+
+def is_classification(task: str) -> bool:
+    return get_task(task).metric in CLASSIFICATION_METRICS
+
+
+def _ranked(counter: Counter, n: int) -> dict:
+    """{label: rate}, most frequent first (ties by label), so the JSON reads as a distribution."""
+    return {k: c / n for k, c in sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))}
+
+
+def diagnose(task: str, records: list) -> dict:
+    """Diagnostics of one task in one evaluation from its prediction records (dicts with prediction, gold,
+    finish_reason, num_tokens). Classification tasks add the predicted and gold label distributions and the
+    collapse flag (module docstring)."""
+    n = len(records)
+    if n == 0:
+        raise ValueError(f"diagnose: no predictions for task {task!r}")
+    out = {
+        "n": n,
+        "empty": sum(not r["prediction"].strip() for r in records) / n,
+        "length_capped": sum(r["finish_reason"] == "length" for r in records) / n,
+        "mean_tokens": sum(r["num_tokens"] for r in records) / n,
+    }
+    if is_classification(task):
+        pred = Counter(answer_letter(r["prediction"]) for r in records)
+        gold = Counter(answer_letter(r["gold"]) for r in records)
+        top, top_n = min(((k, c) for k, c in pred.items() if k), key=lambda kc: (-kc[1], kc[0]), default=("", 0))
+        gold_major = max(gold.values()) / n
+        out.update(labels=_ranked(pred, n), gold_labels=_ranked(gold, n), top_label=top, top_rate=top_n / n,
+                   gold_majority_rate=gold_major,
+                   collapsed=bool(top) and top_n / n >= COLLAPSE_RATE and gold_major < COLLAPSE_RATE)
+    return out
+
+
+def warnings(diag: dict) -> list:
+    """The reasons (strings) to distrust one (stage, task) score; empty when nothing is flagged."""
+    out = []
+    if diag.get("collapsed"):
+        out.append(f"predictions collapsed to {diag['top_label']!r} ({diag['top_rate']:.0%} of answers; gold "
+                   f"majority class {diag['gold_majority_rate']:.0%})")
+    if diag["empty"] >= EMPTY_WARN:
+        out.append(f"{diag['empty']:.0%} empty responses")
+    if diag["length_capped"] >= LENGTH_WARN:
+        out.append(f"{diag['length_capped']:.0%} of responses hit the max-new-tokens cap")
+    return out

@@ -1,0 +1,172 @@
+"""data/stats.py and data/diagnostics.py on hand-made data: exact t quantiles against published table values,
+t-intervals and paired differences against hand-computed numbers, the test-set bootstrap (deterministic, the
+identity resample equals acc_bwt, paired differences cancel shared noise, coverage near 95% on a known
+population), and the collapse / empty / length-capped diagnostics on hand-made predictions."""
+import math
+
+import numpy as np
+import pytest
+
+from data.diagnostics import COLLAPSE_RATE, diagnose, warnings
+from data.metrics import acc_bwt
+from data.stats import (bootstrap_acc_bwt, bootstrap_indices, excludes_zero, mean_std, paired_differences,
+                        percentile_interval, t_interval, t_quantile)
+
+# two-sided 95% (= one-sided 0.975) Student-t quantiles, from any printed t table
+T975 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 6: 2.4469, 7: 2.3646, 8: 2.3060, 9: 2.2622,
+        10: 2.2281, 15: 2.1314, 20: 2.0860, 30: 2.0423, 60: 2.0003, 120: 1.9799}
+
+
+@pytest.mark.parametrize("df", sorted(T975))
+def test_t_quantile_matches_the_table(df):
+    assert t_quantile(df) == pytest.approx(T975[df], abs=6e-5)
+
+
+def test_t_quantile_other_levels_and_bad_df():
+    assert t_quantile(1, 0.5) == pytest.approx(1.0, abs=1e-9)  # Cauchy: P(|T| <= 1) = 1/2
+    assert t_quantile(2, 0.90) == pytest.approx(2.9200, abs=1e-4)
+    assert t_quantile(10, 0.99) == pytest.approx(3.1693, abs=1e-4)
+    for bad in (0, 2.5, -1):
+        with pytest.raises(ValueError, match="df must be a positive integer"):
+            t_quantile(bad)
+
+
+def test_mean_std_is_the_sample_std():
+    assert mean_std([67, 71]) == {"mean": 69.0, "std": pytest.approx(2 * math.sqrt(2)), "n": 2}
+    assert mean_std([1, 2, 3, 4, 5]) == {"mean": 3.0, "std": pytest.approx(math.sqrt(2.5)), "n": 5}
+    assert mean_std([7.5]) == {"mean": 7.5, "std": None, "n": 1}
+
+
+def test_t_interval_by_hand():
+    # mean 3, sample std sqrt(2.5), half width t(0.975, 4) * sqrt(2.5) / sqrt(5) = 2.776445 * 0.707107 = 1.963243
+    lo, hi = t_interval([1, 2, 3, 4, 5])
+    assert lo == pytest.approx(3 - 1.963243, abs=1e-5) and hi == pytest.approx(3 + 1.963243, abs=1e-5)
+    assert t_interval([4.0]) is None
+    assert t_interval([2.0, 2.0, 2.0]) == (2.0, 2.0)
+
+
+def test_paired_differences_and_their_interval_by_hand():
+    a = {"0": 70.0, "1": 75.0, "2": 72.0}
+    b = {"0": 68.0, "1": 70.0, "2": 71.0, "3": 99.0}  # seed 3 has no partner: left out
+    d = paired_differences(a, b)
+    assert d == {"0": 2.0, "1": 5.0, "2": 1.0}
+    # mean 8/3, sample std sqrt(39/9) = 2.081666, half width 4.302653 * 2.081666 / sqrt(3) = 5.171145
+    lo, hi = t_interval(d.values())
+    assert lo == pytest.approx(8 / 3 - 5.171145, abs=1e-5) and hi == pytest.approx(8 / 3 + 5.171145, abs=1e-5)
+    assert not excludes_zero((lo, hi)) and excludes_zero((0.1, 3)) and excludes_zero((-3, -0.1))
+    assert not excludes_zero(None) and not excludes_zero((0.0, 1.0))
+
+
+def runs_of(matrices_of_examples):
+    return [[[list(map(float, ex)) for ex in row] for row in m] for m in matrices_of_examples]
+
+
+def test_bootstrap_indices_are_deterministic():
+    a = bootstrap_indices({"A": 5, "B": 3}, B=50, seed=7)
+    b = bootstrap_indices({"A": 5, "B": 3}, B=50, seed=7)
+    c = bootstrap_indices({"A": 5, "B": 3}, B=50, seed=8)
+    assert a["A"].shape == (50, 5) and a["B"].shape == (50, 3)
+    assert all(np.array_equal(a[t], b[t]) for t in a) and not np.array_equal(a["A"], c["A"])
+    assert a["A"].min() >= 0 and a["A"].max() == 4 and a["B"].max() == 2
+
+
+def test_identity_resample_equals_acc_bwt():
+    tasks = ["A", "B", "C"]
+    run = runs_of([[[[100, 0, 100, 0]],
+                    [[0, 0, 100, 0], [50, 50, 100, 100]],
+                    [[100, 100, 0, 0], [0, 0, 0, 40], [10, 20, 30, 40]]]])[0]
+    identity = {t: np.arange(4)[None, :] for t in tasks}
+    got = bootstrap_acc_bwt([run], tasks, identity)
+    matrix = [[sum(ex) / len(ex) for ex in row] for row in run]
+    acc, bwt = acc_bwt(matrix)
+    assert got["acc"].shape == (1,) and got["acc"][0] == pytest.approx(acc) and got["bwt"][0] == pytest.approx(bwt)
+    # two seeds: the mean of their ACC/BWT
+    run2 = [[[v / 2 for v in ex] for ex in row] for row in run]
+    got2 = bootstrap_acc_bwt([run, run2], tasks, identity)
+    acc2, bwt2 = acc_bwt([[sum(ex) / len(ex) for ex in row] for row in run2])
+    assert got2["acc"][0] == pytest.approx((acc + acc2) / 2) and got2["bwt"][0] == pytest.approx((bwt + bwt2) / 2)
+    assert bootstrap_acc_bwt([run[:1]], tasks, identity)["bwt"] is None  # one stage: BWT undefined
+
+
+def test_paired_bootstrap_cancels_the_noise_both_methods_share():
+    """Method B scores exactly 10 points above method A on every test example: each method's ACC interval is wide
+    (the examples differ a lot), but the paired difference is 10 in every resample."""
+    rng = np.random.default_rng(0)
+    tasks = ["A", "B"]
+    base = rng.uniform(0, 80, size=(2, 2, 60))  # [stage, task, example]
+    run_a = [[list(base[i, j]) for j in range(i + 1)] for i in range(2)]
+    run_b = [[list(base[i, j] + 10) for j in range(i + 1)] for i in range(2)]
+    idx = bootstrap_indices({"A": 60, "B": 60}, B=400, seed=0)
+    a, b = bootstrap_acc_bwt([run_a], tasks, idx), bootstrap_acc_bwt([run_b], tasks, idx)
+    lo, hi = percentile_interval(a["acc"])
+    assert hi - lo > 5  # per-method: the spread of the test set
+    assert np.allclose(b["acc"] - a["acc"], 10.0) and np.allclose(b["bwt"] - a["bwt"], 0.0)
+    d = percentile_interval(b["acc"] - a["acc"])
+    assert d == pytest.approx((10.0, 10.0)) and excludes_zero(d)
+
+
+def test_bootstrap_interval_width_and_coverage_on_a_known_population():
+    """Test sets of n = 100 prompts scored 0/100 with success probability 0.3 (true ACC 30), one task, one stage:
+    the percentile interval's half width is near 1.96 * 100 * sqrt(0.3 * 0.7 / 100) = 8.98, and over 200 fresh test
+    sets it contains 30 about 95% of the time."""
+    rng = np.random.default_rng(123)
+    idx = bootstrap_indices({"A": 100}, B=500, seed=1)
+    covered, widths = 0, []
+    for _ in range(200):
+        scores = (rng.random(100) < 0.3) * 100.0
+        lo, hi = percentile_interval(bootstrap_acc_bwt([[[list(scores)]]], ["A"], idx)["acc"])
+        covered += lo <= 30 <= hi
+        widths.append((hi - lo) / 2)
+    assert 0.90 <= covered / 200 <= 0.99, covered
+    assert np.median(widths) == pytest.approx(8.98, rel=0.1)
+
+
+def test_percentile_interval_by_hand():
+    assert percentile_interval(np.arange(101.0)) == pytest.approx((2.5, 97.5))  # numpy's linear rule
+    assert percentile_interval([3.0] * 10) == (3.0, 3.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# diagnostics
+
+
+def rec(prediction, gold, finish="stop", tokens=3):
+    return {"prediction": prediction, "gold": gold, "finish_reason": finish, "num_tokens": tokens}
+
+
+def test_collapsed_classification_task_is_flagged():
+    # FOMC: 19 of 20 answers "C" (one "Answer: C" counts as C too), gold is 50% A, 30% B, 20% C
+    golds = ["A"] * 10 + ["B"] * 6 + ["C"] * 4
+    preds = ["C"] * 18 + ["Answer: C"] + ["B"]
+    d = diagnose("FOMC", [rec(p, g) for p, g in zip(preds, golds)])
+    assert d["n"] == 20 and d["top_label"] == "C" and d["top_rate"] == 0.95 and d["gold_majority_rate"] == 0.5
+    assert d["labels"] == {"C": 0.95, "B": 0.05} and d["gold_labels"] == {"A": 0.5, "B": 0.3, "C": 0.2}
+    assert d["collapsed"] is True
+    assert warnings(d) == ["predictions collapsed to 'C' (95% of answers; gold majority class 50%)"]
+
+
+def test_collapse_needs_a_balanced_gold_and_a_real_label():
+    # answering the majority class of a test set that is itself 95% "A" is not flagged
+    d = diagnose("C-STANCE", [rec("A", "A")] * 19 + [rec("A", "B")])
+    assert d["top_rate"] == 1.0 and d["gold_majority_rate"] == 0.95 and d["collapsed"] is False
+    # exactly at the threshold counts; just below does not
+    n = 10
+    at = diagnose("ScienceQA", [rec("B", "A" if k % 2 else "B") for k in range(n - 1)] + [rec("A", "A")])
+    assert at["top_rate"] == COLLAPSE_RATE and at["collapsed"] is True
+    below = diagnose("ScienceQA", [rec("B", "A" if k % 2 else "B") for k in range(n - 2)] + [rec("A", "A")] * 2)
+    assert below["top_rate"] == 0.8 and below["collapsed"] is False
+    # all empty: the empty label "" is not a collapse, the empty rate says it
+    e = diagnose("FOMC", [rec("  ", g) for g in "ABCA"])
+    assert e["labels"] == {"": 1.0} and e["top_label"] == "" and e["collapsed"] is False and e["empty"] == 1.0
+    assert warnings(e) == ["100% empty responses"]
+
+
+def test_empty_and_length_capped_rates_on_every_task():
+    records = [rec("", "12", "stop", 0), rec("12", "12", "length", 40), rec("1", "12", "length", 40),
+               rec("x", "12", "stop", 1)]
+    d = diagnose("NumGLUE-cm", records)
+    assert d == {"n": 4, "empty": 0.25, "length_capped": 0.5, "mean_tokens": 20.25}  # no labels: not classification
+    assert warnings(d) == ["25% empty responses", "50% of responses hit the max-new-tokens cap"]
+    assert warnings(diagnose("Py150", [rec("a", "b")] * 9 + [rec("", "b")])) == []  # 10% empty: below EMPTY_WARN
+    with pytest.raises(ValueError, match="no predictions for task 'FOMC'"):
+        diagnose("FOMC", [])
