@@ -11,7 +11,8 @@ with one warning line per flagged (method, stage, task).
     warnings(diag) -> ["predictions collapsed to 'C' (95% of answers; gold majority 46%)", ...]
 
 Rates are fractions in [0, 1] of all responses (examples x repeats). A label is data.metrics.answer_letter of the
-response, the character the task's metric compares ("" for an empty response). A task's predictions have
+response, the character the lenient metric compares ("" for an empty response), whatever --scoring the evaluation
+used: the diagnostics describe what the model answered, not how it was scored. A task's predictions have
 COLLAPSED when one non-empty label is at least COLLAPSE_RATE of all responses while the gold labels' majority class
 is below COLLAPSE_RATE (a test set that is itself 95% "A" may rightly be answered "A").
 """

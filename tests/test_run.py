@@ -264,7 +264,8 @@ def test_per_example_scores_and_diagnostics_come_from_the_predictions(run_a):
         for i, (row, ex, diags) in enumerate(zip(run["matrix"], run["example_scores"], run["diagnostics"])):
             assert (ex, diags) in evals[i + 1], (m, i)
             assert [sum(c) / len(c) for c in ex] == pytest.approx(row, abs=1e-3), (m, i)
-            assert sorted(diags) == TASKS[:i + 1] and "labels" in diags["C-STANCE"] and "labels" not in diags["Py150"]
+            assert set(diags) == set(TASKS[:i + 1]) and "labels" in diags["C-STANCE"]  # a classification task
+            assert i == 0 or "labels" not in diags["Py150"]
 
 
 def test_a_subset_of_methods_reuses_every_step(env, run_a):
