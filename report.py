@@ -246,16 +246,16 @@ def uncertainty(results, summary=None, B: int = BOOTSTRAP_B, seed: int = BOOTSTR
 
 
 def diagnostic_flags(results) -> list:
-    """[(method, stage (1-based), task, [(seed, reason), ...])] for every flagged evaluation, in run order."""
+    """[(method, stage (1-based), task, [(seed, [reason, ...]), ...])] for every flagged evaluation, in run order."""
     tasks, out = results["tasks"], []
     for m, entry in results["methods"].items():
         flags = {}
         for s, run in entry["seeds"].items():
             for i, stage in enumerate(run.get("diagnostics") or []):
                 for t in tasks:
-                    if t in stage:
-                        for reason in diagnostic_warnings(stage[t]):
-                            flags.setdefault((i + 1, t), []).append((s, reason))
+                    reasons = diagnostic_warnings(stage[t]) if t in stage else []
+                    if reasons:
+                        flags.setdefault((i + 1, t), []).append((s, reasons))
         for (stage, t), reasons in sorted(flags.items(), key=lambda kv: (kv[0][0], tasks.index(kv[0][1]))):
             out.append((m, stage, t, reasons))
     return out
@@ -353,9 +353,11 @@ def _diag_cell(diags: list) -> str:
         pooled = {}
         for d in diags:
             for k, v in d["labels"].items():
-                pooled[k] = pooled.get(k, 0.0) + v / len(diags)
-        top = min(pooled.items(), key=lambda kv: (-kv[1], kv[0]))
-        parts.append(f"{top[0] or '(empty)'} {top[1]:.0%}")
+                if k:  # empty answers are counted below
+                    pooled[k] = pooled.get(k, 0.0) + v / len(diags)
+        if pooled:
+            top = min(pooled.items(), key=lambda kv: (-kv[1], kv[0]))
+            parts.append(f"{top[0]} {top[1]:.0%}")
     empty = statistics.fmean(d["empty"] for d in diags)
     capped = statistics.fmean(d["length_capped"] for d in diags)
     if empty:
@@ -393,7 +395,7 @@ def warning_lines(results) -> list:
     """One line per flagged (method, stage, task), naming the seeds and the reasons."""
     lines = []
     for m, stage, t, reasons in diagnostic_flags(results):
-        why = "; ".join(f"seed {s}: {r}" for s, r in reasons)
+        why = "; ".join(f"seed {s}: {', '.join(r)}" for s, r in reasons)
         lines.append(f"WARNING {m}, after stage {stage} ({results['tasks'][stage - 1]}), task {t}: {why}")
     return lines
 
@@ -435,12 +437,12 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
         out.append(f"- {len(flags)} evaluation(s) flagged for degenerate answers (collapse to one label, empty or "
                    f"length-capped responses): see 'Accuracy matrices and answers' below.")
 
-    for ref, deltas in unc["deltas"].items():
-        if not deltas:
-            continue
-        out += ["", f"## Paired differences vs {ref}", "", delta_table(summary, unc, ref), "",
-                f"- Δ = method - {ref}, computed per seed (same seed = same data order, the same stage-1 "
-                f"checkpoint and the same test prompts) and averaged over the paired seeds.",
+    refs = [ref for ref, deltas in unc["deltas"].items() if deltas]
+    for ref in refs:
+        out += ["", f"## Paired differences vs {ref}", "", delta_table(summary, unc, ref)]
+    if refs:
+        out += ["", f"- Δ = method - reference ({', '.join(refs)}), computed per seed (same seed = same data order, "
+                f"the same stage-1 checkpoint and the same test prompts) and averaged over the paired seeds.",
                 f"- CI seeds: {LEVEL:.0%} t-interval of the per-seed differences (df = paired seeds - 1; needs >= 2 "
                 f"seeds). Covers seed-to-seed noise (training order, replay draws, rollout and evaluation sampling) "
                 f"on the fixed test prompts.",

@@ -284,7 +284,8 @@ def predictions(preds, golds, finish="stop"):
 
 def with_diagnostics(results):
     """Diagnostics for every evaluation; replay's seed-0 stage-2 evaluation answers 'C' to all C-STANCE prompts
-    (gold: half A, half B) and hits the length cap on all FOMC prompts."""
+    (gold: half A, half B) and hits the length cap on all FOMC prompts; opr-ru's seed-1 stage-3 evaluation answers
+    nothing to C-STANCE, stopped by the cap."""
     out = copy.deepcopy(results)
     golds = ["A", "B"] * 10
     for m, e in out["methods"].items():
@@ -298,6 +299,8 @@ def with_diagnostics(results):
                         stage[t] = diagnose(t, predictions(["C"] * 20, golds))
                     elif (m, s, i, t) == ("replay", "0", 1, "FOMC"):
                         stage[t] = diagnose(t, predictions(golds, golds, finish="length"))
+                    elif (m, s, i, t) == ("opr-ru", "1", 2, "C-STANCE"):
+                        stage[t] = diagnose(t, predictions([""] * 20, golds, finish="length"))
                     else:
                         stage[t] = diagnose(t, predictions(golds, golds))
                 run["diagnostics"].append(stage)
@@ -307,10 +310,10 @@ def with_diagnostics(results):
 def test_diagnostics_and_warnings_in_the_report(tmp_path):
     res = with_diagnostics(RESULTS)
     lines = warning_lines(res)
-    assert lines == ["WARNING replay, after stage 2 (FOMC), task C-STANCE: seed 0: predictions collapsed to 'C' "
-                     "(100% of answers; gold majority class 50%)",
-                     "WARNING replay, after stage 2 (FOMC), task FOMC: seed 0: 100% of responses hit the "
-                     "max-new-tokens cap"]
+    assert lines[:2] == ["WARNING replay, after stage 2 (FOMC), task C-STANCE: seed 0: predictions collapsed to 'C' "
+                         "(100% of answers; gold majority class 50%)",
+                         "WARNING replay, after stage 2 (FOMC), task FOMC: seed 0: 100% of responses hit the "
+                         "max-new-tokens cap"]
     md = write_report(res, tmp_path).read_text()
     for line in lines:
         assert f"- {line}" in md
@@ -319,7 +322,12 @@ def test_diagnostics_and_warnings_in_the_report(tmp_path):
     assert "| 2: FOMC | C 50% ! | A 50%, capped 50% ! | - |" in replay
     assert "| 1: C-STANCE | A 50% | - | - |" in replay
     assert "Gold labels' majority class: C-STANCE 'A' 50%, FOMC 'A' 50%." in replay
-    assert "2 evaluation(s) flagged for degenerate answers" in md
-    assert "WARNING" not in md[md.index("### opr-ru"):]
+    assert "3 evaluation(s) flagged for degenerate answers" in md
+    # empty answers are not a label: the cell pools seed 0 (A 50%, B 50%) with seed 1 (all empty, all capped)
+    opr = md[md.index("### opr-ru"):]
+    assert "| 3: MeetingBank | A 25%, empty 50%, capped 50% ! | A 50% | ok |" in opr
+    assert opr.count("WARNING") == 1 and lines[2] == (
+        "WARNING opr-ru, after stage 3 (MeetingBank), task C-STANCE: seed 1: 100% empty responses, 100% of "
+        "responses hit the max-new-tokens cap")
     # MeetingBank is not a classification task: no label, nothing to show but 'ok'
     assert "| 3: MeetingBank | A 50% | A 50% | ok |" in replay
