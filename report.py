@@ -18,6 +18,10 @@ results.json (written by run.py's collect; JSON):
     run = {"matrix": [[a00], [a10, a11], ...],              # matrix[i][j]: score (0..100) of task j after stage i,
                                                             # j <= i (ragged rows)
            "loss_curves": [[loss per step of stage 0], ...],  # optional
+           "row0": [a0j for every task],                    # optional: the base model before stage 1
+           "next_task": [a(i, i+1) for i < n-1],            # optional: task i+1 after stage i, before training it
+           "cl_metrics": {...},                             # optional: data.metrics.cl_metrics (ACC, BWT, OP, FWT,
+                                                            # per-task forgetting) of this seed
            "example_scores": [[[s, ...]], [[...], [...]], ...],  # optional, ragged like matrix: per test example
                                                             # (order of test_idx) its score averaged over eval
                                                             # repeats; the mean of a list is the matrix entry
