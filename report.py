@@ -11,6 +11,8 @@ results.json (written by run.py's collect; JSON):
     {"tasks": ["C-STANCE", "FOMC", ...],                    # stage order
      "methods": {label: {"seeds": {seed: run}}},            # label: a method, or "method@rho" in a rho sweep;
                                                             # seed: the seed as a string ("0", "1", ...)
+     "test_idx": {task: [idx, ...]},                        # optional: the test examples evaluated, in the order
+                                                            # of every "example_scores" list (record numbers)
      "meta": {...}}                                         # settings, printed as-is at the top of the report
 
     run = {"matrix": [[a00], [a10, a11], ...],              # matrix[i][j]: score (0..100) of task j after stage i,
@@ -19,6 +21,12 @@ results.json (written by run.py's collect; JSON):
            "next_task": [a(i, i+1) for i < N-1],            # optional: task i+1 after stage i, before training it
            "cl_metrics": {...},                             # optional: data.metrics.cl_metrics (recomputed here)
            "loss_curves": [[loss per step of stage 0], ...],  # optional
+           "example_scores": [[[s, ...]], [[...], [...]], ...],  # optional, ragged like matrix: per test example
+                                                            # (order of test_idx) its score averaged over eval
+                                                            # repeats; the mean of a list is the matrix entry
+           "diagnostics": [{task: diag}, ...],              # optional, per stage: data.diagnostics.diagnose of
+                                                            # that evaluation's predictions (label distribution,
+                                                            # collapse flag, empty / length-capped rates)
            # optional, run.py's mechanism probes (drift.py, score.py / buffer_nll.py, rollout.py, train.py):
            "drift": [{"stage": i, "tasks": {task: {"n", "mean_seq_kl", "median_seq_kl", "kl_per_token",
                       "mean_tokens", "gold_nll_cur", "gold_nll_ref"}}, "all": {same}}],  # stages i >= 2: KL of
@@ -30,20 +38,27 @@ results.json (written by run.py's collect; JSON):
            "rollout_checks": [{"stage": i, "k", "tokens", "mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "warned"}],
            "loss_sources": [{"task": [per step], "replay": [per step]} or null per stage]}
 
+Sections of the report and the functions that make them:
+
     summarize(results)        numbers: mean/std over seeds of ACC, BWT, FWT, forgetting, TRACE's OP and 1/N BWT
                               and the final per-task scores; the mean matrix with row 0 and next-task scores
+    uncertainty(results)      95% intervals: per method (test-set bootstrap) and paired differences vs REFERENCES
+                              per seed (t-interval over seeds, test-set bootstrap), with a "resolved" verdict
     format_table(results)     the main table (Markdown; readable in a terminal), printed by run.py at the end
+    delta_table(...)          paired differences against one reference method
+    diagnostics_table(...)    degenerate answers next to each accuracy matrix; warning_lines(...) flags them
     markdown_report(results)  the whole report.md text
     write_report(results, out_dir) -> out_dir/report.md, plus the figures next to it
 
 ACC and BWT come from data.metrics.acc_bwt, FWT / per-task forgetting / TRACE's OP and 1/N BWT from
-data.metrics.cl_metrics (FWT needs row0 and next_task), once per seed; statistics over seeds come from data.stats.
-A method may have fewer stages than there are tasks (a run in progress): its ACC/BWT then cover the stages it has,
-and the tasks it has not reached show as "-".
+data.metrics.cl_metrics (FWT needs row0 and next_task), once per seed; statistics and intervals come from data.stats
+(its docstring says which noise each interval covers). "std" is the sample std over seeds (n-1). A method may have
+fewer stages than there are tasks (a run in progress): its ACC/BWT then cover the stages it has, and the tasks it
+has not reached show as "-".
 
-The file is organised in sections (numbers, tables and report text, figures and writing, command line): a new part
-of the report adds its numbers, its table and its figure to the matching sections and its fields to the schema
-above.
+The file is organised in sections (checks, numbers, tables and report text, figures and writing, command line): a
+new part of the report adds its numbers, its table and its figure to the matching sections and its fields to the
+schema above.
 """
 import argparse
 import json
@@ -55,10 +70,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from data.metrics import acc_bwt, cl_metrics
-from data.stats import mean_std, pearson, spearman
+import numpy as np
 
-REFERENCE = "replay"  # the baseline of the "delta vs replay" figure
+from data.diagnostics import warnings as diagnostic_warnings
+from data.metrics import acc_bwt, cl_metrics
+from data.stats import (BOOTSTRAP_B, BOOTSTRAP_SEED, LEVEL, bootstrap_acc_bwt, bootstrap_indices, excludes_zero,
+                        mean_std, paired_differences, pearson, percentile_interval, spearman, t_interval)
+
+from data.diagnostics import warnings as diagnostic_warnings
+from data.metrics import acc_bwt
+from data.stats import (BOOTSTRAP_B, BOOTSTRAP_SEED, LEVEL, bootstrap_acc_bwt, bootstrap_indices, excludes_zero,
+                        mean_std, paired_differences, percentile_interval, t_interval)
+
+REFERENCE = "replay"              # the baseline of the "delta vs replay" figure
+REFERENCES = ("replay", "sft")    # paired-difference tables, in this order, for those present in the run
 FIGURES = {  # file name -> what it shows (paper figure)
     "fig_matrix.png": "accuracy matrices: score of each task (column) after each stage (row)",
     "fig_trajectories.png": "per-task score across stages, from the stage that trains it (paper Fig. 3); dotted: "
@@ -77,7 +102,7 @@ MECHANISM_FIGURES = {  # drawn when results.json holds run.py's mechanism probes
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Numbers
+# Checks
 
 
 def _is_number(x) -> bool:
@@ -94,6 +119,10 @@ def check_results(results) -> None:
     methods = results.get("methods")
     if not isinstance(methods, dict) or not methods:
         raise ValueError("results['methods']: expected a non-empty dict {method: {'seeds': ...}}")
+    test_idx = results.get("test_idx") or {}
+    if not isinstance(test_idx, dict):
+        raise ValueError("results['test_idx']: expected a dict {task: [idx, ...]}")
+    sizes = {t: len(v) for t, v in test_idx.items()}  # examples per task: every example_scores list must agree
     for m, entry in methods.items():
         seeds = entry.get("seeds") if isinstance(entry, dict) else None
         if not isinstance(seeds, dict) or not seeds:
@@ -117,21 +146,45 @@ def check_results(results) -> None:
             for i, curve in enumerate(run.get("loss_curves") or []):
                 if not isinstance(curve, list) or not all(_is_number(v) for v in curve):
                     raise ValueError(f"{where}['loss_curves'][{i}]: expected a list of finite numbers")
+            examples = run.get("example_scores")
+            if examples is not None:
+                if not isinstance(examples, list) or len(examples) != len(matrix):
+                    raise ValueError(f"{where}['example_scores']: expected one row per stage ({len(matrix)})")
+                for i, row in enumerate(examples):
+                    if not isinstance(row, list) or len(row) < i + 1:
+                        raise ValueError(f"{where}['example_scores'][{i}]: expected at least {i + 1} lists")
+                    for j in range(i + 1):
+                        cell = row[j]
+                        if not isinstance(cell, list) or not cell or not all(_is_number(v) for v in cell):
+                            raise ValueError(f"{where}['example_scores'][{i}][{j}]: expected a non-empty list of "
+                                             f"finite numbers")
+                        if sizes.setdefault(tasks[j], len(cell)) != len(cell):
+                            raise ValueError(f"{where}['example_scores'][{i}][{j}]: {len(cell)} examples of "
+                                             f"{tasks[j]}, elsewhere {sizes[tasks[j]]}")
+            diags = run.get("diagnostics")
+            if diags is not None and (not isinstance(diags, list) or len(diags) != len(matrix)
+                                      or not all(isinstance(d, dict) for d in diags)):
+                raise ValueError(f"{where}['diagnostics']: expected one dict {{task: diagnostics}} per stage")
             n_stages.add(len(matrix))
         if len(n_stages) > 1:
             raise ValueError(f"results['methods'][{m!r}]: seeds have different numbers of stages {sorted(n_stages)}")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Numbers
+
+
 def summarize(results) -> dict:
     """Per method, in the order of results['methods']:
 
-    {"seeds": [seed, ...], "stages": n,               # n = stages trained (rows of the matrix)
-     "acc": {"mean", "std"}, "bwt": {"mean", "std"},  # bwt mean/std None when n == 1
+    {"seeds": [seed, ...], "stages": n,                      # n = stages trained (rows of the matrix)
+     "acc": {"mean", "std", "n"}, "bwt": {"mean", "std", "n"},  # std: sample std over seeds, None with one seed;
+                                                             # bwt mean/std None when n == 1
      "per_seed": {seed: {"acc", "bwt"}},
-     "final": {task: {"mean", "std"}},                # last row, for the n tasks trained so far
+     "final": {task: {"mean", "std", "n"}},                # last row, for the n tasks trained so far
      "matrix": [[mean]] and "matrix_std": [[std]],    # ragged like the input (row i has i+1 entries)
-     "fwt", "forgetting_mean", "op", "bwt_trace": {"mean", "std"},   # mean None where undefined (FWT: no row 0)
-     "forgetting": {task: {"mean", "std"}},           # the first n-1 tasks
+     "fwt", "forgetting_mean", "op", "bwt_trace": {"mean", "std", "n"},   # mean None where undefined (FWT: no row 0)
+     "forgetting": {task: {"mean", "std", "n"}},           # the first n-1 tasks
      "row0": [mean] or None, "next_task": [mean] or None}
     """
     check_results(results)
@@ -149,11 +202,12 @@ def summarize(results) -> dict:
 
         def over_seeds(key):
             vals = [c[key] for c in cls]
-            return mean_std(vals) if all(v is not None for v in vals) else {"mean": None, "std": None}
+            return mean_std(vals) if all(v is not None for v in vals) else {"mean": None, "std": None, "n": len(vals)}
         out[m] = {
             "seeds": seeds, "stages": n,
             "acc": mean_std([r["acc"] for r in per_seed.values()]),
-            "bwt": mean_std([r["bwt"] for r in per_seed.values()]) if n > 1 else {"mean": None, "std": None},
+            "bwt": (mean_std([r["bwt"] for r in per_seed.values()]) if n > 1
+                    else {"mean": None, "std": None, "n": len(seeds)}),
             "per_seed": per_seed,
             "final": {tasks[j]: cells[n - 1][j] for j in range(n)},
             "matrix": [[c["mean"] for c in row] for row in cells],
@@ -167,8 +221,97 @@ def summarize(results) -> dict:
     return out
 
 
+def _seed_mean(arrays):
+    """Element-wise mean over seeds of bootstrap samples ([B] arrays)."""
+    return np.mean(arrays, axis=0)
+
+
+def _interval(xs):
+    return None if xs is None else percentile_interval(xs)
+
+
+def uncertainty(results, summary=None, B: int = BOOTSTRAP_B, seed: int = BOOTSTRAP_SEED) -> dict:
+    """95% intervals for every method and every paired difference (data.stats says which noise each covers):
+
+    {"bootstrap": {"B", "seed", "sizes": {task: n}} or None,   # None: results.json has no per-example scores
+     "methods": {m: {"acc_test": (lo, hi) | None, "bwt_test": (lo, hi) | None}},
+     "deltas": {ref: {m: {"acc": D, "bwt": D}}}}               # ref in REFERENCES present in the run, m != ref with
+                                                               # as many stages as ref
+    D = {"per_seed": {seed: m - ref}, "n": paired seeds, "mean": mean of per_seed,
+         "seeds": t-interval over the paired seeds (None with < 2), "test": bootstrap interval of the seed-averaged
+         difference, the same resampled test prompts for m and ref (None without per-example scores),
+         "resolved": True when every available interval excludes 0}
+    """
+    summary = summary or summarize(results)
+    tasks, methods = results["tasks"], results["methods"]
+    have_examples = all(run.get("example_scores") is not None for e in methods.values() for run in e["seeds"].values())
+    boot = None
+    if have_examples:
+        sizes = {}
+        for e in methods.values():
+            for run in e["seeds"].values():
+                for i, row in enumerate(run["example_scores"]):
+                    for j in range(i + 1):
+                        sizes.setdefault(tasks[j], len(row[j]))
+        sizes = {t: sizes[t] for t in tasks if t in sizes}
+        idx = bootstrap_indices(sizes, B, seed)
+        # per method and seed: ACC/BWT of every resample ([B] arrays), all methods on the same resampled prompts
+        per_seed = {m: {s: bootstrap_acc_bwt([[row[:i + 1] for i, row in enumerate(run["example_scores"])]],
+                                             tasks, idx)
+                        for s, run in e["seeds"].items()} for m, e in methods.items()}
+        boot = {"B": B, "seed": seed, "sizes": sizes}
+
+    out = {"bootstrap": boot, "methods": {}, "deltas": {}}
+    for m, s in summary.items():
+        acc = bwt = None
+        if boot:
+            acc = _seed_mean([per_seed[m][k]["acc"] for k in s["seeds"]])
+            bwt = _seed_mean([per_seed[m][k]["bwt"] for k in s["seeds"]]) if s["stages"] > 1 else None
+        out["methods"][m] = {"acc_test": _interval(acc), "bwt_test": _interval(bwt)}
+
+    for ref in [r for r in REFERENCES if r in summary]:
+        out["deltas"][ref] = {}
+        for m, s in summary.items():
+            if m == ref or s["stages"] != summary[ref]["stages"]:
+                continue
+            entry = {}
+            for metric in ("acc", "bwt"):
+                if metric == "bwt" and s["stages"] < 2:
+                    continue
+                d = paired_differences({k: v[metric] for k, v in s["per_seed"].items()},
+                                       {k: v[metric] for k, v in summary[ref]["per_seed"].items()})
+                if not d:
+                    continue
+                test = None
+                if boot:
+                    test = percentile_interval(_seed_mean(
+                        [per_seed[m][k][metric] - per_seed[ref][k][metric] for k in d]))
+                seeds_ci = t_interval(d.values())
+                available = [ci for ci in (seeds_ci, test) if ci is not None]
+                entry[metric] = {"per_seed": d, "n": len(d), "mean": statistics.fmean(d.values()), "seeds": seeds_ci,
+                                 "test": test, "resolved": bool(available) and all(map(excludes_zero, available))}
+            out["deltas"][ref][m] = entry
+    return out
+
+
+def diagnostic_flags(results) -> list:
+    """[(method, stage (1-based), task, [(seed, [reason, ...]), ...])] for every flagged evaluation, in run order."""
+    tasks, out = results["tasks"], []
+    for m, entry in results["methods"].items():
+        flags = {}
+        for s, run in entry["seeds"].items():
+            for i, stage in enumerate(run.get("diagnostics") or []):
+                for t in tasks:
+                    reasons = diagnostic_warnings(stage[t]) if t in stage else []
+                    if reasons:
+                        flags.setdefault((i + 1, t), []).append((s, reasons))
+        for (stage, t), reasons in sorted(flags.items(), key=lambda kv: (kv[0][0], tasks.index(kv[0][1]))):
+            out.append((m, stage, t, reasons))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# Tables
+# Tables and report text
 
 
 def _fmt(ms: dict, with_std: bool = True) -> str:
@@ -179,24 +322,66 @@ def _fmt(ms: dict, with_std: bool = True) -> str:
     return f"{ms['mean']:.2f}"
 
 
-def format_table(results, summary=None) -> str:
-    """The main table: one row per method; ACC, BWT, FWT and mean forgetting (mean ± std over seeds when there are
-    several), then the final score of each task (mean over seeds). Markdown, aligned so it also reads as plain text."""
-    summary = summary or summarize(results)
-    tasks = results["tasks"]
-    header = ["method", "seeds", "ACC", "BWT", "FWT", "forgetting"] + tasks
-    rows = []
-    for m, s in summary.items():
-        rows.append([m, str(len(s["seeds"])), _fmt(s["acc"]), _fmt(s["bwt"]), _fmt(s["fwt"]),
-                     _fmt(s["forgetting_mean"])] +
-                    [_fmt(s["final"][t], with_std=False) if t in s["final"] else "-" for t in tasks])
+def _ci(interval, signed=False) -> str:
+    if interval is None:
+        return "-"
+    f = "{:+.2f}" if signed else "{:.2f}"
+    return "[" + f.format(interval[0]) + ", " + f.format(interval[1]) + "]"
+
+
+def _markdown(header, rows) -> str:
+    """A Markdown table aligned so it also reads as plain text: first column left-aligned, the others right."""
     widths = [max(len(r[c]) for r in [header] + rows) for c in range(len(header))]
 
-    def line(cells):  # method name left-aligned, numbers right-aligned
+    def line(cells):
         padded = [c.ljust(w) if k == 0 else c.rjust(w) for k, (c, w) in enumerate(zip(cells, widths))]
         return "| " + " | ".join(padded) + " |"
     rule = "|" + "|".join("-" * (w + 1) + ":" if k else "-" * (w + 2) for k, w in enumerate(widths)) + "|"
     return "\n".join([line(header), rule] + [line(r) for r in rows])
+
+
+def format_table(results, summary=None, unc=None) -> str:
+    """The main table: one row per method; ACC and BWT as mean ± sample std over seeds (the std when there are
+    several), each with its 95% test-set bootstrap interval when results.json has per-example scores, FWT and mean
+    forgetting, then the final score of each task (mean over seeds). Markdown, aligned so it also reads as text."""
+    summary = summary or summarize(results)
+    unc = unc or uncertainty(results, summary)
+    tasks = results["tasks"]
+    with_ci = unc["bootstrap"] is not None
+    header = (["method", "seeds", "ACC"] + (["ACC 95% CI"] if with_ci else []) + ["BWT"] +
+              (["BWT 95% CI"] if with_ci else []) + ["FWT", "forgetting"] + tasks)
+    rows = []
+    for m, s in summary.items():
+        ci = unc["methods"][m]
+        rows.append([m, str(len(s["seeds"])), _fmt(s["acc"])] + ([_ci(ci["acc_test"])] if with_ci else []) +
+                    [_fmt(s["bwt"])] + ([_ci(ci["bwt_test"])] if with_ci else []) +
+                    [_fmt(s["fwt"]), _fmt(s["forgetting_mean"])] +
+                    [_fmt(s["final"][t], with_std=False) if t in s["final"] else "-" for t in tasks])
+    return _markdown(header, rows)
+
+
+def _verdict(d: dict) -> str:
+    if not d["resolved"]:
+        return "no"
+    if d["seeds"] is None:
+        return "yes (test set only; 1 seed)" if d["n"] == 1 else "yes (test set only)"
+    return "yes" if d["test"] is not None else "yes (seeds only)"
+
+
+def delta_table(summary, unc, ref: str) -> str:
+    """Paired differences `method - ref` of ACC and BWT: mean over the paired seeds, the t-interval over seeds,
+    the test-set bootstrap interval, and whether the difference is resolved (every available interval excludes 0)."""
+    header = ["method", "paired seeds", "ΔACC", "CI seeds", "CI test set", "resolved", "ΔBWT", "CI seeds",
+              "CI test set", "resolved"]
+    rows = []
+    for m, entry in unc["deltas"][ref].items():
+        row = [m, str(entry["acc"]["n"]) if "acc" in entry else "0"]
+        for metric in ("acc", "bwt"):
+            d = entry.get(metric)
+            row += (["-"] * 4 if d is None else
+                    [f"{d['mean']:+.2f}", _ci(d["seeds"], True), _ci(d["test"], True), _verdict(d)])
+        rows.append(row)
+    return _markdown(header, rows)
 
 
 def matrix_table(tasks, s: dict) -> str:
@@ -243,31 +428,133 @@ def protocol_line(meta: dict) -> str:
     return "- protocol: " + ("; ".join(parts) if parts else "not recorded")
 
 
-def markdown_report(results, summary=None, figures=()) -> str:
-    """report.md: the main table with notes, each method's accuracy matrix, and links to `figures` (file names)."""
+def _diag_cell(diags: list) -> str:
+    """One evaluation's answers, over the seeds that have it: the most frequent predicted label and its share
+    (classification tasks; shares averaged over seeds), the empty and length-capped shares when not 0; '!' when a
+    seed's evaluation is flagged."""
+    parts = []
+    if "labels" in diags[0]:
+        pooled = {}
+        for d in diags:
+            for k, v in d["labels"].items():
+                if k:  # empty answers are counted below
+                    pooled[k] = pooled.get(k, 0.0) + v / len(diags)
+        if pooled:
+            top = min(pooled.items(), key=lambda kv: (-kv[1], kv[0]))
+            parts.append(f"{top[0]} {top[1]:.0%}")
+    empty = statistics.fmean(d["empty"] for d in diags)
+    capped = statistics.fmean(d["length_capped"] for d in diags)
+    if empty:
+        parts.append(f"empty {empty:.0%}")
+    if capped:
+        parts.append(f"capped {capped:.0%}")
+    flag = " !" if any(diagnostic_warnings(d) for d in diags) else ""
+    return (", ".join(parts) or "ok") + flag
+
+
+def diagnostics_table(tasks, entry: dict, n_stages: int):
+    """Markdown table of one method's answers (cells: _diag_cell), shaped like its accuracy matrix, and a line with
+    the gold labels' majority class of each classification task; None when results.json has no diagnostics."""
+    runs = [r.get("diagnostics") for r in entry["seeds"].values()]
+    if any(r is None for r in runs):
+        return None
+    lines = ["| after stage | " + " | ".join(tasks[:n_stages]) + " |", "|---|" + "---:|" * n_stages]
+    gold = {}
+    for i in range(n_stages):
+        cells = []
+        for j in range(i + 1):
+            diags = [r[i][tasks[j]] for r in runs if tasks[j] in r[i]]
+            cells.append(_diag_cell(diags) if diags else "-")
+            if diags and "gold_labels" in diags[0]:
+                gold[tasks[j]] = diags[0]
+        lines.append(f"| {i + 1}: {tasks[i]} | " + " | ".join(cells + ["-"] * (n_stages - i - 1)) + " |")
+    if gold:
+        lines += ["", "Gold labels' majority class: " + ", ".join(
+            f"{t} {min(d['gold_labels'].items(), key=lambda kv: (-kv[1], kv[0]))[0]!r} {d['gold_majority_rate']:.0%}"
+            for t, d in gold.items()) + "."]
+    return "\n".join(lines)
+
+
+def warning_lines(results) -> list:
+    """One line per flagged (method, stage, task), naming the seeds and the reasons."""
+    lines = []
+    for m, stage, t, reasons in diagnostic_flags(results):
+        why = "; ".join(f"seed {s}: {', '.join(r)}" for s, r in reasons)
+        lines.append(f"WARNING {m}, after stage {stage} ({results['tasks'][stage - 1]}), task {t}: {why}")
+    return lines
+
+
+def markdown_report(results, summary=None, figures=(), unc=None) -> str:
+    """report.md: the main table with notes, the paired differences, each method's accuracy matrix with its
+    degenerate-answer diagnostics and warnings, and links to `figures` (file names)."""
     summary = summary or summarize(results)
+    unc = unc or uncertainty(results, summary)
     tasks = results["tasks"]
+    boot = unc["bootstrap"]
+    flags = warning_lines(results)
     out = ["# Continual SFT on " + ", ".join(tasks), "", protocol_line(results.get("meta"))]
     for k, v in (results.get("meta") or {}).items():
         out.append(f"- {k}: {v if isinstance(v, str) else json.dumps(v)}")
     n_seeds = sorted({len(s["seeds"]) for s in summary.values()})
-    out += ["", "## Results", "", format_table(results, summary), "",
+    out += ["", "## Results", "", format_table(results, summary, unc), "",
             "- ACC: mean final score over the tasks trained so far; BWT: mean over all but the last of them of "
             "(final score - score right after training it); negative BWT = forgetting. FWT: mean over tasks 2..N "
             "of (score before training it, after the previous stage - the base model's score); forgetting: mean "
             "over all but the last task of (best earlier score - final score). Scores are 0..100.",
-            f"- Seeds per method: {', '.join(map(str, n_seeds))}; 'a ± b' = mean ± population std over seeds; "
-            f"per-task columns are means."]
+            f"- Seeds per method: {', '.join(map(str, n_seeds))}; 'a ± b' = mean ± sample standard deviation over "
+            f"seeds (n-1 denominator; no ± with one seed); per-task columns are means."]
+    if boot:
+        out.append(f"- 95% CI: percentile bootstrap over test prompts ({boot['B']} resamples of each task's test "
+                   f"examples with replacement, numpy seed {boot['seed']}; test examples per task: " +
+                   ", ".join(f"{t} {n}" for t, n in boot["sizes"].items()) + "). It covers which test prompts were "
+                   "drawn, with the trained checkpoints held fixed; it does not cover training or seed noise.")
+    else:
+        out.append("- results.json holds no per-example scores: no test-set intervals (re-run run.py to add them).")
+    if max(n_seeds) == 1:
+        out.append("- One seed: the spread over seeds (training order, replay draws, sampling) is not measured; "
+                   "the only uncertainty shown is the test-set bootstrap.")
     partial = [m for m, s in summary.items() if s["stages"] < len(tasks)]
     if partial:
         out.append(f"- Not all {len(tasks)} stages finished for: " +
                    ", ".join(f"{m} ({summary[m]['stages']})" for m in partial) + "; their ACC/BWT cover those stages.")
     if REFERENCE not in summary:
         out.append(f"- No '{REFERENCE}' method, so no per-task comparison against it.")
+    if flags:
+        out.append(f"- {len(flags)} evaluation(s) flagged for degenerate answers (collapse to one label, empty or "
+                   f"length-capped responses): see 'Accuracy matrices and answers' below.")
+
+    refs = [ref for ref, deltas in unc["deltas"].items() if deltas]
+    for ref in refs:
+        out += ["", f"## Paired differences vs {ref}", "", delta_table(summary, unc, ref)]
+    if refs:
+        out += ["", f"- Δ = method - reference ({', '.join(refs)}), computed per seed (same seed = same data order, "
+                f"the same stage-1 checkpoint and the same test prompts) and averaged over the paired seeds.",
+                f"- CI seeds: {LEVEL:.0%} t-interval of the per-seed differences (df = paired seeds - 1; needs >= 2 "
+                f"seeds). Covers seed-to-seed noise (training order, replay draws, rollout and evaluation sampling) "
+                f"on the fixed test prompts.",
+                f"- CI test set: {LEVEL:.0%} paired percentile bootstrap over test prompts (the same resampled "
+                f"prompts for both methods). Covers which test prompts were drawn, with the checkpoints fixed.",
+                "- resolved: every available interval excludes 0. 'test set only' = one seed, so seed noise, "
+                "often the larger, is not covered: a difference resolved only on the test set can still be noise. "
+                "Each interval is for one comparison (no multiple-comparison correction): among many rows, about "
+                "1 in 20 pure-noise intervals excludes 0."]
+
     out += ["", "## TRACE's conventions and per-task forgetting", "", transfer_table(tasks, summary)]
-    out += ["", "## Accuracy matrices (mean over seeds)", ""]
+    out += ["", "## Accuracy matrices and answers (mean over seeds)", ""]
     for m, s in summary.items():
         out += [f"### {m}", "", matrix_table(tasks, s), ""]
+        diag = diagnostics_table(tasks, results["methods"][m], s["stages"])
+        if diag:
+            out += ["Answers: most frequent predicted label and its share (classification tasks), share of empty "
+                    "and of length-capped responses when not 0; '!' = flagged.", "", diag, ""]
+        out += [f"- {line}" for line in flags if line.startswith(f"WARNING {m}, ")]
+        if any(line.startswith(f"WARNING {m}, ") for line in flags):
+            out.append("")
+    if any(r.get("diagnostics") for e in results["methods"].values() for r in e["seeds"].values()):
+        from data.diagnostics import COLLAPSE_RATE, EMPTY_WARN, LENGTH_WARN
+        out += [f"Flags: a classification task's predictions collapsed = one label >= {COLLAPSE_RATE:.0%} of the "
+                f"answers while the gold majority class is < {COLLAPSE_RATE:.0%}; empty >= {EMPTY_WARN:.0%}; "
+                f"length-capped (stopped at max-new-tokens) >= {LENGTH_WARN:.0%}.", ""]
     out += [*mechanism_section(results), ""]
     if figures:
         out += ["## Figures", ""]
@@ -288,7 +575,6 @@ def _plt():
 
 
 def plot_matrices(tasks, summary, path: Path):
-    import numpy as np
     plt = _plt()
     k, n = len(summary), len(tasks)
     fig, axes = plt.subplots(1, k, figsize=(0.9 * n * k + 1.5, 0.8 * n + 1.5), squeeze=False)
@@ -380,7 +666,6 @@ def plot_loss(tasks, results, path: Path):
 
 
 def plot_delta(tasks, summary, path: Path):
-    import numpy as np
     plt = _plt()
     ref = summary[REFERENCE]["final"]
     others = [m for m in summary if m != REFERENCE]
@@ -473,7 +758,7 @@ def drift_table(tasks, dn: dict) -> str:
     header = ["method", *[f"{s}: {tasks[s - 1]}" for s in stages]]
     rows = [[m, *[f"{v[s]['seq_kl']:.3g} ({v[s]['kl_per_token']:.2g})" if s in v else "-" for s in stages]]
             for m, v in dn["per_stage"].items()]
-    return _md_table(header, rows)
+    return _markdown(header, rows)
 
 
 def buffer_numbers(results) -> dict:
@@ -501,7 +786,7 @@ def buffer_numbers(results) -> dict:
 
 def buffer_table(bn: dict) -> str:
     f = lambda x, p=3: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
-    return _md_table(["method", "buffer", "buffers", "l mean", "l_max", "mean max-token NLL", "rejected l mean",
+    return _markdown(["method", "buffer", "buffers", "l mean", "l_max", "mean max-token NLL", "rejected l mean",
                       "Spearman(RU, SC)"],
                      [[m, b["scorer"], str(b["buffers"]), f(b["nll_mean"]), f(b["nll_max"]), f(b["token_nll_max"]),
                        f(b["rejected_nll_mean"]), f(b["spearman_ru_sc"], 2)] for m, b in bn.items()])
@@ -614,17 +899,14 @@ def plot_loss_sources(tasks, results, path: Path):
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
-def _md_table(header, rows) -> str:
-    """A plain Markdown table: first column left-aligned, the others right-aligned."""
-    return "\n".join(["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)] +
-                      ["| " + " | ".join(r) + " |" for r in rows])
 
-
-def write_report(results, out_dir) -> Path:
+def write_report(results, out_dir, summary=None, unc=None) -> Path:
     """Write out_dir/report.md and its figures (see FIGURES). Everything is rendered in a temporary directory first and
     then moved into place, so a failure leaves the previous report untouched. A figure without data (no 'replay'
-    method, no loss curves, no method with two stages) is skipped and any stale copy removed. Returns report.md."""
-    summary = summarize(results)
+    method, no loss curves, no method with two stages) is skipped and any stale copy removed. Returns report.md.
+    summary / unc: summarize() / uncertainty() of results when the caller has them already."""
+    summary = summary or summarize(results)
+    unc = unc or uncertainty(results, summary)
     tasks = results["tasks"]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -651,7 +933,7 @@ def write_report(results, out_dir) -> Path:
     try:
         for name, plot in plots.items():
             plot(tmp / name)
-        (tmp / "report.md").write_text(markdown_report(results, summary, figures=list(plots)), encoding="utf-8")
+        (tmp / "report.md").write_text(markdown_report(results, summary, list(plots), unc), encoding="utf-8")
         for name in [*FIGURES, *MECHANISM_FIGURES]:
             if name not in plots and (out_dir / name).exists():
                 (out_dir / name).unlink()
@@ -679,10 +961,14 @@ def main(argv=None):
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SystemExit(f"report.py: {path}: not valid JSON ({e})")
     try:
-        md = write_report(results, args.run_dir)
+        summary = summarize(results)
+        unc = uncertainty(results, summary)
+        md = write_report(results, args.run_dir, summary, unc)
     except ValueError as e:
         raise SystemExit(f"report.py: {path}: {e}")
-    print(format_table(results))
+    print(format_table(results, summary, unc))
+    for line in warning_lines(results):
+        print(line)
     print(f"report.py: wrote {md}", file=sys.stderr)
     return md
 

@@ -61,6 +61,7 @@ import rollout
 import train
 
 from data.cli import InputError, Parser, UserError, comma_list, float_in, int_at_least, main_cli, task_names
+from data.diagnostics import diagnose
 from data.digest import Digests
 from data.jsonl import check_output, read_records, write_json, write_jsonl
 from data.replay import replay_budget, replay_counts, select
@@ -579,9 +580,13 @@ def main(argv=None):
     results = collect(pipe, runs, row0, tasks, dict(preset=preset, base=str(base), data=str(data_root), cfg=cfg,
                                                     numerics=numerics, train_sizes=train_sizes), probes)
     write_json(run_dir / "results.json", results)
-    from report import format_table, write_report
-    write_report(results, run_dir)
-    print(format_table(results))
+    import report
+    summary = report.summarize(results)
+    unc = report.uncertainty(results, summary)
+    report.write_report(results, run_dir, summary, unc)
+    print(report.format_table(results, summary, unc))
+    for line in report.warning_lines(results):
+        print(line)
     # what each kind of step cost (summed step seconds, a step counted in the run that executed it): timing.json,
     # kept out of results.json so that the results stay a function of the command, its inputs and its seeds
     timing = {}
@@ -630,34 +635,65 @@ def epochs_per_task(spec, tasks) -> dict:
 
 
 def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, probes: dict | None = None) -> dict:
-    """results.json: per method and seed, the accuracy matrix (row i: tasks 1..i after stage i), row 0 (the base
-    on every task), next_task (a(i, i+1): task i+1 after stage i, before training on it), the continual-learning
-    metrics of data.metrics.cl_metrics, the per-step training loss of every stage, and the mechanism probes
-    (collect_probes; report.py's docstring lists the fields)."""
+    """results.json (its schema: report.py's docstring): per method and seed, the accuracy matrix (row i: tasks 1..i
+    after stage i), row 0 (the base on every task), next_task (a(i, i+1): task i+1 after stage i, before training on
+    it), the continual-learning metrics of data.metrics.cl_metrics, the per-step training loss of every stage, from
+    each evaluation's predictions.jsonl, for the cells of the matrix, the per-example scores (averaged over eval
+    repeats, in test_idx order: the test-set bootstrap) and the degenerate-answer diagnostics (data.diagnostics), and
+    the mechanism probes (collect_probes). Every evaluation must have scored the same test examples of a task."""
     from data.metrics import cl_metrics
+    evals, test_idx = {}, {}
 
-    def scores_of(key):
-        return json.loads((pipe.dir(key) / "eval" / "scores.json").read_text())["scores"]
+    def eval_of(key):  # eval steps are shared between methods: read each once
+        if key not in evals:
+            evals[key] = read_eval(pipe.dir(key) / "eval", test_idx)
+        return evals[key]
 
     methods = {}
     for label, by_seed in runs.items():
         methods[label] = {"seeds": {}}
         for seed, chain in by_seed.items():
-            matrix, next_task, losses = [], [], []
+            matrix, next_task, losses, examples, diagnostics = [], [], [], [], []
             for i, (t_key, e_key) in enumerate(chain):
-                scores = scores_of(e_key)
+                scores, per_example, diag = eval_of(e_key)
                 matrix.append([scores[t] for t in tasks[:i + 1]])
+                examples.append([per_example[t] for t in tasks[:i + 1]])
+                diagnostics.append({t: diag[t] for t in tasks[:i + 1]})
                 if i + 1 < len(tasks):
                     next_task.append(scores[tasks[i + 1]])
                 log = pipe.dir(t_key) / "ckpt" / "train_log.jsonl"
                 losses.append([json.loads(line)["loss"] for line in log.read_text().splitlines()])
-            base_row = [scores_of(row0[seed])[t] for t in tasks]
+            base_row = [eval_of(row0[seed])[0][t] for t in tasks]
             methods[label]["seeds"][str(seed)] = {"matrix": matrix, "row0": base_row, "next_task": next_task,
                                                   "cl_metrics": cl_metrics(matrix, base_row, next_task),
-                                                  "loss_curves": losses}
+                                                  "loss_curves": losses, "example_scores": examples,
+                                                  "diagnostics": diagnostics}
             if probes:
                 methods[label]["seeds"][str(seed)].update(collect_probes(pipe, probes[label][seed]))
-    return {"tasks": tasks, "methods": methods, "meta": meta}
+    return {"tasks": tasks, "methods": methods, "test_idx": {t: test_idx[t] for t in tasks if t in test_idx},
+            "meta": meta}
+
+
+def read_eval(eval_dir: Path, test_idx: dict):
+    """(scores, per_example, diagnostics) of one evaluate.py output: scores.json's per-task means; per task the
+    per-example scores averaged over repeats, ordered by idx (rounded to 1e-4); data.diagnostics.diagnose per task.
+    test_idx ({task: [idx]}) is filled by the first evaluation and checked against by the others."""
+    scores = json.loads((eval_dir / "scores.json").read_text())["scores"]
+    by_task = {}
+    for r in read_records(eval_dir / "predictions.jsonl", required=("task", "prediction", "gold", "finish_reason")):
+        by_task.setdefault(r["task"], []).append(r)
+    per_example, diagnostics = {}, {}
+    for t in scores:
+        by_idx = {}
+        for r in by_task.get(t, []):
+            by_idx.setdefault(r["idx"], []).append(r["score"])
+        idx = sorted(by_idx)
+        if test_idx.setdefault(t, idx) != idx:
+            raise InputError(f"{eval_dir / 'predictions.jsonl'}: task {t} was evaluated on other test "
+                             f"examples than another evaluation of this run ({len(idx)} vs {len(test_idx[t])})")
+        per_example[t] = [round(sum(v) / len(v), 4) for v in (by_idx[i] for i in idx)]
+        diagnostics[t] = diagnose(t, by_task[t])
+    return scores, per_example, diagnostics
 
 
 def collect_probes(pipe: Pipeline, found: dict) -> dict:

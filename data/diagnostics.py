@@ -1,9 +1,9 @@
 """Degenerate answers in one evaluation: label collapse, empty and length-capped responses.
 
 A score alone cannot tell "forgot the task" from "answers the majority class to everything" or "runs into the
-token cap". These numbers come from one evaluation's predictions.jsonl records (fields prediction, gold,
-finish_reason, num_tokens, as evaluate.py writes them); warnings() gives the lines a report prints per flagged
-(method, stage, task).
+token cap". run.py computes these numbers from each evaluation's predictions.jsonl (fields prediction, gold,
+finish_reason, num_tokens), stores them in results.json, and report.py prints them next to the accuracy matrix
+with one warning line per flagged (method, stage, task).
 
     diagnose(task, records) -> {"n", "empty", "length_capped", "mean_tokens",                      # every task
                                 "labels", "gold_labels", "top_label", "top_rate", "gold_majority_rate",

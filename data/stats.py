@@ -9,20 +9,19 @@ Two sources of noise, two intervals; neither covers the other's:
             and each task's test examples are resampled with replacement, the SAME resampled indices for every
             method, stage and seed (all are evaluated on the same prompts), so differences stay paired.
 
-    mean_std(xs, sample=False)            {"mean", "std"}: std = population std, or with sample=True the sample std
-                                          (n-1 denominator); None when there is one value
+    mean_std(xs)                          {"mean", "std", "n"}: std = sample std (n-1 denominator), None when n == 1
     t_quantile(df, level=0.95)            two-sided Student-t quantile, exact for integer df (t(0.975, 4) = 2.776)
     t_interval(xs, level=0.95)            (lo, hi) of the mean of xs, None when len(xs) < 2
     paired_differences(a, b)              {seed: a[seed] - b[seed]} over the seeds both have
     bootstrap_indices(sizes, B, seed)     {task: int array [B, n_task]}: the shared resampled test indices
-    bootstrap_acc_bwt(runs, tasks, idx)   {"acc": [B], "bwt": [B] or None}: ACC/BWT per resample, mean over seeds
+    bootstrap_acc_bwt(runs, idx)          {"acc": [B], "bwt": [B] or None}: ACC/BWT per resample, mean over seeds
     percentile_interval(samples, level)   (lo, hi) of bootstrap samples
     excludes_zero(interval)               True when the interval lies strictly on one side of 0
     pearson(xs, ys)                       Pearson correlation (None when a side is constant)
     spearman(xs, ys)                      Spearman rank correlation, ties at their average rank (score.py: RU vs
                                           SC; the report: forgetting vs drift)
 
-BOOTSTRAP_B (resamples), BOOTSTRAP_SEED and LEVEL are the defaults, in one block below.
+BOOTSTRAP_B and BOOTSTRAP_SEED are the defaults the report uses.
 """
 import math
 import statistics
@@ -34,13 +33,10 @@ BOOTSTRAP_SEED = 0     # seed of the resampling's numpy Generator: the same resu
 LEVEL = 0.95           # every interval in the report
 
 
-def mean_std(xs, sample: bool = False) -> dict:
-    """{"mean", "std"} of a list of numbers; std is the population std (sample=False, what report.py prints today)
-    or the sample std with an n-1 denominator (sample=True, what a t-interval uses); None for a single value."""
+def mean_std(xs) -> dict:
+    """{"mean", "std", "n"} of a list of numbers; std is the sample std (n-1 denominator), None for a single value."""
     xs = list(xs)
-    if len(xs) < 2:
-        return {"mean": statistics.fmean(xs), "std": None}
-    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if sample else statistics.pstdev(xs)}
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else None, "n": len(xs)}
 
 
 # ---------------------------------------------------------------------------------------------------------------

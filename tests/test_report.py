@@ -1,18 +1,24 @@
-"""report.py on a hand-made run: ACC/BWT and their spread over seeds equal hand-computed values exactly, the
-tables show them, and every figure is a real PNG; single seed, no 'replay' method, a run in progress, bad input."""
+"""report.py on a hand-made run: ACC/BWT and their spread over seeds equal hand-computed values, the tables show
+them, and every figure is a real PNG; single seed, no 'replay' method, a run in progress, bad input; the paired
+differences and their intervals (seeds, test-set bootstrap), and the degenerate-answer diagnostics and warnings."""
 import copy
 import json
+import math
+import re
 
 import numpy as np
 import pytest
 
 import report
-from report import FIGURES, format_table, markdown_report, mean_loss_curves, summarize, write_report
+from data.diagnostics import diagnose
+from data.stats import t_quantile
+from report import (FIGURES, format_table, markdown_report, mean_loss_curves, summarize, uncertainty,
+                    warning_lines, write_report)
 
 TASKS = ["C-STANCE", "FOMC", "MeetingBank"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-# Values chosen so every mean/std below is exact in floating point.
+# Values chosen so every mean below is exact in floating point.
 RESULTS = {
     "tasks": TASKS,
     "methods": {
@@ -28,10 +34,13 @@ RESULTS = {
     "meta": {"model": "tiny", "cfg": {"rho": 0.01, "lr": 2e-05}},
 }
 # by hand:
-#   replay  ACC per seed (50+61+90)/3 = 67, (54+66+93)/3 = 71         -> 69 ± 2
-#           BWT per seed ((50-80)+(61-70))/2 = -19.5, ((54-84)+(66-74))/2 = -19  -> -19.25 ± 0.25
+# by hand (std = sample std over 2 seeds = |a - b| / sqrt(2)):
+#   replay  ACC per seed (50+61+90)/3 = 67, (54+66+93)/3 = 71         -> 69 ± 2.83 (2 sqrt 2)
+#           BWT per seed ((50-80)+(61-70))/2 = -19.5, ((54-84)+(66-74))/2 = -19  -> -19.25 ± 0.35 (sqrt 2 / 4)
 #           final C-STANCE (50+54)/2 = 52, FOMC (61+66)/2 = 63.5, MeetingBank (90+93)/2 = 91.5
-#   opr-ru  ACC 79, 83 -> 81 ± 2;  BWT -2, -2 -> -2 ± 0
+#   opr-ru  ACC 79, 83 -> 81 ± 2.83;  BWT -2, -2 -> -2 ± 0
+#   opr-ru - replay per seed: ACC 12, 12; BWT 17.5, 17 -> mean 17.25, t-interval 17.25 -/+ t(0.975, 1) * 0.25
+R2 = math.sqrt(2)
 
 
 def test_summary_equals_hand_computed_values():
@@ -40,12 +49,16 @@ def test_summary_equals_hand_computed_values():
     r, o = s["replay"], s["opr-ru"]
     assert r["seeds"] == ["0", "1"] and r["stages"] == 3
     assert r["per_seed"] == {"0": {"acc": 67.0, "bwt": -19.5}, "1": {"acc": 71.0, "bwt": -19.0}}
-    assert r["acc"] == {"mean": 69.0, "std": 2.0} and r["bwt"] == {"mean": -19.25, "std": 0.25}
-    assert r["final"] == {"C-STANCE": {"mean": 52.0, "std": 2.0}, "FOMC": {"mean": 63.5, "std": 2.5},
-                          "MeetingBank": {"mean": 91.5, "std": 1.5}}
+    assert r["acc"] == {"mean": 69.0, "std": pytest.approx(2 * R2), "n": 2}
+    assert r["bwt"] == {"mean": -19.25, "std": pytest.approx(R2 / 4), "n": 2}
+    assert r["final"] == {"C-STANCE": {"mean": 52.0, "std": pytest.approx(2 * R2), "n": 2},
+                          "FOMC": {"mean": 63.5, "std": pytest.approx(2.5 * R2), "n": 2},
+                          "MeetingBank": {"mean": 91.5, "std": pytest.approx(1.5 * R2), "n": 2}}
     assert r["matrix"] == [[82.0], [61.0, 72.0], [52.0, 63.5, 91.5]]
-    assert r["matrix_std"] == [[2.0], [1.0, 2.0], [2.0, 2.5, 1.5]]
-    assert o["acc"] == {"mean": 81.0, "std": 2.0} and o["bwt"] == {"mean": -2.0, "std": 0.0}
+    assert [x for row in r["matrix_std"] for x in row] == pytest.approx([2 * R2, R2, 2 * R2, 2 * R2, 2.5 * R2,
+                                                                          1.5 * R2])
+    assert o["acc"] == {"mean": 81.0, "std": pytest.approx(2 * R2), "n": 2}
+    assert o["bwt"] == {"mean": -2.0, "std": 0.0, "n": 2}
     json.dumps(s)  # the summary is JSON-serialisable (run.py may store it)
 
 
@@ -57,9 +70,9 @@ def test_tables_show_the_numbers():
                                                                    "forgetting", *TASKS]
     replay = [c.strip() for c in lines[2].strip("|").split("|")]
     # no row 0 in RESULTS: no FWT; forgetting per seed ((80-50) + (70-61))/2 = 19.5, ((84-54) + (74-66))/2 = 19
-    assert replay == ["replay", "2", "69.00 ± 2.00", "-19.25 ± 0.25", "-", "19.25 ± 0.25", "52.00", "63.50", "91.50"]
+    assert replay == ["replay", "2", "69.00 ± 2.83", "-19.25 ± 0.35", "-", "19.25 ± 0.35", "52.00", "63.50", "91.50"]
     opr = [c.strip() for c in lines[3].strip("|").split("|")]
-    assert opr[:4] == ["opr-ru", "2", "81.00 ± 2.00", "-2.00 ± 0.00"]
+    assert opr[:4] == ["opr-ru", "2", "81.00 ± 2.83", "-2.00 ± 0.00"]
 
     md = markdown_report(RESULTS)
     assert table in md and "- model: tiny" in md and '- cfg: {"rho": 0.01, "lr": 2e-05}' in md
@@ -95,7 +108,8 @@ def test_single_seed_has_no_spread():
     for m in one["methods"].values():
         del m["seeds"]["1"]
     s = summarize(one)
-    assert s["replay"]["acc"] == {"mean": 67.0, "std": None} and s["replay"]["bwt"] == {"mean": -19.5, "std": None}
+    assert s["replay"]["acc"] == {"mean": 67.0, "std": None, "n": 1}
+    assert s["replay"]["bwt"] == {"mean": -19.5, "std": None, "n": 1}
     assert s["replay"]["matrix_std"][2] == [None, None, None]
     table = format_table(one)
     assert "±" not in table and "| 67.00 |" in table and "| -19.50 |" in table
@@ -121,8 +135,8 @@ def test_run_in_progress_and_no_loss_curves(tmp_path):
     }}
     s = summarize(partial)
     assert s["replay"]["acc"]["mean"] == 65.0 and s["replay"]["bwt"]["mean"] == -20.0
-    assert s["seq"]["bwt"] == {"mean": None, "std": None} and s["seq"]["final"] == {"C-STANCE": {"mean": 90.0,
-                                                                                                  "std": None}}
+    assert s["seq"]["bwt"] == {"mean": None, "std": None, "n": 1}
+    assert s["seq"]["final"] == {"C-STANCE": {"mean": 90.0, "std": None, "n": 1}}
     row = [c.strip() for c in format_table(partial).splitlines()[3].strip("|").split("|")]
     assert row == ["seq", "1", "90.00", "-", "-", "-", "90.00", "-", "-"]
     md = write_report(partial, tmp_path).read_text()
@@ -191,6 +205,7 @@ def test_command_line_rebuilds_the_report_from_results_json(tmp_path):
     assert p.returncode == 0, p.stderr
     assert format_table(RESULTS) in p.stdout
     assert (tmp_path / "report.md").read_text() == markdown_report(RESULTS, figures=list(FIGURES))
+    assert p.stdout.count("WARNING") == 0
     for name in FIGURES:
         assert_png(tmp_path / name)
     for content, says in [(None, "results.json: not found"), ("{", "results.json: not valid JSON"),
@@ -255,7 +270,7 @@ def test_buffer_numbers_and_mechanism_section(tmp_path):
     assert b["buffers"] == 2 and b["nll_mean"] == pytest.approx(0.2) and b["nll_max"] == pytest.approx(0.6)
     assert b["rejected_nll_mean"] == pytest.approx(0.8) and b["spearman_ru_sc"] == pytest.approx(0.3)
     assert b["token_nll_max"] == pytest.approx(0.8)
-    text = "\n".join(report.mechanism_section(results))
+    text = re.sub(" +", " ", "\n".join(report.mechanism_section(results)))  # tables are padded for the terminal
     assert "| sft | 2 (0.2) | 2.5 (0.25) |" in text
     assert "| opr-ru | ru | 2 | 0.200 | 0.600 | 0.800 | 0.800 | 0.30 |" in text
     assert "opr-ru: 1 rollout sets" in text and "WARNED" not in text
@@ -272,3 +287,151 @@ def test_buffer_numbers_and_mechanism_section(tmp_path):
     assert report.mechanism_section(results) == []
     report.write_report(results, tmp_path)
     assert not (tmp_path / "fig_drift.png").exists() and "Mechanism" not in (tmp_path / "report.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Uncertainty: paired differences with intervals over seeds and over test prompts
+
+
+def with_examples(results, spread=5.0):
+    """A copy whose runs carry per-example scores: 4 test examples per task, [v - d, v + d, v - d, v + d] for matrix
+    entry v (mean v), the same pattern in every method, stage and seed."""
+    out = copy.deepcopy(results)
+    for e in out["methods"].values():
+        for run in e["seeds"].values():
+            run["example_scores"] = [[[v - spread, v + spread, v - spread, v + spread] for v in row]
+                                     for row in run["matrix"]]
+    out["test_idx"] = {t: [0, 1, 2, 3] for t in out["tasks"]}
+    return out
+
+
+def test_paired_differences_over_seeds_by_hand():
+    unc = uncertainty(RESULTS)
+    assert unc["bootstrap"] is None and unc["methods"]["replay"] == {"acc_test": None, "bwt_test": None}
+    assert list(unc["deltas"]) == ["replay"]  # no sft in this run
+    d = unc["deltas"]["replay"]["opr-ru"]
+    assert d["acc"]["per_seed"] == {"0": 12.0, "1": 12.0} and d["acc"]["seeds"] == (12.0, 12.0)
+    assert d["bwt"]["per_seed"] == {"0": 17.5, "1": 17.0} and d["bwt"]["mean"] == 17.25
+    half = t_quantile(1) * 0.25  # sample std of (17.5, 17) = 0.5 / sqrt(2); / sqrt(2) again
+    assert d["bwt"]["seeds"] == pytest.approx((17.25 - half, 17.25 + half))
+    assert half == pytest.approx(3.17655, abs=1e-4)
+    assert d["acc"]["resolved"] and d["bwt"]["resolved"] and d["bwt"]["test"] is None
+    md = markdown_report(RESULTS)
+    row = next(line for line in md.splitlines() if line.startswith("| opr-ru ") and "17.25" in line)
+    assert [c.strip() for c in row.strip("|").split("|")] == [
+        "opr-ru", "2", "+12.00", "[+12.00, +12.00]", "-", "yes (seeds only)",
+        "+17.25", "[+14.07, +20.43]", "-", "yes (seeds only)"]
+    assert "no per-example scores" in md and "## Paired differences vs replay" in md
+
+
+def test_test_set_bootstrap_is_paired_and_deterministic():
+    """opr-ru and replay share every example's deviation from their mean, so every resample gives them the same
+    difference: the paired ΔACC interval is exactly [12, 12] and ΔBWT's [17.25, 17.25], while each method's own ACC
+    interval is wide (the examples differ by 10 points)."""
+    res = with_examples(RESULTS)
+    unc = uncertainty(res)
+    assert unc["bootstrap"] == {"B": 1000, "seed": 0, "sizes": {t: 4 for t in TASKS}}
+    d = unc["deltas"]["replay"]["opr-ru"]
+    assert d["acc"]["test"] == pytest.approx((12.0, 12.0)) and d["bwt"]["test"] == pytest.approx((17.25, 17.25))
+    lo, hi = unc["methods"]["replay"]["acc_test"]
+    assert lo < 69 < hi and hi - lo > 2
+    assert uncertainty(res) == unc  # the same results.json gives the same intervals
+    table = format_table(res)
+    header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+    assert header == ["method", "seeds", "ACC", "ACC 95% CI", "BWT", "BWT 95% CI", "FWT", "forgetting", *TASKS]
+    replay = [c.strip() for c in table.splitlines()[2].strip("|").split("|")]
+    assert replay[3] == f"[{lo:.2f}, {hi:.2f}]"
+    md = markdown_report(res)
+    assert "percentile bootstrap over test prompts (1000 resamples" in md and "C-STANCE 4" in md
+
+
+def test_one_seed_is_resolved_on_the_test_set_only_and_says_so():
+    one = with_examples(RESULTS)
+    for m in one["methods"].values():
+        del m["seeds"]["1"]
+    one["methods"]["sft"] = {"seeds": {"0": {"matrix": [[80], [20, 70], [5, 30, 90]],
+                                             "example_scores": [[[80] * 4], [[0, 40, 0, 40], [70] * 4],
+                                                                [[0, 10, 0, 10], [0, 60, 0, 60], [90] * 4]]}}}
+    unc = uncertainty(one)
+    assert list(unc["deltas"]) == ["replay", "sft"]
+    d = unc["deltas"]["replay"]["opr-ru"]["acc"]
+    assert d["n"] == 1 and d["seeds"] is None and d["test"] == pytest.approx((12.0, 12.0)) and d["resolved"]
+    md = markdown_report(one)
+    assert "yes (test set only; 1 seed)" in md and "One seed: the spread over seeds" in md
+    assert "## Paired differences vs sft" in md
+    # replay vs sft: C-STANCE differs per example by -5, +5, -5, +5 minus 0, 10, 0, 10 -> not constant: a real
+    # interval that, here, still excludes 0 (replay ACC 67 vs sft 41.67)
+    r = unc["deltas"]["sft"]["replay"]["acc"]
+    assert r["mean"] == pytest.approx(67 - 125 / 3) and r["test"][0] < r["mean"] < r["test"][1]
+
+
+def test_unresolved_difference_is_marked_no():
+    res = with_examples(RESULTS, spread=0.0)
+    for s, run in res["methods"]["opr-ru"]["seeds"].items():  # ACC +-3 around replay's, different sign per seed
+        sign = 1 if s == "0" else -1
+        run["matrix"] = copy.deepcopy(res["methods"]["replay"]["seeds"][s]["matrix"])
+        run["matrix"][2] = [v + 3 * sign for v in run["matrix"][2]]
+        run["example_scores"] = [[[v - 20, v + 20, v, v] for v in row] for row in run["matrix"]]
+    d = uncertainty(res)["deltas"]["replay"]["opr-ru"]["acc"]
+    assert d["per_seed"] == {"0": 3.0, "1": -3.0} and not d["resolved"]
+    row = next(line for line in markdown_report(res).splitlines() if line.startswith("| opr-ru ") and "+0.00" in line)
+    assert [c.strip() for c in row.strip("|").split("|")][5] == "no"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Degenerate answers
+
+
+def predictions(preds, golds, finish="stop"):
+    return [{"prediction": p, "gold": g, "finish_reason": finish, "num_tokens": 2} for p, g in zip(preds, golds)]
+
+
+def with_diagnostics(results):
+    """Diagnostics for every evaluation; replay's seed-0 stage-2 evaluation answers 'C' to all C-STANCE prompts
+    (gold: half A, half B) and hits the length cap on all FOMC prompts; opr-ru's seed-1 stage-3 evaluation answers
+    nothing to C-STANCE, stopped by the cap."""
+    out = copy.deepcopy(results)
+    golds = ["A", "B"] * 10
+    for m, e in out["methods"].items():
+        for s, run in e["seeds"].items():
+            run["diagnostics"] = []
+            for i, row in enumerate(run["matrix"]):
+                stage = {}
+                for j in range(i + 1):
+                    t = TASKS[j]
+                    if (m, s, i, t) == ("replay", "0", 1, "C-STANCE"):
+                        stage[t] = diagnose(t, predictions(["C"] * 20, golds))
+                    elif (m, s, i, t) == ("replay", "0", 1, "FOMC"):
+                        stage[t] = diagnose(t, predictions(golds, golds, finish="length"))
+                    elif (m, s, i, t) == ("opr-ru", "1", 2, "C-STANCE"):
+                        stage[t] = diagnose(t, predictions([""] * 20, golds, finish="length"))
+                    else:
+                        stage[t] = diagnose(t, predictions(golds, golds))
+                run["diagnostics"].append(stage)
+    return out
+
+
+def test_diagnostics_and_warnings_in_the_report(tmp_path):
+    res = with_diagnostics(RESULTS)
+    lines = warning_lines(res)
+    assert lines[:2] == ["WARNING replay, after stage 2 (FOMC), task C-STANCE: seed 0: predictions collapsed to 'C' "
+                         "(100% of answers; gold majority class 50%)",
+                         "WARNING replay, after stage 2 (FOMC), task FOMC: seed 0: 100% of responses hit the "
+                         "max-new-tokens cap"]
+    md = write_report(res, tmp_path).read_text()
+    for line in lines:
+        assert f"- {line}" in md
+    # next to replay's matrix: the answers table; stage 2 row: label shares averaged over the 2 seeds (C: 100%, 0%)
+    replay = md[md.index("### replay"):md.index("### opr-ru")]
+    assert "| 2: FOMC | C 50% ! | A 50%, capped 50% ! | - |" in replay
+    assert "| 1: C-STANCE | A 50% | - | - |" in replay
+    assert "Gold labels' majority class: C-STANCE 'A' 50%, FOMC 'A' 50%." in replay
+    assert "3 evaluation(s) flagged for degenerate answers" in md
+    # empty answers are not a label: the cell pools seed 0 (A 50%, B 50%) with seed 1 (all empty, all capped)
+    opr = md[md.index("### opr-ru"):]
+    assert "| 3: MeetingBank | A 25%, empty 50%, capped 50% ! | A 50% | ok |" in opr
+    assert opr.count("WARNING") == 1 and lines[2] == (
+        "WARNING opr-ru, after stage 3 (MeetingBank), task C-STANCE: seed 1: 100% empty responses, 100% of "
+        "responses hit the max-new-tokens cap")
+    # MeetingBank is not a classification task: no label, nothing to show but 'ok'
+    assert "| 3: MeetingBank | A 50% | A 50% | ok |" in replay

@@ -28,10 +28,11 @@ from pathlib import Path
 
 import pytest
 
+from data.diagnostics import diagnose
 from data.metrics import acc_bwt, cl_metrics
 from data.metrics import score as metric
 from data.replay import allocate, buffer_size
-from report import FIGURES, format_table, summarize
+from report import FIGURES, format_table, summarize, warning_lines
 from data.trace import load_task
 
 REPO = Path(__file__).resolve().parents[1]
@@ -226,15 +227,49 @@ def test_report_acc_bwt_and_figures(run_a):
         assert summary[m]["acc"]["mean"] == pytest.approx(acc) and summary[m]["bwt"]["mean"] == pytest.approx(bwt)
         row = next(line for line in report.splitlines() if line.startswith(f"| {m} "))
         cells = [c.strip() for c in row.strip("|").split("|")]
+        # one seed: no std, but a test-set bootstrap interval next to ACC and BWT
         cl = results["methods"][m]["seeds"]["0"]["cl_metrics"]
-        assert cells[:6] == [m, "1", f"{acc:.2f}", f"{bwt:.2f}", f"{cl['fwt']:.2f}",
-                             f"{cl['forgetting_mean']:.2f}"], row
+        assert cells[:3] == [m, "1", f"{acc:.2f}"] and cells[4] == f"{bwt:.2f}", row
+        assert cells[6:8] == [f"{cl['fwt']:.2f}", f"{cl['forgetting_mean']:.2f}"], row
+        for value, ci in ((acc, cells[3]), (bwt, cells[5])):
+            lo, hi = map(float, ci.strip("[]").split(","))
+            assert lo - 0.01 <= value <= hi + 0.01, row
         final = results["methods"][m]["seeds"]["0"]["matrix"][-1]
-        assert cells[6:] == [f"{v:.2f}" for v in final], row
+        assert cells[8:] == [f"{v:.2f}" for v in final], row
     assert "- protocol: scoring paper; 1 sample(s) per test prompt; replay budget total" in report
+    for ref in ("replay", "sft"):
+        assert f"## Paired differences vs {ref}" in report
+    assert "One seed: the spread over seeds" in report
+    for line in warning_lines(results):  # every flagged evaluation has its warning line next to its matrix
+        assert f"- {line}" in report
     for name in FIGURES:  # all six apply: a replay method, loss curves, three stages
         assert (run_a / name).read_bytes()[:8] == PNG_MAGIC, name
         assert f"]({name})" in report
+
+
+def test_per_example_scores_and_diagnostics_come_from_the_predictions(run_a):
+    """results.json carries, per evaluation, the per-example scores (their mean is the matrix entry) in test_idx order
+    and data.diagnostics.diagnose of its predictions.jsonl, for the bootstrap and the degenerate-answer checks."""
+    results = json.loads((run_a / "results.json").read_text())
+    evals = {}  # stage -> list of (per-example scores, diagnostics) of each evaluation of that stage
+    for stage in (1, 2, 3):
+        for d in step_dirs(run_a, f"s{stage}-eval-*"):
+            records = read_jsonl(d / "eval" / "predictions.jsonl")
+            per_example, diags = [], {}
+            for t in TASKS[:stage]:
+                rs = sorted((r for r in records if r["task"] == t), key=lambda r: r["idx"])
+                assert [r["idx"] for r in rs] == results["test_idx"][t] and len(rs) == 4  # --eval-limit 4
+                per_example.append([round(r["score"], 4) for r in rs])  # one repeat
+                diags[t] = diagnose(t, rs)
+            evals.setdefault(stage, []).append((per_example, diags))
+    assert list(results["test_idx"]) == TASKS
+    for m in METHODS:
+        run = results["methods"][m]["seeds"]["0"]
+        for i, (row, ex, diags) in enumerate(zip(run["matrix"], run["example_scores"], run["diagnostics"])):
+            assert (ex, diags) in evals[i + 1], (m, i)
+            assert [sum(c) / len(c) for c in ex] == pytest.approx(row, abs=1e-3), (m, i)
+            assert set(diags) == set(TASKS[:i + 1]) and "labels" in diags["C-STANCE"]  # a classification task
+            assert i == 0 or "labels" not in diags["Py150"]
 
 
 def test_a_subset_of_methods_reuses_every_step(env, run_a):

@@ -31,11 +31,10 @@ def test_t_quantile_other_levels_and_bad_df():
             t_quantile(bad)
 
 
-def test_mean_std_population_and_sample():
-    assert mean_std([67, 71]) == {"mean": 69.0, "std": 2.0}
-    assert mean_std([67, 71], sample=True) == {"mean": 69.0, "std": pytest.approx(2 * math.sqrt(2))}
-    assert mean_std([1, 2, 3, 4, 5], sample=True) == {"mean": 3.0, "std": pytest.approx(math.sqrt(2.5))}
-    assert mean_std([7.5]) == mean_std([7.5], sample=True) == {"mean": 7.5, "std": None}
+def test_mean_std_is_the_sample_std():
+    assert mean_std([67, 71]) == {"mean": 69.0, "std": pytest.approx(2 * math.sqrt(2)), "n": 2}
+    assert mean_std([1, 2, 3, 4, 5]) == {"mean": 3.0, "std": pytest.approx(math.sqrt(2.5)), "n": 5}
+    assert mean_std([7.5]) == {"mean": 7.5, "std": None, "n": 1}
 
 
 def test_t_interval_by_hand():
