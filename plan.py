@@ -207,11 +207,13 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
     max_new = cfg_run["max_new_tokens"]
     tests = {}
 
-    def test_set(task):
+    def test_set(task, limit=None):
+        """The test examples that fit max_len, the first `limit` of them (evaluate.py: --eval-limit; drift.py:
+        --drift-limit, which --eval-limit does not cap)."""
         if task not in tests:
-            exs = filter_overlong(load_task(data_root, task, "test"), tok.sft_length, cfg_run["max_len"])[0]
-            tests[task] = exs[:cfg_run["eval_limit"]] if cfg_run["eval_limit"] else exs
-        return tests[task]
+            tests[task] = filter_overlong(load_task(data_root, task, "test"), tok.sft_length, cfg_run["max_len"])[0]
+        limit = cfg_run["eval_limit"] if limit is None else limit
+        return tests[task][:limit] if limit else tests[task]
 
     def generation(c, examples, repeats=1):
         c.prompts = repeats * len(examples)  # evaluate.py --repeats: K responses per prompt, one generate call
@@ -260,7 +262,7 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
             generation(c, [e for t in spec["tasks"] for e in test_set(t)], spec.get("repeats", 1))
         elif kind == "drift":  # drift.py: sample the first `limit` test prompts of each prior task, then both models
             # teacher-force the samples and the gold answers (priced as prefill in price())
-            generation(c, [e for t in spec["prior"] for e in test_set(t)[:spec["limit"]]])
+            generation(c, [e for t in spec["prior"] for e in test_set(t, limit=spec["limit"])])
         elif kind == "buffer-nll":  # buffer_nll.py: one teacher-forced forward over the gold buffer
             b_est, _, _ = buffer_lengths(s["deps"][1])
             c.prompts, c.prompt_tokens = len(b_est), sum(b_est)

@@ -101,10 +101,11 @@ def test_edited_answer_reruns_exactly_the_dependent_steps(setup, run_one_core):
     # scores the next task too, for FWT) and stage 2's, one per method
     edit("test", TASKS[1])
     assert new_steps() == ["s0-eval", "s1-eval"] + ["s2-eval"] * 3
-    # its training answers feed stage 2's training (every method) and so stage 2's evaluations; stage 1, the
-    # stage-1 rollouts and the buffers (built from task 1) are untouched
+    # its training answers feed stage 2's training (every method) and so stage 2's evaluations and drift
+    # measurements (stage 2 vs stage 1 on task 1's test prompts); stage 1, the stage-1 rollouts and the buffers
+    # (built from task 1) are untouched
     edit("train", TASKS[1])
-    assert new_steps() == ["s2-eval"] * 3 + ["s2-train"] * 3
+    assert new_steps() == ["s2-drift"] * 3 + ["s2-eval"] * 3 + ["s2-train"] * 3
     # the first task's training answers feed everything: stage 1, the gold buffer, the OPR scores (gold answers
     # are the RU reference), and everything downstream; the rollout reads only its prompts, yet its key follows
     # the file (and its stage-1 checkpoint changes anyway)
