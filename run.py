@@ -63,6 +63,7 @@ import train
 from data.cli import InputError, Parser, UserError, comma_list, float_in, int_at_least, main_cli, task_names
 from data.diagnostics import diagnose
 from data.digest import Digests
+from data.zygote import SCRIPTS, Zygote
 from data.jsonl import check_output, read_records, write_json, write_jsonl
 from data.replay import replay_budget, replay_counts, select
 from data.tasks import get_task, parse_tasks
@@ -87,15 +88,18 @@ PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=train.LR, global_b
              sft_kl_beta=train.SFT_KL_BETA, sdft_teacher=train.SDFT_TEACHER, sdft_alpha=train.SDFT_ALPHA,
              sdft_kl=train.SDFT_KL, sdft_temperature=train.SDFT_TEMPERATURE,
              sdft_max_new_tokens=train.SDFT_MAX_NEW_TOKENS, epochs=None,  # epochs None: the task table's [5,3,7,5,3,5,5,7]
+             first_epochs=None,        # epochs of stage 1 when --epochs is not given (None: as `epochs` says)
              activation_checkpointing=True,  # 7-8B at 16,384 tokens per micro-batch: ~29 GB/GPU with, ~125 without
              drift_limit=drift.LIMIT,     # test prompts per prior task for the per-update KL (0: no drift steps)
              n_train=128, n_test=32)      # sizes of the embedded benchmark when no --data is given
 PRESETS = {
     # tiny Llama on the embedded benchmark: 8 stages x 4 methods in minutes on 2 CPU cores
-    # (256 steps per stage as before; 256 distinct training prompts, a 51-example buffer; 64 test prompts per task:
-    # more would cost evaluation time the 10-minute budget does not have today, see BENCHMARKS.md)
+    # (256 steps per stage; 256 distinct training prompts, a 51-example buffer; 256 test prompts per task. Stage 1
+    # trains 8 epochs: the first letter task from the base has a seed-dependent plateau, at 4 epochs 1 of 5 seeds
+    # stayed at chance, at 8 none did; see BENCHMARKS.md)
     "tiny": dict(PAPER, rho=0.2, lr=5e-4, global_batch=4, max_len=512, micro_tokens=4096, max_new_tokens=32,
-                 sdft_max_new_tokens=32, n_train=256, n_test=64, epochs="4", eval_repeats=1, scoring="lenient",
+                 sdft_max_new_tokens=32, n_train=256, n_test=256, epochs="4", first_epochs=8, eval_repeats=1,
+                 scoring="lenient",
                  activation_checkpointing=False),
     # SmolLM2-135M-Instruct on the embedded benchmark, sized for CPU
     "smollm2": dict(PAPER, rho=0.2, lr=5e-5, global_batch=16, max_len=512, micro_tokens=4096, max_new_tokens=40,
@@ -189,6 +193,10 @@ class Pipeline:
         self.lock = threading.Lock()
         self.procs = set()  # running step processes (each the leader of its own process group)
         self.lock_fd = None
+        # CPU steps start as forks of one process that has imported torch and the scripts (data/zygote.py);
+        # OPR_NO_ZYGOTE=1 starts each as its own `python script.py` instead (slower, same results)
+        self.use_zygote = os.environ.get("OPR_NO_ZYGOTE", "") in ("", "0")
+        self.zygote = None
 
     def add(self, kind: str, name: str, spec: dict, deps: list[str], build, reads=()) -> str:
         """Register a step; `build(tmp_dir, dep_dirs) -> argv` writes its inputs and returns the command that
@@ -238,6 +246,21 @@ class Pipeline:
             if os.getppid() != parent:  # the driver died before prctl
                 os._exit(1)
 
+        script = Path(argv[1]) if len(argv) > 1 and argv[0] == sys.executable else None
+        if self.zygote is not None and script is not None and script.parent == HERE and script.stem in SCRIPTS:
+            child = ZygoteChild()
+
+            def started(pid):
+                child.pid = pid
+                with self.lock:
+                    self.procs.add(child)
+            try:
+                child.rc = self.zygote.run(script.stem, argv[2:], log_path, self.env, on_start=started)
+                return child.rc
+            finally:
+                child.done.set()
+                with self.lock:
+                    self.procs.discard(child)
         with open(log_path, "w") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=HERE,
                                     preexec_fn=die_with_driver, pass_fds=(self.lock_fd,))
@@ -286,6 +309,8 @@ class Pipeline:
 
     def execute(self):
         todo = [k for k in self.steps if not self.done(k)]
+        if self.use_zygote and todo:  # started by this (the main) thread: it dies with the driver
+            self.zygote = Zygote(self.env, pass_fds=(self.lock_fd,))
         bar = tqdm(total=len(self.steps), initial=len(self.steps) - len(todo), desc="pipeline", unit="step",
                    disable=self.quiet)
         running, failure = {}, None
@@ -323,6 +348,9 @@ class Pipeline:
         finally:
             pool.shutdown(wait=True)
             bar.close()
+            if self.zygote is not None:
+                self.zygote.close()
+                self.zygote = None
 
 
 class StepFailed(UserError):
@@ -340,7 +368,19 @@ def last_error(log_path: Path) -> str:
     return lines[-1][:400] if lines else "(empty log)"
 
 
-def _exited(p: subprocess.Popen, deadline: float) -> bool:
+class ZygoteChild:
+    """A step forked by the zygote, as stop_children sees it: a pid (its process group) and whether it is done."""
+
+    def __init__(self):
+        self.pid, self.rc, self.done = None, None, threading.Event()
+
+    def wait(self, timeout=None):
+        if not self.done.wait(timeout):
+            raise subprocess.TimeoutExpired("zygote child", timeout)
+        return self.rc
+
+
+def _exited(p, deadline: float) -> bool:
     try:
         p.wait(max(0.0, deadline - time.monotonic()))
         return True
@@ -381,6 +421,8 @@ def main(argv=None):
         n_train=cfg["n_train"], n_test=cfg["n_test"])
     tasks = parse_tasks(args.tasks)
     epochs = epochs_per_task(cfg["epochs"], tasks)
+    if cfg["first_epochs"] and args.epochs is None:  # the tiny preset: see its comment
+        epochs[tasks[0]] = cfg["first_epochs"]
     # the training examples that fit max_len, as train.py and rollout.py see them: gold replay draws from these.
     # The budget rule counts the subsample BEFORE that filter (5,000 per TRACE task), as the official code does
     tok = ChatTokenizer.from_dir(base)
@@ -400,6 +442,7 @@ def main(argv=None):
     numerics = dict(threads=threads, torch=torch.__version__, gpus=gpus,
                     device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
     pipe = Pipeline(run_dir, jobs, env, args.quiet, numerics)
+    pipe.use_zygote &= gpus == 0 and args.engine != "vllm"  # CUDA and vLLM start in processes of their own
     base_files = [base]  # the base checkpoint: every chain starts from it, and gold replay uses its tokenizer
 
     def files(split, task_list):
@@ -585,8 +628,12 @@ def main(argv=None):
     unc = report.uncertainty(results, summary)
     report.write_report(results, run_dir, summary, unc)
     print(report.format_table(results, summary, unc))
-    for line in report.warning_lines(results):
-        print(line)
+    flagged = report.warning_lines(results)
+    if flagged:  # each one is in report.md next to its matrix; the terminal gets a count and the first few
+        print(f"run.py: {len(flagged)} evaluation(s) flagged for degenerate answers (collapsed to one label, empty or "
+              f"length-capped); all in {run_dir / 'report.md'}, the first:")
+        for line in flagged[:3]:
+            print(f"  {line}")
     # what each kind of step cost (summed step seconds, a step counted in the run that executed it): timing.json,
     # kept out of results.json so that the results stay a function of the command, its inputs and its seeds
     timing = {}

@@ -1,7 +1,8 @@
 """run.py's step keys: a table is a function of the command, its inputs and its seeds.
 
-- Determinism: the same command with --jobs 1 on one core and --jobs 2 on two cores (and a caller with no thread
-  setting) writes a byte-identical results.json.
+- Determinism: the same command with --jobs 1 on one core, every step its own `python script.py` (OPR_NO_ZYGOTE=1),
+  and with --jobs 2 on two cores, every step forked from run.py's zygote (data/zygote.py), with a caller with no
+  thread setting, writes a byte-identical results.json.
 - Content keys: editing one answer of a data file in place (same path) re-runs exactly the steps that read it and
   the steps downstream of them; nothing else.
 - The numerics (thread count) and the content of every file a step reads are part of its key (unit level).
@@ -57,7 +58,7 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run_one_core(setup):
     out = setup["root"] / "run_jobs1"
-    run(command(setup["base"], setup["data"], out, jobs=1), setup["env"], cores="0")
+    run(command(setup["base"], setup["data"], out, jobs=1), dict(setup["env"], OPR_NO_ZYGOTE="1"), cores="0")
     return out
 
 

@@ -1,0 +1,197 @@
+"""A zygote for run.py's steps: one process imports torch and the pipeline's scripts once, then forks a child per
+step, so a step starts in milliseconds instead of paying the ~2-3 s of `import torch` (and the scripts' own
+imports) again. The tiny default runs ~130 steps, so this is minutes of a 10-minute run.
+
+    zygote = Zygote(env, pass_fds=(lock_fd,))      # started by the driver's main thread
+    rc = zygote.run("evaluate", ["--ckpt", ...], log_path, on_start=lambda pid: ...)   # from any thread
+    zygote.close()
+
+A child behaves like `python <script>.py ARGS` started by subprocess with the same environment: it leads its own
+process group (setsid, so the driver can stop it and everything it started), is SIGKILLed by the kernel when the
+zygote dies (PR_SET_PDEATHSIG; the zygote dies the same way with the driver), has stdin on /dev/null and stdout +
+stderr in its log file, runs the script's main() under data.cli.main_cli, and exits with the script's exit code
+(negative signal numbers as subprocess reports them). Numerics are unchanged: the zygote is started with the steps'
+environment (OMP_NUM_THREADS is read when torch is imported) and every child sets torch's thread count again.
+
+Protocol, JSON lines: driver -> zygote {"id", "script", "argv", "log", "env"}; zygote -> driver {"id", "pid"} when
+the child is forked and {"id", "rc"} when it has exited. The zygote exits when its stdin closes.
+"""
+import ctypes
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+SCRIPTS = ("train", "evaluate", "rollout", "score", "drift", "buffer_nll")
+PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "tqdm", "model.checkpoint", "model.generate",
+           "model.sampling", "model.logprobs", "model.tokenizer", "data.metrics", "data.trace", "data.replay",
+           "kernels.attention", "kernels.cross_entropy", "torch.distributed.fsdp", *SCRIPTS)
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl_pdeathsig():
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The driver's side
+
+
+class Zygote:
+    def __init__(self, env: dict, pass_fds=()):
+        parent = os.getpid()
+
+        def die_with_driver():  # in the zygote between fork and exec: dies with the thread that starts it
+            _prctl_pdeathsig()
+            if os.getppid() != parent:
+                os._exit(1)
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "data.zygote"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, cwd=HERE, pass_fds=tuple(pass_fds),
+                                     preexec_fn=die_with_driver)
+        self.lock = threading.Lock()
+        self.waiting = {}  # id -> {"started": Event, "done": Event, "pid", "rc"}
+        self.next_id = 0
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def run(self, script: str, argv: list, log_path: Path, env: dict, on_start=None) -> int:
+        """Run `script` (one of SCRIPTS) with argv in a forked child; on_start(pid) once it exists. Returns the exit
+        code; -9 (as if SIGKILLed) when the zygote itself is gone."""
+        with self.lock:
+            i, self.next_id = self.next_id, self.next_id + 1
+            w = self.waiting[i] = {"started": threading.Event(), "done": threading.Event(), "pid": None, "rc": -9}
+            try:
+                self.proc.stdin.write((json.dumps({"id": i, "script": script, "argv": [str(a) for a in argv],
+                                                   "log": str(log_path), "env": env}) + "\n").encode())
+                self.proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                w["started"].set()
+                w["done"].set()
+        w["started"].wait()
+        if w["pid"] is not None and on_start is not None:
+            on_start(w["pid"])
+        w["done"].wait()
+        with self.lock:
+            self.waiting.pop(i, None)
+        return w["rc"]
+
+    def _read(self):
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self.lock:
+                w = self.waiting.get(msg["id"])
+            if w is None:
+                continue
+            if "pid" in msg:
+                w["pid"] = msg["pid"]
+                w["started"].set()
+            else:
+                w["rc"] = msg["rc"]
+                w["started"].set()
+                w["done"].set()
+        with self.lock:  # EOF: the zygote is gone, and with it (PR_SET_PDEATHSIG) every child
+            for w in self.waiting.values():
+                w["started"].set()
+                w["done"].set()
+
+    def close(self):
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The zygote's side
+
+
+def _child(req: dict):
+    """In the forked child: become the step (never returns)."""
+    code = 1
+    try:
+        os.setsid()
+        _prctl_pdeathsig()
+        fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        import importlib
+
+        import torch
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        from data.cli import main_cli
+        name = req["script"]
+        sys.argv = [str(HERE / f"{name}.py"), *req["argv"]]
+        module = importlib.import_module(name)
+        main_cli(module.main, f"{name}.py")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+    finally:
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def serve():
+    import importlib
+    for name in PRELOAD:
+        importlib.import_module(name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the driver, which stops the steps itself
+    out = sys.stdout.buffer
+    children, pending = {}, b""  # pid -> request id
+
+    def say(msg):
+        out.write((json.dumps(msg) + "\n").encode())
+        out.flush()
+
+    open_ = True
+    while open_ or children:
+        ready, _, _ = select.select([0] if open_ else [], [], [], 0.05)
+        if ready:
+            chunk = os.read(0, 65536)
+            if not chunk:
+                open_ = False  # the driver is done (or gone): finish the running children, then exit
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                req = json.loads(line)
+                if req["script"] not in SCRIPTS:
+                    say({"id": req["id"], "rc": 2})
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    _child(req)
+                children[pid] = req["id"]
+                say({"id": req["id"], "pid": pid})
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            if pid in children:
+                say({"id": children.pop(pid), "rc": os.waitstatus_to_exitcode(status)})
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,49 @@
+"""data/zygote.py: a forked step behaves like `python script.py ARGS` -- its exit code, its one-line error in its
+own log, its environment -- and the zygote refuses what is not a pipeline script. (That run.py's results are
+byte-identical with and without the zygote is tests/test_run_keys.py; that killing the driver kills forked steps
+is tests/test_reliability.py.)"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from data.zygote import Zygote
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_forked_step_matches_a_subprocess(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    zygote = Zygote(env)
+    try:
+        pids = []
+        log = tmp_path / "zygote.log"
+        rc = zygote.run("evaluate", ["--ckpt", str(tmp_path / "nope"), "--limit", "0"], log, env,
+                        on_start=pids.append)
+        direct = subprocess.run([sys.executable, str(REPO / "evaluate.py"), "--ckpt", str(tmp_path / "nope"),
+                                 "--limit", "0"], cwd=REPO, env=env, capture_output=True, text=True)
+        assert rc == direct.returncode == 2
+        assert log.read_text() == direct.stderr + direct.stdout  # the same one line, no traceback
+        assert "evaluate.py: error: argument --limit" in log.read_text() and "Traceback" not in log.read_text()
+        assert len(pids) == 1 and pids[0] not in (os.getpid(), zygote.proc.pid)
+
+        # a script outside the pipeline is refused without forking
+        assert zygote.run("os", [], tmp_path / "x.log", env) == 2 and not (tmp_path / "x.log").exists()
+
+        # the child runs with the environment it is given, and reads its argv like a script
+        out = tmp_path / "ckpt"
+        rc = zygote.run("score", ["--rollouts", str(tmp_path / "missing.jsonl"), "--out", str(out)],
+                        tmp_path / "score.log", dict(env, OPR_DEBUG="1"))
+        assert rc == 1 and "Traceback" in (tmp_path / "score.log").read_text()  # OPR_DEBUG: the traceback is back
+    finally:
+        zygote.close()
+    assert zygote.proc.returncode == 0
+
+
+def test_zygote_dies_with_stdin_closed_and_reports_children(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    zygote = Zygote(env)
+    codes = [zygote.run("rollout", ["--max-new-tokens", "0"], tmp_path / f"{i}.log", env) for i in range(3)]
+    zygote.close()
+    assert codes == [2, 2, 2] and zygote.proc.returncode == 0
+    assert all("rollout.py: error: argument --max-new-tokens" in (tmp_path / f"{i}.log").read_text() for i in range(3))
