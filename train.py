@@ -394,7 +394,8 @@ def main(argv=None):
 
     # 3. optimizer and schedule
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay,
-                            foreach=True)  # one kernel per op over all tensors: less per-step overhead
+                            fused=True)  # one fused kernel over all tensors: a tiny model's step on CPU spends 5 ms
+    # in it instead of 22 with foreach=True (FSDP2's DTensors dispatch each foreach op separately)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, total_steps))
     start = 0
     if rank == 0:

@@ -78,12 +78,12 @@ def available(name: str) -> str | None:
     """None when backend `name` can run here (CUDA tensors for the GPU backends), else the reason it cannot."""
     if name == "sdpa":
         return None
+    if not torch.cuda.is_available():
+        return "no CUDA device"
     if name == "flash" and flash_attn_varlen_func is None:
         return "flash_attn does not import"
     if name == "torch_varlen" and varlen_attn is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (first in torch 2.10)"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
     if torch.cuda.get_device_capability() < (8, 0):
         return f"GPU {torch.cuda.get_device_name()} is older than sm80 (flash kernels need Ampere or newer)"
     return None
@@ -135,15 +135,19 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen):
     return _sdpa(q, k, v, cu_seqlens, max_seqlen)
 
 
-try:
-    from flash_attn import flash_attn_varlen_func
-except Exception:  # ImportError, or a CUDA/ABI mismatch raising at import
-    flash_attn_varlen_func = None
-try:
-    from torch.nn.attention.varlen import varlen_attn
-    _VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
-except Exception:  # torch < 2.10
-    varlen_attn, _VARLEN_PARAMS = None, frozenset()
+flash_attn_varlen_func, varlen_attn, _VARLEN_PARAMS = None, None, frozenset()
+# the GPU kernels are imported only where they can run (or are forced): torch.nn.attention.varlen imports
+# torch._dynamo, ~2-5 s of every CPU process's start otherwise
+if torch.cuda.is_available() or os.environ.get("KERNELS_ATTN_BACKEND") in ("flash", "torch_varlen"):
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # ImportError, or a CUDA/ABI mismatch raising at import
+        flash_attn_varlen_func = None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        _VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
+    except Exception:  # torch < 2.10
+        varlen_attn, _VARLEN_PARAMS = None, frozenset()
 
 _BACKEND, _FORCED = None, False
 if os.environ.get("KERNELS_ATTN_BACKEND"):
