@@ -47,13 +47,19 @@ def bad_inputs(env) -> list[tuple[str, bool, str]]:
 
 
 def step_children(pid: int) -> list[int]:
-    out = []
+    """Every process below the driver `pid`: its steps, and with the zygote (data/zygote.py) the zygote and the steps
+    it forked."""
+    parents = {}
     for p in Path("/proc").iterdir():
         try:
-            if p.name.isdigit() and int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(p.name))
+            if p.name.isdigit():
+                parents[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             pass
+    out, frontier = [], {pid}
+    while frontier:
+        frontier = {c for c, parent in parents.items() if parent in frontier}
+        out += sorted(frontier)
     return out
 
 

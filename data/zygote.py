@@ -6,8 +6,8 @@ imports) again. The tiny default runs ~130 steps, so this is minutes of a 10-min
     rc = zygote.run("evaluate", ["--ckpt", ...], log_path, on_start=lambda pid: ...)   # from any thread
     zygote.close()
 
-A child behaves like `python <script>.py ARGS` started by subprocess with the same environment: it leads its own
-process group (setsid, so the driver can stop it and everything it started), is SIGKILLed by the kernel when the
+A child behaves like `python <script>.py ARGS` started by subprocess with the same environment (ps and top show
+it as `<script>.py`; its /proc/PID/cmdline stays the zygote's): it leads its own process group (setsid, so the driver can stop it and everything it started), is SIGKILLed by the kernel when the
 zygote dies (PR_SET_PDEATHSIG; the zygote dies the same way with the driver), has stdin on /dev/null and stdout +
 stderr in its log file, runs the script's main() under data.cli.main_cli, and exits with the script's exit code
 (negative signal numbers as subprocess reports them). Numerics are unchanged: the zygote is started with the steps'
@@ -32,11 +32,19 @@ PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "tqdm", "model.c
            "model.sampling", "model.logprobs", "model.tokenizer", "data.metrics", "data.trace", "data.replay",
            "kernels.attention", "kernels.cross_entropy", "torch.distributed.fsdp", *SCRIPTS)
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def _prctl_pdeathsig():
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _prctl_name(name: str):
+    """The process name that ps, top and /proc/PID/comm show (15 bytes at most): a forked step shows its script
+    (its command line stays the zygote's)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -118,6 +126,7 @@ def _child(req: dict):
     try:
         os.setsid()
         _prctl_pdeathsig()
+        _prctl_name(f"{req['script']}.py")
         fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)

@@ -363,17 +363,26 @@ def long_run(env, out: Path) -> subprocess.Popen:
 
 
 def child_of(pid: int, name: str, timeout: float = 120) -> int:
+    """The pid of the step running script `name` under driver `pid`: its child (`python train.py ...`, started with
+    OPR_NO_ZYGOTE=1) or its grandchild through the zygote (a fork named `train.py`, data/zygote.py)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        parents, found = {}, []
         for p in Path("/proc").iterdir():
             try:
-                if p.name.isdigit() and int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid and \
-                        name in (p / "cmdline").read_bytes().decode(errors="replace"):
-                    return int(p.name)
+                if not p.name.isdigit():
+                    continue
+                parents[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if name in (p / "cmdline").read_bytes().decode(errors="replace") or \
+                        (p / "comm").read_text().strip() == name:
+                    found.append(int(p.name))
             except (OSError, IndexError, ValueError):
                 continue
+        for c in found:
+            if parents.get(c) == pid or parents.get(parents.get(c)) == pid:
+                return c
         time.sleep(0.1)
-    raise AssertionError(f"no {name} child of {pid} appeared")
+    raise AssertionError(f"no {name} step under {pid} appeared")
 
 
 def gone(pid: int, timeout: float = 20) -> bool:
