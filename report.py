@@ -858,6 +858,7 @@ def plot_drift_vs_forgetting(dn: dict, path: Path):
         ax.scatter([p["kl"] for p in pts], [p["forgetting"] for p in pts], s=10, alpha=0.7, label=m)
     ax.axhline(0, color="0.6", ls=":", lw=0.8)
     ax.set_xscale("symlog", linthresh=1e-3)
+    ax.set_xlim(left=0)  # a KL is never negative: no mirrored half-axis
     ax.set_xlabel("KL on task j's prompts after stage i (nats / response)")
     ax.set_ylabel("a(i, j) − a(i−1, j)")
     r = dn["pearson"]
