@@ -45,7 +45,7 @@ PAPER_GPU_HOURS = 32.0   # the paper: one model's 8 stages
 def add_arguments(p: argparse.ArgumentParser):
     """The planner's flags (run.py --dry-run and plan.py share them)."""
     g = p.add_argument_group("cost planner (--dry-run)")
-    g.add_argument("--plan-train-tok-s", type=float, help=f"train.py tokens/s per GPU (default: {TRAIN_MFU:.0%} MFU "
+    g.add_argument("--plan-train-tok-s", type=float, help=f"train.py tokens/s per GPU (default: {TRAIN_MFU * 100:.0f}%% MFU "
                                                           f"of {PEAK_TFLOPS:g} TFLOP/s over the model's FLOPs per token)")
     g.add_argument("--plan-gen-tok-s", type=float, default=GEN_TOK_S,
                    help="generated tokens/s per GPU for rollouts and evaluation (default: %(default)s)")

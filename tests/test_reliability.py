@@ -432,3 +432,12 @@ def test_a_second_driver_on_a_directory_in_use_is_refused(env, tmp_path):
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.communicate()
+
+
+@pytest.mark.parametrize("script", ["run.py", "train.py", "rollout.py", "score.py", "evaluate.py", "drift.py",
+                                    "buffer_nll.py", "report.py", "plan.py"])
+def test_help_works(script):
+    """--help is the first thing a new user runs: it must print the usage and exit 0 (a '%' in a help string once
+    made run.py --help a traceback)."""
+    r = subprocess.run([sys.executable, str(REPO / script), "--help"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("usage:") and "Traceback" not in r.stderr, r.stderr[-2000:]
