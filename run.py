@@ -26,8 +26,9 @@ The paper's mechanism is measured on every chain: after every stage i >= 2, drif
 prompts of tasks 1..i-1 (per-update KL, --drift-limit prompts per task), and every buffer's per-token NLL under the
 checkpoint that built it (score.py for OPR, buffer_nll.py for gold replay).
 
-Every step runs as a subprocess writing into a temporary directory that is renamed into runs/NAME/steps/ and
-recorded in manifest.json when it succeeds. A step's key hashes everything that changes its numbers: its settings,
+Every step runs as a process of its own writing into a temporary directory that is renamed into runs/NAME/steps/
+and recorded in manifest.json when it succeeds (on CPU a fork of one zygote process that imported torch and the
+scripts once, data/zygote.py; OPR_NO_ZYGOTE=1 for a fresh interpreter per step: same results). A step's key hashes everything that changes its numbers: its settings,
 the keys of the steps it reads, the content of the files it reads (data files, the base checkpoint; digests cached
 by size and mtime) and the numerics (CPU threads per step, torch version). Identical work (e.g. stage 1 of every
 method) runs once, re-running the same command continues where it stopped (killing it anywhere loses at most the
