@@ -39,7 +39,6 @@ pinned thread count (THREADS below, or --threads, or the caller's explicit OMP_N
 the machine's core count, and the tiny base is always built single-threaded.
 """
 import argparse
-import ctypes
 import fcntl
 import hashlib
 import json
@@ -64,7 +63,7 @@ import train
 from data.cli import InputError, Parser, UserError, comma_list, float_in, int_at_least, main_cli, task_names
 from data.diagnostics import diagnose
 from data.digest import Digests
-from data.zygote import SCRIPTS, Zygote
+from data.zygote import SCRIPTS, Zygote, die_with_parent
 from data.jsonl import check_output, read_records, write_json, write_jsonl
 from data.replay import replay_budget, replay_counts, select
 from data.tasks import get_task, parse_tasks
@@ -236,18 +235,6 @@ class Pipeline:
         """Run one step's command, its output to log_path. The child leads its own process group (so the driver
         can stop it and everything it started), is SIGKILLed by the kernel if the driver dies (even by SIGKILL),
         and holds the run directory's lock until it exits."""
-        parent = os.getpid()
-        prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-        def die_with_driver():  # runs in the child between fork and exec
-            os.setsid()
-            if prctl is not None:
-                # PR_SET_PDEATHSIG fires when the forking *thread* ends: a pool thread, which lives until every
-                # step is done
-                prctl(1, signal.SIGKILL)
-            if os.getppid() != parent:  # the driver died before prctl
-                os._exit(1)
-
         script = Path(argv[1]) if len(argv) > 1 and argv[0] == sys.executable else None
         if self.zygote is not None and script is not None and script.parent == HERE and script.stem in SCRIPTS:
             child = ZygoteChild()
@@ -264,8 +251,12 @@ class Pipeline:
                 with self.lock:
                     self.procs.discard(child)
         with open(log_path, "w") as log:
+            # the parent-death signal fires when the forking *thread* ends: a pool thread, which lives until every
+            # step is done
+            parent = os.getpid()
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=HERE,
-                                    preexec_fn=die_with_driver, pass_fds=(self.lock_fd,))
+                                    preexec_fn=lambda: die_with_parent(parent, new_session=True),
+                                    pass_fds=(self.lock_fd,))
         with self.lock:
             self.procs.add(proc)
         try:
@@ -599,8 +590,7 @@ def main(argv=None):
     probes = {}  # label -> seed -> {"drift": [(stage, key)], "buffers": [(stage, key)], "rollouts": [(stage, key)]}
     for label, by_seed in runs.items():
         for seed, chain in by_seed.items():
-            found = probes.setdefault(label, {}).setdefault(seed, dict(drift=[], buffers=[], rollouts=[],
-                                                                        train=[t for t, _ in chain]))
+            found = probes.setdefault(label, {}).setdefault(seed, dict(drift=[], buffers=[], rollouts=[]))
             for i in range(1, len(chain)):  # chain[i] is stage i + 1; its buffer was built after stage i
                 cur, prev = chain[i][0], chain[i - 1][0]
                 if cfg["drift_limit"]:
@@ -702,7 +692,7 @@ def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, pro
     for label, by_seed in runs.items():
         methods[label] = {"seeds": {}}
         for seed, chain in by_seed.items():
-            matrix, next_task, losses, examples, diagnostics = [], [], [], [], []
+            matrix, next_task, losses, sources, examples, diagnostics = [], [], [], [], [], []
             for i, (t_key, e_key) in enumerate(chain):
                 scores, per_example, diag = eval_of(e_key)
                 matrix.append([scores[t] for t in tasks[:i + 1]])
@@ -710,15 +700,18 @@ def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, pro
                 diagnostics.append({t: diag[t] for t in tasks[:i + 1]})
                 if i + 1 < len(tasks):
                     next_task.append(scores[tasks[i + 1]])
-                log = pipe.dir(t_key) / "ckpt" / "train_log.jsonl"
-                losses.append([json.loads(line)["loss"] for line in log.read_text().splitlines()])
+                log_path = pipe.dir(t_key) / "ckpt" / "train_log.jsonl"
+                log = [json.loads(line) for line in log_path.read_text().splitlines()]
+                losses.append([x["loss"] for x in log])
+                sources.append({"task": [x["loss_task"] for x in log], "replay": [x["loss_replay"] for x in log]}
+                               if log and "loss_replay" in log[0] else None)
             base_row = [eval_of(row0[seed])[0][t] for t in tasks]
             methods[label]["seeds"][str(seed)] = {"matrix": matrix, "row0": base_row, "next_task": next_task,
                                                   "cl_metrics": cl_metrics(matrix, base_row, next_task),
                                                   "loss_curves": losses, "example_scores": examples,
                                                   "diagnostics": diagnostics}
             if probes:
-                methods[label]["seeds"][str(seed)].update(collect_probes(pipe, probes[label][seed]))
+                methods[label]["seeds"][str(seed)].update(collect_probes(pipe, probes[label][seed], sources))
     return {"tasks": tasks, "methods": methods, "test_idx": {t: test_idx[t] for t in tasks if t in test_idx},
             "meta": meta}
 
@@ -745,17 +738,13 @@ def read_eval(eval_dir: Path, test_idx: dict):
     return scores, per_example, diagnostics
 
 
-def collect_probes(pipe: Pipeline, found: dict) -> dict:
+def collect_probes(pipe: Pipeline, found: dict, loss_sources: list) -> dict:
     """Per seed: "drift" = [{"stage" i, "tasks": {task: drift.py's per-task numbers}, "all"}] for every
     stage i >= 2 (KL(pi_i || pi_i-1) on tasks 1..i-1); "buffer_stats" = [{"stage" i, score.py's / buffer_nll.py's
     buffer_stats.json}] for the buffer built after stage i; "rollout_checks" = [{"stage" i, rollout.py's
-    logprob_check}]; "loss_sources" = per stage, {"task": [per step], "replay": [per step]} (train.py's loss_task
-    and loss_replay), or None for a stage trained without replay."""
-    out = {"drift": [], "buffer_stats": [], "rollout_checks": [], "loss_sources": []}
-    for key in found["train"]:
-        log = [json.loads(line) for line in (pipe.dir(key) / "ckpt" / "train_log.jsonl").read_text().splitlines()]
-        out["loss_sources"].append({"task": [x["loss_task"] for x in log], "replay": [x["loss_replay"] for x in log]}
-                                   if log and "loss_replay" in log[0] else None)
+    logprob_check}]; "loss_sources" as collect read them from the train logs: per stage, {"task": [per step],
+    "replay": [per step]} (train.py's loss_task and loss_replay), or None for a stage trained without replay."""
+    out = {"drift": [], "buffer_stats": [], "rollout_checks": [], "loss_sources": loss_sources}
     for stage, key in found["drift"]:
         d = json.loads((pipe.dir(key) / "drift" / "drift.json").read_text())
         out["drift"].append({"stage": stage, "tasks": d["tasks"], "all": d["all"]})

@@ -40,6 +40,16 @@ def _prctl_pdeathsig():
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def die_with_parent(parent: int, new_session: bool = False):
+    """For a child between fork and exec (or a forked step): optionally lead a new session (its own process group),
+    get SIGKILL when the parent dies, and exit at once if the parent (pid `parent`) is already gone."""
+    if new_session:
+        os.setsid()
+    _prctl_pdeathsig()
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _prctl_name(name: str):
     """The process name that ps, top and /proc/PID/comm show (15 bytes at most): a forked step shows its script
     (its command line stays the zygote's)."""
@@ -53,16 +63,10 @@ def _prctl_name(name: str):
 
 class Zygote:
     def __init__(self, env: dict, pass_fds=()):
-        parent = os.getpid()
-
-        def die_with_driver():  # in the zygote between fork and exec: dies with the thread that starts it
-            _prctl_pdeathsig()
-            if os.getppid() != parent:
-                os._exit(1)
-
+        parent = os.getpid()  # the zygote dies with the thread that starts it
         self.proc = subprocess.Popen([sys.executable, "-m", "data.zygote"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, cwd=HERE, pass_fds=tuple(pass_fds),
-                                     preexec_fn=die_with_driver)
+                                     preexec_fn=lambda: die_with_parent(parent))
         self.lock = threading.Lock()
         self.waiting = {}  # id -> {"started": Event, "done": Event, "pid", "rc"}
         self.next_id = 0
@@ -120,12 +124,11 @@ class Zygote:
 # The zygote's side
 
 
-def _child(req: dict):
+def _child(req: dict, zygote: int):
     """In the forked child: become the step (never returns)."""
     code = 1
     try:
-        os.setsid()
-        _prctl_pdeathsig()
+        die_with_parent(zygote, new_session=True)
         _prctl_name(f"{req['script']}.py")
         fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
@@ -189,9 +192,10 @@ def serve():
                 if req["script"] not in SCRIPTS:
                     say({"id": req["id"], "rc": 2})
                     continue
+                zygote = os.getpid()
                 pid = os.fork()
                 if pid == 0:
-                    _child(req)
+                    _child(req, zygote)
                 children[pid] = req["id"]
                 say({"id": req["id"], "pid": pid})
         while children:
