@@ -8,7 +8,7 @@ The algorithm, top to bottom:
   1. tokenize the mixture with the model's chat template; loss only on the response (+ end-of-turn token);
      examples longer than --max-len are dropped and counted, never truncated
   2. build the model on `meta`, FSDP2-shard each block and then the root, materialise, load the weights
-     (each rank reads only its own rows)
+     (each rank reads only its own rows); one CPU process in fp32 skips the sharding (nothing to shard)
   3. each optimizer step takes --global-batch sequences (seeded shuffle per epoch), packs them into
      micro-batches of at most --micro-tokens tokens with no padding, and accumulates gradients of
          sum of response-token NLL / number of response tokens in the whole step (all ranks)
@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from data.cli import InputError, Parser, UserError, float_in, int_at_least, main_cli
@@ -183,27 +184,42 @@ def load_mixture(paths: list[str]) -> list[dict]:
     return records
 
 
-def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False):
+def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False, shard=None):
     """meta -> fully_shard(each block) -> fully_shard(root) -> materialise -> load. lm_head and the final norm
-    stay in the root unit, where forward computes the loss."""
+    stay in the root unit, where forward computes the loss.
+
+    A world of one on CPU that computes in fp32 (the parameters' own dtype) is not wrapped: FSDP2 would have
+    nothing to shard, gather or cast there, only its hooks and DTensor dispatch on every op, ~35% of a tiny
+    model's CPU step (GPU runs keep FSDP2 whatever their size).
+    The rest of the loop is the same code for both; fsdp_units() is empty for a plain model. shard=True forces
+    the FSDP2 wrapping (benchmarks and tests compare the two)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     with torch.device("meta"):
         model = Transformer(load_config(ckpt_dir))
     model.activation_checkpointing = activation_checkpointing
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     world = dist.get_world_size()
-    for block in model.model.layers:
-        fully_shard(block, mp_policy=mp, reshard_after_forward=world > 1)  # one rank: nothing to free
-    fully_shard(model, mp_policy=mp)
-    # Gradients are summed across ranks (our loss is already divided by the global token count); gloo has no
-    # PREMUL_SUM, so force a plain sum everywhere.
-    for m in [*model.model.layers, model]:
-        m.set_force_sum_reduction_for_comms(True)
-        m.set_gradient_divide_factor(1.0)
+    if shard if shard is not None else (world > 1 or compute_dtype != torch.float32 or device.type != "cpu"):
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        for block in model.model.layers:
+            fully_shard(block, mp_policy=mp, reshard_after_forward=world > 1)  # one rank: nothing to free
+        fully_shard(model, mp_policy=mp)
+        # Gradients are summed across ranks (our loss is already divided by the global token count); gloo has no
+        # PREMUL_SUM, so force a plain sum everywhere.
+        for m in fsdp_units(model):
+            m.set_force_sum_reduction_for_comms(True)
+            m.set_gradient_divide_factor(1.0)
     model.to_empty(device=device)
+    if not fsdp_units(model):
+        model.tie_weights()  # to_empty gives every parameter new storage, a tied pair two (FSDP2 keeps the pair one)
     load_into(model, ckpt_dir)
     return model
+
+
+def fsdp_units(model) -> list:
+    """The FSDP2 units of a model from build_model (blocks, then the root); [] when it is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in (*model.model.layers, model) if isinstance(m, FSDPModule)]
 
 
 def replay_split(examples, device):
@@ -242,7 +258,7 @@ def sample_responses(model, prompts: list[list[int]], seeds: list[int], args, st
     kept whole while the KV-cache sampler runs, so its many small forwards need no collective and ranks may sample
     different numbers of tokens; afterwards the blocks are sharded again as build_model left them."""
     from model.generate import generate
-    units = [*model.model.layers, model]
+    units = fsdp_units(model)
     for unit in units:
         unit.unshard()
         unit.set_reshard_after_forward(False, recurse=False)  # the root's own setting already is False
@@ -250,8 +266,8 @@ def sample_responses(model, prompts: list[list[int]], seeds: list[int], args, st
         return generate(model, prompts, temperature=args.sdft_temperature, max_new_tokens=args.sdft_max_new_tokens,
                         stop_ids=stop_ids, seeds=seeds, batch_size=SDFT_GEN_BATCH, progress=False)
     finally:
-        for block in model.model.layers:
-            block.set_reshard_after_forward(dist.get_world_size() > 1, recurse=False)
+        for unit in units[:-1]:  # the blocks
+            unit.set_reshard_after_forward(dist.get_world_size() > 1, recurse=False)
         for unit in units:
             unit.reshard()
 
@@ -416,7 +432,8 @@ def main(argv=None):
     if rank == 0:
         n_tok = sum(lengths)
         print(f"train.py: {len(examples)} examples ({dropped} longer than {args.max_len} dropped), {n_tok} tokens, "
-              f"{len(steps)} steps of <= {args.global_batch} sequences on {world} rank(s), {device.type}, "
+              f"{len(steps)} steps of <= {args.global_batch} sequences on {world} rank(s) "
+              f"({'FSDP2' if fsdp_units(model) else 'unsharded: one CPU rank, fp32'}), {device.type}, "
               f"{str(compute_dtype).removeprefix('torch.')}, objective {args.objective}"
               + (f" (teacher {args.sdft_teacher}, KL {args.sdft_kl})" if args.objective == "sdft" else ""), flush=True)
         print(f"train.py: kernels: attention {attention.describe()}; cross-entropy {cross_entropy.get_backend()}",
@@ -490,7 +507,8 @@ def main(argv=None):
         if not math.isfinite(train_loss):
             raise UserError(f"non-finite loss {train_loss} at step {step + 1}; stopping. The last good "
                              f"training state (if any) is intact in {workdir / 'state'}")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).full_tensor().item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
         lr = sched.get_last_lr()[0]
         opt.step()
         sched.step()
@@ -498,7 +516,7 @@ def main(argv=None):
         if ema_teacher is not None:
             # a forward with no backward can leave the teacher's units (always the root: embeddings, norm, lm_head)
             # unsharded, as plain tensors: reshard so the EMA below updates the sharded parameters
-            for unit in [*teacher.model.layers, teacher]:
+            for unit in fsdp_units(teacher):
                 unit.reshard()
             with torch.no_grad():  # phi <- rate * theta + (1 - rate) * phi
                 for t_p, s_p in zip(teacher.parameters(), model.parameters()):

@@ -1,10 +1,11 @@
-"""AdamW's step over train.py's FSDP2 model: foreach (one op per tensor list, each dispatched through DTensor) vs
-fused (one kernel), on the tiny base, plus grad-norm clipping for scale.
+"""AdamW's step over train.py's model: foreach (one op per tensor list) vs fused (one kernel), on the tiny base, plus
+grad-norm clipping for scale. --fsdp wraps the model in FSDP2 as train.py does for more than one rank (or another
+compute dtype), where foreach dispatches every op through DTensor; without it, the plain module train.py trains in a
+world of one in fp32.
 
     python bench/bench_optimizer.py [--steps 50] [--repeats 5] [--threads 1]
 
-Builds the model exactly as train.py does (train.build_model: every block and the root fully_shard'ed, a world of
-one), sets zero gradients, and times opt.step() for each variant, variants alternated, --repeats times, 3 warm-up
+Builds the model as train.py does (train.build_model, a world of one), sets zero gradients, and times opt.step() for each variant, variants alternated, --repeats times, 3 warm-up
 steps each; prints the median ms per step and the ratio.
 """
 import argparse
@@ -23,6 +24,7 @@ def main():
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--fsdp", action="store_true", help="wrap the model in FSDP2 (DTensor parameters)")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
@@ -31,7 +33,7 @@ def main():
     from model.base import ensure_base
     torch.set_num_threads(args.threads)
     _, _, device = train.setup_distributed()
-    model = train.build_model(ensure_base("tiny"), device, torch.float32)
+    model = train.build_model(ensure_base("tiny"), device, torch.float32, shard=args.fsdp)
     for q in model.parameters():
         q.grad = torch.zeros_like(q)
 
@@ -51,7 +53,7 @@ def main():
         times["clip"].append((time.perf_counter() - t) / args.steps * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"load average {open('/proc/loadavg').read().split()[0] if os.path.exists('/proc/loadavg') else '?'}")
-    print("| AdamW step | median ms (tiny base, FSDP2, world 1) |\n|---|---:|")
+    print(f"| AdamW step | median ms (tiny base, {'FSDP2' if args.fsdp else 'plain module'}, world 1) |\n|---|---:|")
     print(f"| foreach | {med['foreach']:.2f} |\n| fused | {med['fused']:.2f} ({med['foreach'] / med['fused']:.1f}x) |")
     print(f"| (clip_grad_norm_, for scale) | {med['clip']:.2f} |")
 

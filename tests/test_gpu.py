@@ -102,7 +102,7 @@ def test_fsdp2_on_nccl_with_every_gpu_equals_the_cpu_process(setup, cpu_fp32_log
     matmuls by default), so only summation order differs: 1e-4 relative."""
     n = torch.cuda.device_count()
     log, stdout = run_train(setup, setup["root"] / f"nccl-{n}", "--dtype", "fp32", gpus=n)
-    assert f"on {n} rank(s), cuda, float32" in stdout, stdout
+    assert f"on {n} rank(s) (FSDP2), cuda, float32" in stdout, stdout
     for a, b in zip(cpu_fp32_log, log, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * a["loss"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * a["grad_norm"], (a, b)

@@ -230,6 +230,23 @@ def test_two_ranks_equal_one_process(which, request, tmp_path):
     assert any(not torch.allclose(w0[k], w1[k]) for k in w1), "training did not change the weights"
 
 
+def test_world_of_one_unwrapped_equals_fsdp(ckpt_tied, ref_tied, tmp_path):
+    """One rank in fp32 trains the plain module (no FSDP2 wrapping, build_model's shortcut): the same bytes as the
+    same run with every block and the root fully_shard'ed, tied embeddings included."""
+    out = tmp_path / "fsdp"
+    wrapper = ("import sys, train; build = train.build_model; "
+               "train.build_model = lambda *a, **k: build(*a, **{**k, 'shard': True}); train.main(sys.argv[1:])")
+    cmd = train_cmd(ckpt_tied, out)
+    r = subprocess.run([cmd[0], "-c", wrapper, *cmd[2:]], cwd=REPO, env=env(), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "on 1 rank(s) (FSDP2)" in r.stdout
+    assert "on 1 rank(s) (unsharded" in train(ckpt_tied, tmp_path / "plain", "--max-steps", "1").stdout
+    assert [x["loss"] for x in log(out)] == [x["loss"] for x in log(ref_tied)]
+    assert [x["grad_norm"] for x in log(out)] == [x["grad_norm"] for x in log(ref_tied)]
+    assert_same_weights(weights(out), weights(ref_tied), 0.0)
+
+
 def test_activation_checkpointing_changes_no_number(ckpt, ref, tmp_path):
     """run.py turns it on for the paper's setting on GPUs: it may only save memory, never change the run."""
     out = tmp_path / "ac"
