@@ -1,11 +1,15 @@
-"""Training throughput on CPU: train.py (packed micro-batches, FSDP2 world of one) vs Hugging Face `Trainer` (padded
-micro-batches, DataCollatorForSeq2Seq) on the same model, records, sequence-length limit and hyperparameters
-(fp32, AdamW lr 1e-5 betas (0.9, 0.999), no weight decay, cosine, grad clip 1.0, same global batch).
+"""Training throughput on CPU: train.py (packed micro-batches, FSDP2 world of one) vs Hugging Face `Trainer` in its
+two stock setups — padded micro-batches (DataCollatorForSeq2Seq) and padding-free packing (DataCollatorWithFlattening:
+one row per micro-batch, position ids restarting per document, which transformers' SDPA path turns into a
+block-diagonal causal mask) — on the same model, records, sequence-length limit and hyperparameters (fp32, AdamW lr
+1e-5 betas (0.9, 0.999), no weight decay, cosine, grad clip 1.0, same global batch). The step-1 training loss of
+each is printed too: the two HF setups draw the same batches and must agree to float noise (a check that the
+padding-free path computes the padded loss); train.py draws its own sample order, so its loss is close, not equal.
 
     python bench/bench_train.py                          # tiny base config + SmolLM2-135M, 1 thread
     python bench/bench_train.py --models tiny --threads 2 --repeats 5
 
-Both run as fresh subprocesses with OMP_NUM_THREADS=--threads, alternating, so a busy shared machine slows both
+All run as fresh subprocesses with OMP_NUM_THREADS=--threads, alternating, so a busy shared machine slows both
 alike; we report medians over --repeats. Startup (imports, model load, tokenization) is excluded: tokens/s is
 steady state, the tokens of optimizer steps 2..N over their wall time (ours: per-step times from train.py's
 train_log.jsonl; HF: a callback's timestamps at each step end). Tokens are real (non-padding) tokens, so HF's padding
@@ -91,11 +95,12 @@ def child_peak():
     print(json.dumps({"flops": statistics.median(rates), "threads": torch.get_num_threads()}))
 
 
-def child_hf(ckpt: str, data: str, cfg: dict, work: str):
-    """Hugging Face Trainer on the same records; prints per-step (end time, real tokens, padded tokens)."""
+def child_hf(ckpt: str, data: str, cfg: dict, work: str, flat: bool):
+    """Hugging Face Trainer on the same records, padded or (flat) padding-free; prints per-step (end time, real
+    tokens, padded tokens) and the step losses."""
     import torch
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainerCallback,
-                              TrainingArguments)
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, DataCollatorWithFlattening,
+                              Trainer, TrainerCallback, TrainingArguments)
 
     from data.jsonl import read_records
     from data.packing import tokenize_sft
@@ -108,12 +113,16 @@ def child_hf(ckpt: str, data: str, cfg: dict, work: str):
     hf_tok = AutoTokenizer.from_pretrained(ckpt)
     if hf_tok.pad_token is None:
         hf_tok.pad_token = hf_tok.eos_token
-    base = DataCollatorForSeq2Seq(hf_tok, padding=True, label_pad_token_id=-100)
+    if flat:  # every label of a document's first token is already -100, so the separator changes nothing
+        base = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+    else:
+        base = DataCollatorForSeq2Seq(hf_tok, padding=True, label_pad_token_id=-100)
     counts = {"real": 0, "padded": 0}
 
     def collate(batch):
         out = base(batch)
-        counts["real"] += int(out["attention_mask"].sum())
+        real = out["input_ids"].numel() if flat else int(out["attention_mask"].sum())
+        counts["real"] += real
         counts["padded"] += out["input_ids"].numel()
         return out
 
@@ -124,7 +133,7 @@ def child_hf(ckpt: str, data: str, cfg: dict, work: str):
             steps.append((time.perf_counter(), counts["real"], counts["padded"]))
             counts["real"] = counts["padded"] = 0
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa")
     args = TrainingArguments(
         output_dir=work, per_device_train_batch_size=cfg["hf_micro_batch"],
         gradient_accumulation_steps=cfg["global_batch"] // cfg["hf_micro_batch"], max_steps=cfg["steps"],
@@ -134,7 +143,8 @@ def child_hf(ckpt: str, data: str, cfg: dict, work: str):
         disable_tqdm=True, seed=0, remove_unused_columns=False)
     trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[Clock()])
     trainer.train()
-    print(json.dumps({"steps": steps}))
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    print(json.dumps({"steps": steps, "losses": losses}))
 
 
 # --- parent -----------------------------------------------------------------------------------------------------------
@@ -161,19 +171,21 @@ def run_ours(ckpt, data, cfg, work: Path, threads) -> dict:
                "--betas", *map(str, HP["betas"]), "--weight-decay", str(HP["weight_decay"]),
                "--grad-clip", str(HP["grad_clip"]), "--save-every", "0", "--dtype", "fp32", "--quiet",
                "--peak-tflops", "1"], threads)
-    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()][1:]  # drop warm-up
-    tokens = sum(x["tokens"] for x in log)
-    seconds = sum(x["tokens"] / x["tokens_per_s"] for x in log)
-    return {"tokens_per_s": tokens / seconds, "padding": 0.0}
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    timed = log[1:]  # drop warm-up
+    tokens = sum(x["tokens"] for x in timed)
+    seconds = sum(x["tokens"] / x["tokens_per_s"] for x in timed)
+    return {"tokens_per_s": tokens / seconds, "padding": 0.0, "loss1": log[0]["loss"]}
 
 
-def run_hf(ckpt, data, cfg, work: Path, threads) -> dict:
-    out = run_child([sys.executable, __file__, "--child", "hf", "--ckpt", str(ckpt), "--data", str(data),
-                     "--cfg", json.dumps(cfg), "--work", str(work / "hf-out")], threads)
-    steps = json.loads(out.strip().splitlines()[-1])["steps"]
+def run_hf(ckpt, data, cfg, work: Path, threads, flat: bool) -> dict:
+    out = run_child([sys.executable, __file__, "--child", "hf-flat" if flat else "hf", "--ckpt", str(ckpt),
+                     "--data", str(data), "--cfg", json.dumps(cfg), "--work", str(work / "hf-out")], threads)
+    res = json.loads(out.strip().splitlines()[-1])
+    steps = res["steps"]
     (t_prev, _, _), timed = steps[0], steps[1:]  # step 1 is warm-up
     real, padded = sum(s[1] for s in timed), sum(s[2] for s in timed)
-    return {"tokens_per_s": real / (timed[-1][0] - t_prev), "padding": 1 - real / padded}
+    return {"tokens_per_s": real / (timed[-1][0] - t_prev), "padding": 1 - real / padded, "loss1": res["losses"][0]}
 
 
 def main():
@@ -182,7 +194,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for every run (default: %(default)s)")
     ap.add_argument("--repeats", type=int, help="override the per-model repeat count")
     ap.add_argument("--steps", type=int, help="override the per-model optimizer steps (>= 2)")
-    ap.add_argument("--child", choices=["peak", "hf"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["peak", "hf", "hf-flat"], help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--cfg", help=argparse.SUPPRESS)
@@ -190,8 +202,8 @@ def main():
     args = ap.parse_args()
     if args.child == "peak":
         return child_peak()
-    if args.child == "hf":
-        return child_hf(args.ckpt, args.data, json.loads(args.cfg), args.work)
+    if args.child in ("hf", "hf-flat"):
+        return child_hf(args.ckpt, args.data, json.loads(args.cfg), args.work, flat=args.child == "hf-flat")
 
     from data.jsonl import write_jsonl
     from data.packing import tokenize_sft
@@ -213,28 +225,31 @@ def main():
             assert not dropped, f"{dropped} records longer than {cfg['max_len']} tokens"
             mean_len = statistics.mean(len(e.ids) for e in examples)
             fpt = flops_per_token(ckpt, mean_len)
-            res = {"ours": [], "hf": []}
-            for _ in range(repeats):  # alternate so load on a shared machine hits both alike
+            res = {"ours": [], "hf": [], "hf-flat": []}
+            for _ in range(repeats):  # alternate so load on a shared machine hits all alike
                 res["ours"].append(run_ours(ckpt, data, cfg, work, args.threads))
-                res["hf"].append(run_hf(ckpt, data, cfg, work, args.threads))
+                res["hf"].append(run_hf(ckpt, data, cfg, work, args.threads, flat=False))
+                res["hf-flat"].append(run_hf(ckpt, data, cfg, work, args.threads, flat=True))
                 peaks.append(peak(args.threads))
-                print(f"{name}: ours {res['ours'][-1]['tokens_per_s']:.0f} tok/s, "
-                      f"HF {res['hf'][-1]['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
+                print(f"{name}: " + ", ".join(f"{k} {v[-1]['tokens_per_s']:.0f} tok/s" for k, v in res.items()),
+                      file=sys.stderr, flush=True)
             rows.append((name, cfg, repeats, mean_len, fpt, source, res))
 
     pk = statistics.median(peaks)
     print(f"\n`{command}` — {args.threads} thread(s), fp32 sgemm peak {pk / 1e9:.1f} GFLOP/s "
           f"(median of {len(peaks)}: {', '.join(f'{p / 1e9:.0f}' for p in peaks)})\n")
-    print("| model | data | steps x seqs (timed) | mean len | ours tok/s | HF Trainer tok/s | ours / HF | "
-          "ours MFU | HF MFU | HF padding |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | data | steps x seqs (timed) | mean len | ours tok/s | HF padded tok/s | HF padding-free tok/s | "
+          "ours / padded | ours / padding-free | ours MFU | padded MFU | padding-free MFU | HF padding | "
+          "step-1 loss ours / padded / padding-free |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, cfg, repeats, mean_len, fpt, source, res in rows:
-        ours = statistics.median(r["tokens_per_s"] for r in res["ours"])
-        hf = statistics.median(r["tokens_per_s"] for r in res["hf"])
+        tps = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in res.items()}
         pad = statistics.median(r["padding"] for r in res["hf"])
+        loss1 = " / ".join(f"{v[0]['loss1']:.5f}" for v in res.values())
         print(f"| {name} | {source} | {cfg['steps']} x {cfg['global_batch']} ({cfg['steps'] - 1}), "
-              f"median of {repeats} | {mean_len:.0f} | {ours:.0f} | {hf:.0f} | {ours / hf:.2f}x | "
-              f"{ours * fpt / pk:.1%} | {hf * fpt / pk:.1%} | {pad:.0%} |")
+              f"median of {repeats} | {mean_len:.0f} | {tps['ours']:.0f} | {tps['hf']:.0f} | {tps['hf-flat']:.0f} | "
+              f"{tps['ours'] / tps['hf']:.2f}x | {tps['ours'] / tps['hf-flat']:.2f}x | {tps['ours'] * fpt / pk:.1%} | "
+              f"{tps['hf'] * fpt / pk:.1%} | {tps['hf-flat'] * fpt / pk:.1%} | {pad:.0%} | {loss1} |")
 
 
 if __name__ == "__main__":
