@@ -30,7 +30,7 @@ Every step runs as a process of its own writing into a temporary directory that 
 and recorded in manifest.json when it succeeds (on CPU a fork of one zygote process that imported torch and the
 scripts once, data/zygote.py; OPR_NO_ZYGOTE=1 for a fresh interpreter per step: same results). A step's key hashes everything that changes its numbers: its settings,
 the keys of the steps it reads, the content of the files it reads (data files, the base checkpoint; digests cached
-by size and mtime) and the numerics (CPU threads per step, torch version). Identical work (e.g. stage 1 of every
+by size and mtime) and the numerics (CPU threads per step, torch version, kernels.NUMERICS). Identical work (e.g. stage 1 of every
 method) runs once, re-running the same command continues where it stopped (killing it anywhere loses at most the
 steps in progress), and an edited data file re-runs exactly the steps that read it.
 
@@ -432,7 +432,8 @@ def main(argv=None):
         env["OPR_DEBUG"] = "1"  # steps show tracebacks too
     import torch
     # everything besides the settings that changes float results: part of every step's key and of results.json
-    numerics = dict(threads=threads, torch=torch.__version__, gpus=gpus,
+    from kernels import NUMERICS
+    numerics = dict(threads=threads, torch=torch.__version__, gpus=gpus, code=NUMERICS,
                     device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
     pipe = Pipeline(run_dir, jobs, env, args.quiet, numerics)
     pipe.use_zygote &= gpus == 0 and args.engine != "vllm"  # CUDA and vLLM start in processes of their own

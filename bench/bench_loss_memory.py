@@ -6,7 +6,7 @@ peak is the process RSS high-water mark (getrusage ru_maxrss) minus its value ri
 were allocated. It includes the [V, H] weight gradient, which both variants must produce.
 
     python bench/bench_loss_memory.py                 # loss: naive vs fused
-    python bench/bench_loss_memory.py --attention     # varlen SDPA: enable_gqa=True vs repeated kv heads
+    python bench/bench_loss_memory.py --attention     # varlen SDPA: 4-D + enable_gqa vs 3-D variants
 """
 
 import argparse
@@ -93,39 +93,51 @@ def run_loss(args) -> None:
 
 
 def run_attention(args) -> None:
-    """Why kernels/attention.py repeats kv heads: SDPA's enable_gqa=True was slower on CPU."""
+    """Why kernels/attention.py feeds SDPA 4-D per-document tensors with enable_gqa: on CPU those take the flash
+    kernel; 3-D ones (with or without the kv heads repeated by hand) take the math path."""
+    from kernels.attention import _sdpa
     torch.manual_seed(0)
-    lengths = [300, 512, 97, 1, 640, 498]  # ~2k packed tokens, uneven docs
-    bounds = torch.tensor([0] + lengths).cumsum(0).tolist()
 
-    def attend(q, k, v, gqa_mode):
+    def attend_3d(q, k, v, cu, repeat):
         n_rep = q.shape[1] // k.shape[1]
-        if gqa_mode == "repeat":
+        if repeat:
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        bounds = cu.tolist()
         outs = []
         for s, e in zip(bounds[:-1], bounds[1:]):
             qd, kd, vd = (x[s:e].transpose(0, 1) for x in (q, k, v))
-            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa_mode == "enable_gqa")
-            outs.append(o.transpose(0, 1))
+            outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=not repeat)
+                        .transpose(0, 1))
         return torch.cat(outs)
 
-    print(f"\nvarlen SDPA fwd+bwd, docs {lengths}, head dim 64, CPU fp32, median of {args.repeats}")
+    variants = {"3-D, kv repeated (before)": lambda *a: attend_3d(*a, repeat=True),
+                "3-D, enable_gqa": lambda *a: attend_3d(*a, repeat=False),
+                "4-D, enable_gqa (kernels/attention.py)": lambda q, k, v, cu: _sdpa(q, k, v, cu, None)}
+    print(f"\nvarlen SDPA fwd+bwd per packed micro-batch, CPU fp32, {torch.get_num_threads()} thread(s), median of "
+          f"{args.repeats}, variants alternated")
     print(f"command: python bench/bench_loss_memory.py --attention --repeats {args.repeats}\n")
-    print("| q heads / kv heads | enable_gqa=True (ms) | repeat_interleave kv (ms) |")
-    print("|---|---:|---:|")
-    for hq, hkv in [(9, 3), (14, 2)]:
-        q = torch.randn(sum(lengths), hq, 64, requires_grad=True)
-        k = torch.randn(sum(lengths), hkv, 64, requires_grad=True)
-        v = torch.randn(sum(lengths), hkv, 64, requires_grad=True)
-        ms = {}
-        for mode in ("enable_gqa", "repeat") * 2:  # interleaved, first of each is warm-up
-            ts = []
-            for _ in range(args.repeats):
+    print("| shape | " + " | ".join(f"{v} (ms)" for v in variants) + " | before / now |")
+    print("|---|" + "---:|" * (len(variants) + 1))
+    shapes = {"tiny base: 16 docs of 51 tokens, 4/2 heads, dim 32": ([51] * 16, 4, 2, 32),
+              "SmolLM2: docs [300, 512, 97, 1, 640, 498], 9/3 heads, dim 64": ([300, 512, 97, 1, 640, 498], 9, 3, 64)}
+    for name, (lengths, hq, hkv, d) in shapes.items():
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        q = torch.randn(sum(lengths), hq, d, requires_grad=True)
+        k = torch.randn(sum(lengths), hkv, d, requires_grad=True)
+        v = torch.randn(sum(lengths), hkv, d, requires_grad=True)
+        ref = variants["3-D, kv repeated (before)"](q, k, v, cu)
+        for f in variants.values():  # all agree
+            assert (f(q, k, v, cu) - ref).abs().max() < 1e-5
+        ts = {m: [] for m in variants}
+        for _ in range(args.repeats):
+            for m, f in variants.items():
+                f(q, k, v, cu).sum().backward()  # warm-up
                 t0 = time.perf_counter()
-                attend(q, k, v, mode).sum().backward()
-                ts.append(time.perf_counter() - t0)
-            ms[mode] = 1e3 * statistics.median(ts)
-        print(f"| {hq} / {hkv} | {ms['enable_gqa']:.0f} | {ms['repeat']:.0f} |")
+                f(q, k, v, cu).sum().backward()
+                ts[m].append(1e3 * (time.perf_counter() - t0))
+        ms = {m: statistics.median(t) for m, t in ts.items()}
+        before, now = ms["3-D, kv repeated (before)"], ms["4-D, enable_gqa (kernels/attention.py)"]
+        print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in ms.values()) + f" | {before / now:.2f}x |")
 
 
 def main() -> None:

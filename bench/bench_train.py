@@ -163,9 +163,15 @@ def peak(threads) -> float:
     return json.loads(out.strip().splitlines()[-1])["flops"]
 
 
-def run_ours(ckpt, data, cfg, work: Path, threads) -> dict:
+# train.py with its model FSDP2-wrapped as for several ranks (what one CPU process trained before it skipped the wrap)
+FSDP_WRAPPER = ["-c", "import sys, train; build = train.build_model; "
+                      "train.build_model = lambda *a, **k: build(*a, **{**k, 'shard': True}); train.main(sys.argv[1:])"]
+
+
+def run_ours(ckpt, data, cfg, work: Path, threads, fsdp=False) -> dict:
     out = work / "ours-out"
-    run_child([sys.executable, str(REPO / "train.py"), "--model", str(ckpt), "--data", str(data), "--out", str(out),
+    script = FSDP_WRAPPER if fsdp else [str(REPO / "train.py")]
+    run_child([sys.executable, *script, "--model", str(ckpt), "--data", str(data), "--out", str(out),
                "--epochs", "1", "--max-steps", str(cfg["steps"]), "--global-batch", str(cfg["global_batch"]),
                "--max-len", str(cfg["max_len"]), "--micro-tokens", "16384", "--lr", str(HP["lr"]),
                "--betas", *map(str, HP["betas"]), "--weight-decay", str(HP["weight_decay"]),
@@ -194,6 +200,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for every run (default: %(default)s)")
     ap.add_argument("--repeats", type=int, help="override the per-model repeat count")
     ap.add_argument("--steps", type=int, help="override the per-model optimizer steps (>= 2)")
+    ap.add_argument("--with-fsdp", action="store_true",
+                    help="also run train.py with its model FSDP2-wrapped (as one process was before it skipped it)")
     ap.add_argument("--child", choices=["peak", "hf", "hf-flat"], help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
@@ -225,9 +233,11 @@ def main():
             assert not dropped, f"{dropped} records longer than {cfg['max_len']} tokens"
             mean_len = statistics.mean(len(e.ids) for e in examples)
             fpt = flops_per_token(ckpt, mean_len)
-            res = {"ours": [], "hf": [], "hf-flat": []}
+            res = {"ours": [], "hf": [], "hf-flat": []} | ({"ours-fsdp": []} if args.with_fsdp else {})
             for _ in range(repeats):  # alternate so load on a shared machine hits all alike
                 res["ours"].append(run_ours(ckpt, data, cfg, work, args.threads))
+                if args.with_fsdp:
+                    res["ours-fsdp"].append(run_ours(ckpt, data, cfg, work, args.threads, fsdp=True))
                 res["hf"].append(run_hf(ckpt, data, cfg, work, args.threads, flat=False))
                 res["hf-flat"].append(run_hf(ckpt, data, cfg, work, args.threads, flat=True))
                 peaks.append(peak(args.threads))
@@ -238,18 +248,16 @@ def main():
     pk = statistics.median(peaks)
     print(f"\n`{command}` — {args.threads} thread(s), fp32 sgemm peak {pk / 1e9:.1f} GFLOP/s "
           f"(median of {len(peaks)}: {', '.join(f'{p / 1e9:.0f}' for p in peaks)})\n")
-    print("| model | data | steps x seqs (timed) | mean len | ours tok/s | HF padded tok/s | HF padding-free tok/s | "
-          "ours / padded | ours / padding-free | ours MFU | padded MFU | padding-free MFU | HF padding | "
-          "step-1 loss ours / padded / padding-free |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    label = {"ours": "train.py", "hf": "HF padded", "hf-flat": "HF padding-free", "ours-fsdp": "train.py FSDP2-wrapped"}
+    print("| model | data | steps x seqs (timed) | mean len | trainer | tok/s | train.py / it | MFU | padding | "
+          "step-1 loss |")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---:|")
     for name, cfg, repeats, mean_len, fpt, source, res in rows:
         tps = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in res.items()}
-        pad = statistics.median(r["padding"] for r in res["hf"])
-        loss1 = " / ".join(f"{v[0]['loss1']:.5f}" for v in res.values())
-        print(f"| {name} | {source} | {cfg['steps']} x {cfg['global_batch']} ({cfg['steps'] - 1}), "
-              f"median of {repeats} | {mean_len:.0f} | {tps['ours']:.0f} | {tps['hf']:.0f} | {tps['hf-flat']:.0f} | "
-              f"{tps['ours'] / tps['hf']:.2f}x | {tps['ours'] / tps['hf-flat']:.2f}x | {tps['ours'] * fpt / pk:.1%} | "
-              f"{tps['hf'] * fpt / pk:.1%} | {tps['hf-flat'] * fpt / pk:.1%} | {pad:.0%} | {loss1} |")
+        for k, v in res.items():
+            print(f"| {name} | {source} | {cfg['steps']} x {cfg['global_batch']} ({cfg['steps'] - 1}), "
+                  f"median of {repeats} | {mean_len:.0f} | {label[k]} | {tps[k]:.0f} | {tps['ours'] / tps[k]:.2f}x | "
+                  f"{tps[k] * fpt / pk:.1%} | {statistics.median(r['padding'] for r in v):.0%} | {v[0]['loss1']:.5f} |")
 
 
 if __name__ == "__main__":

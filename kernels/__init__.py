@@ -3,4 +3,9 @@
 from kernels.attention import varlen_attention
 from kernels.cross_entropy import fused_linear_cross_entropy
 
-__all__ = ["varlen_attention", "fused_linear_cross_entropy"]
+__all__ = ["varlen_attention", "fused_linear_cross_entropy", "NUMERICS"]
+
+# Bumped whenever a change to the model code or a kernel changes float results (not only the speed): run.py puts it
+# in every step's key, so a run resumed after such a change recomputes its steps rather than mixing numerics.
+# 2: CPU SDPA per document on 4-D tensors with enable_gqa (the flash kernel; was the math path)
+NUMERICS = 2

@@ -13,10 +13,10 @@ Backends, in order of preference (chosen once, at import; the first that can run
   "sdpa"         torch SDPA looped over documents with is_causal=True -- always available.
 As defaults, "flash" and "torch_varlen" apply to fp16/bf16 CUDA tensors only (both are fp16/bf16 CUDA kernels);
 anything else (CPU, fp32 on CUDA) takes the SDPA loop.
-          On CPU this beat one SDPA call with a [T, T] block-diagonal mask (our notes). GQA repeats
-          the kv heads: on a quiet CPU its forward was ~1.5-2x faster than SDPA's enable_gqa=True
-          (which appears to take the math path); fwd+bwd was within noise on our shared 2-core box
-          (bench/bench_loss_memory.py --attention).
+          On CPU this beat one SDPA call with a [T, T] block-diagonal mask (2.6x at 16 documents of 51
+          tokens, fwd+bwd). Each document goes in as a 4-D [1, H, L, D] tensor with enable_gqa: that
+          takes the CPU flash kernel, GQA included; 3-D inputs with the kv heads repeated by hand took
+          the math path, 1.9x slower per document (0.57 vs 1.09 ms fwd+bwd, 60 tokens, 1 thread).
 Force one with the env var KERNELS_ATTN_BACKEND=flash|torch_varlen|sdpa (read at import) or set_backend(name);
 a forced backend is used for every call, whatever the device (tests use this with a stand-in).
 describe() says which backend is in use and for what; train.py prints it.
@@ -56,17 +56,14 @@ def _torch_varlen(q, k, v, cu_seqlens, max_seqlen):
 
 
 def _sdpa(q, k, v, cu_seqlens, max_seqlen):
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        # Same head grouping as flash-attn: q head h uses kv head h // n_rep.
-        k = k.repeat_interleave(n_rep, dim=1)
-        v = v.repeat_interleave(n_rep, dim=1)
+    gqa = q.shape[1] != k.shape[1]  # SDPA's grouping is flash-attn's: q head h uses kv head h // (Hq // Hkv)
     bounds = cu_seqlens.tolist()
     out = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        # [L, H, D] -> [H, L, D]: SDPA wants heads before the sequence dimension.
-        qd, kd, vd = (x[start:end].transpose(0, 1) for x in (q, k, v))
-        out.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True).transpose(0, 1))
+        # [L, H, D] -> [1, H, L, D]: 4-D inputs take the CPU flash kernel, GQA included (3-D ones, or kv heads
+        # repeated by hand, were ~1.9x slower per document, forward + backward: bench_loss_memory --attention)
+        qd, kd, vd = (x[None, start:end].transpose(1, 2) for x in (q, k, v))
+        out.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa)[0].transpose(0, 1))
     return torch.cat(out, dim=0)
 
 

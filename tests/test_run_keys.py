@@ -72,6 +72,8 @@ def test_results_identical_across_jobs_and_cores(setup, run_one_core):
     assert sorted(manifest(run_one_core)) == sorted(manifest(out))  # the same steps, the same keys
     meta = json.loads(a)["meta"]
     assert meta["numerics"]["threads"] == 1  # the pinned default, not cores // jobs
+    from kernels import NUMERICS
+    assert meta["numerics"]["code"] == NUMERICS  # a kernel change that moves float results is a new key
 
 
 def test_edited_answer_reruns_exactly_the_dependent_steps(setup, run_one_core):
