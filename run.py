@@ -193,6 +193,7 @@ class Pipeline:
         self.manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
         self.lock = threading.Lock()
         self.procs = set()  # running step processes (each the leader of its own process group)
+        self.stopping = False  # set by stop_children: a step that starts after it is killed at once
         self.lock_fd = None
         # CPU steps start as forks of one process that has imported torch and the scripts (data/zygote.py);
         # OPR_NO_ZYGOTE=1 starts each as its own `python script.py` instead (slower, same results)
@@ -243,6 +244,7 @@ class Pipeline:
                 child.pid = pid
                 with self.lock:
                     self.procs.add(child)
+                    self.kill_if_stopping(pid)
             try:
                 child.rc = self.zygote.run(script.stem, argv[2:], log_path, self.env, on_start=started)
                 return child.rc
@@ -259,22 +261,28 @@ class Pipeline:
                                     pass_fds=(self.lock_fd,))
         with self.lock:
             self.procs.add(proc)
+            self.kill_if_stopping(proc.pid)
         try:
             return proc.wait()
         finally:
             with self.lock:
                 self.procs.discard(proc)
 
+    def kill_if_stopping(self, pid: int):
+        """A step whose process appeared after stop_children took its list (a fork or spawn already under way when
+        Ctrl-C came) is SIGKILLed here, under self.lock, so that no step outlives the driver. Call with the lock."""
+        if self.stopping:
+            _signal_step(pid, signal.SIGKILL)
+
     def stop_children(self):
-        """SIGTERM every running step's process group, SIGKILL what is left after 10 s."""
+        """SIGTERM every running step's process group, SIGKILL what is left after 10 s; steps that start from now on
+        are killed as they appear (kill_if_stopping)."""
         with self.lock:
+            self.stopping = True
             procs = list(self.procs)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for p in procs:
-                try:
-                    os.killpg(p.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                _signal_step(p.pid, sig)
             deadline = time.monotonic() + 10
             procs = [p for p in procs if not _exited(p, deadline)]
 
@@ -371,6 +379,20 @@ class ZygoteChild:
         if not self.done.wait(timeout):
             raise subprocess.TimeoutExpired("zygote child", timeout)
         return self.rc
+
+
+def _signal_step(pid: int, sig):
+    """Signal a step's process group; a step forked a moment ago may not lead its group yet (it calls setsid
+    first thing, and has started nothing of its own before that), so then the process itself."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    except PermissionError:
+        pass
 
 
 def _exited(p, deadline: float) -> bool:

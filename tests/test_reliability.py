@@ -419,6 +419,29 @@ def test_killing_the_driver_kills_its_steps(env, tmp_path, sig):
         driver.communicate()
 
 
+@pytest.mark.parametrize("zygote", [False, True])
+def test_a_step_that_starts_after_the_stop_is_killed(tmp_path, zygote):
+    """Ctrl-C can land while a pool thread is between picking a step and its process existing: stop_children's list
+    misses that step, so it is killed the moment it appears (else the driver waits on it forever; once seen as a
+    60 s timeout of the SIGINT test above under the full suite's load)."""
+    sys.path.insert(0, str(REPO))
+    from data.zygote import Zygote
+    from run import Pipeline
+    pipe = Pipeline(tmp_path / "run", 1, dict(os.environ, OMP_NUM_THREADS="1"), True, {})
+    pipe.lock_run_dir()
+    if zygote:
+        pipe.zygote = Zygote(pipe.env, pass_fds=(pipe.lock_fd,))
+    try:
+        pipe.stop_children()  # nothing runs yet: from here on, every step that appears is killed
+        t = time.monotonic()
+        argv = [sys.executable, str(REPO / "train.py")]  # no flags: the embedded default, minutes of work
+        assert pipe.call(argv, tmp_path / "log.txt") == -signal.SIGKILL
+        assert time.monotonic() - t < 30 and not pipe.procs
+    finally:
+        if pipe.zygote is not None:
+            pipe.zygote.close()
+
+
 def test_a_second_driver_on_a_directory_in_use_is_refused(env, tmp_path):
     out = tmp_path / "run"
     first = long_run(env, out)
