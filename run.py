@@ -28,11 +28,12 @@ checkpoint that built it (score.py for OPR, buffer_nll.py for gold replay).
 
 Every step runs as a process of its own writing into a temporary directory that is renamed into runs/NAME/steps/
 and recorded in manifest.json when it succeeds (on CPU a fork of one zygote process that imported torch and the
-scripts once, data/zygote.py; OPR_NO_ZYGOTE=1 for a fresh interpreter per step: same results). A step's key hashes everything that changes its numbers: its settings,
-the keys of the steps it reads, the content of the files it reads (data files, the base checkpoint; digests cached
-by size and mtime) and the numerics (CPU threads per step, torch version, kernels.NUMERICS). Identical work (e.g. stage 1 of every
-method) runs once, re-running the same command continues where it stopped (killing it anywhere loses at most the
-steps in progress), and an edited data file re-runs exactly the steps that read it.
+scripts once, data/zygote.py; OPR_NO_ZYGOTE=1 for a fresh interpreter per step: same results). A step's key hashes
+everything that changes its numbers: its settings, the keys of the steps it reads, the content of the files it reads
+(data files, the base checkpoint; digests cached by size and mtime) and the numerics (CPU threads per step, torch
+version, kernels.NUMERICS). Identical work (e.g. stage 1 of every method) runs once, re-running the same command
+continues where it stopped (killing it anywhere loses at most the steps in progress), and an edited data file
+re-runs exactly the steps that read it.
 
 Determinism: results are a function of the command, its inputs and its seeds. Every CPU step runs with the same
 pinned thread count (THREADS below, or --threads, or the caller's explicit OMP_NUM_THREADS), whatever --jobs or

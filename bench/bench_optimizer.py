@@ -5,8 +5,9 @@ world of one in fp32.
 
     python bench/bench_optimizer.py [--steps 50] [--repeats 5] [--threads 1]
 
-Builds the model as train.py does (train.build_model, a world of one), sets zero gradients, and times opt.step() for each variant, variants alternated, --repeats times, 3 warm-up
-steps each; prints the median ms per step and the ratio.
+Builds the model as train.py does (train.build_model, a world of one), sets zero gradients, and times opt.step()
+for each variant, variants alternated, --repeats times, 3 warm-up steps each; prints the median ms per step and the
+ratio.
 """
 import argparse
 import os
