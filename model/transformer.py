@@ -66,9 +66,17 @@ class KVCache:
 
     k[l], v[l]: [B, n_kv, max_len, head_dim]. `valid[b, s]` says whether slot s of row b holds a real token
     (left padding does not). The caller marks the new slots valid before each forward; the model advances `pos`.
+
+    Attention reads the keys up to `span(t_new)`: pos + t_new rounded up to a multiple of `key_bucket` (the slots
+    past the new tokens are masked out as "future"). On CUDA (key_bucket 64 by default) a decode step then does not
+    present a new key length to SDPA every step: PyTorch picks cuDNN's attention for this masked bf16 call, and cuDNN
+    builds an execution plan per new shape (~65 ms on an H100, 3-4x the whole decode step of a 1.5B model), so the
+    rounding makes plans repeat. On the CPU (key_bucket 1) nothing is cached per shape and the span is exact, which
+    keeps the CPU's numbers bit-for-bit (a longer masked span moves log-probs by ~1e-6; tokens stay the same).
     """
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype):
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, key_bucket: int | None = None):
+        self.key_bucket = key_bucket or (64 if torch.device(device).type == "cuda" else 1)
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
@@ -81,13 +89,18 @@ class KVCache:
         self.v = [t.index_select(0, rows) for t in self.v]
         self.valid = self.valid.index_select(0, rows)
 
+    def span(self, t_new: int) -> int:
+        """How many key slots attention reads for the next t_new tokens (see the class docstring)."""
+        e = self.pos + t_new
+        return min(self.k[0].shape[2], -(-e // self.key_bucket) * self.key_bucket)
+
     def mask(self, t_new: int) -> torch.Tensor:
-        """Boolean attention mask [B,1,t_new,pos+t_new] for the next t_new tokens (causal and valid keys).
+        """Boolean attention mask [B,1,t_new,span(t_new)] for the next t_new tokens (causal and valid keys).
 
         A padding query attends to itself only, so it never sees an all-masked row (NaN) and never feeds NaN
         into the cache."""
-        s, e = self.pos, self.pos + t_new
-        q_pos = torch.arange(s, e, device=self.valid.device)[:, None]
+        s, e = self.pos, self.span(t_new)
+        q_pos = torch.arange(s, s + t_new, device=self.valid.device)[:, None]
         k_pos = torch.arange(e, device=self.valid.device)[None, :]
         m = (k_pos <= q_pos) & self.valid[:, None, :e]
         return (m | (k_pos == q_pos))[:, None]
@@ -124,7 +137,8 @@ class Attention(nn.Module):
                 s = cache.pos
                 cache.k[self.layer_idx][:, :, s:s + T] = k
                 cache.v[self.layer_idx][:, :, s:s + T] = v
-                k, v = cache.k[self.layer_idx][:, :, :s + T], cache.v[self.layer_idx][:, :, :s + T]
+                e = cache_mask.shape[-1]  # cache.span(T): past the new tokens, masked as future
+                k, v = cache.k[self.layer_idx][:, :, :e], cache.v[self.layer_idx][:, :, :e]
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache_mask, enable_gqa=True)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -30,3 +30,14 @@ def test_bench_gpu_cpu_smoke_path(tmp_path):
     rollouts = [r for r in rows if r.get("kind") == "rollout"]
     assert [(r["batch"], r["new_tokens"]) for r in rollouts] == [(1, 5), (3, 15)]
     assert "| tiny | trace | on | sdpa | chunked | 1 |" in p.stdout
+
+
+def test_profile_decode_cpu_path_reports_the_step_and_the_ops(tmp_path):
+    """bench/profile_decode.py (the decode profile that found the cuDNN per-shape plans on the H100) runs on CPU."""
+    cmd = [sys.executable, str(REPO / "bench" / "profile_decode.py"), "--device", "cpu", "--config", "tiny",
+           "--batch", "2", "--prompt-len", "20", "--new-tokens", "6", "--rows", "5"]
+    p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "config tiny, cpu float32, batch 2, prompt 20, 6 new tokens, SDPA default" in p.stdout
+    assert "decode step cold" in p.stdout and "aten::mm" in p.stdout
