@@ -35,11 +35,16 @@ version, kernels.NUMERICS). Identical work (e.g. stage 1 of every method) runs o
 continues where it stopped (killing it anywhere loses at most the steps in progress), and an edited data file
 re-runs exactly the steps that read it.
 
+Stopping: Ctrl-C, SIGTERM or SIGHUP stop every running step (SIGTERM, then SIGKILL after 10 s) and keep the finished
+ones; a step outlives no driver, even one killed by SIGKILL. `kill -USR1 PID` makes a driver print every thread's
+stack to stderr (for a driver that seems stuck) and go on.
+
 Determinism: results are a function of the command, its inputs and its seeds. Every CPU step runs with the same
 pinned thread count (THREADS below, or --threads, or the caller's explicit OMP_NUM_THREADS), whatever --jobs or
 the machine's core count, and the tiny base is always built single-threaded.
 """
 import argparse
+import faulthandler
 import fcntl
 import hashlib
 import json
@@ -411,6 +416,8 @@ def _exit_on_signal(signum, frame):
 
 def main(argv=None):
     args = parse_args(argv)
+    if hasattr(signal, "SIGUSR1"):  # kill -USR1 PID: every thread's stack to stderr, then on (see the docstring)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     preset = "paper" if args.model else (args.base or "tiny")
     cfg = dict(PRESETS[preset])
     for k in ("methods", "rho", "lr", "global_batch", "max_new_tokens", "n_train", "n_test", "eval_limit", "sft_kl_beta",

@@ -112,12 +112,19 @@ class Zygote:
                 w["started"].set()
                 w["done"].set()
 
-    def close(self):
+    def close(self, timeout: float = 30):
+        """End the zygote: it exits once its stdin closes and its children are gone (the driver calls this after
+        every step has ended). A zygote still there after `timeout` s is SIGKILLed, its children with it, so a
+        driver never hangs in its own cleanup."""
         try:
             self.proc.stdin.close()
         except OSError:
             pass
-        self.proc.wait()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -407,12 +407,39 @@ def test_killing_the_driver_kills_its_steps(env, tmp_path, sig):
         child = child_of(driver.pid, "train.py")
         time.sleep(0.5)
         os.kill(driver.pid, sig)  # the driver alone, not its process group
-        driver.wait(60)
+        try:
+            driver.wait(120)  # stopping takes <= 20 s (SIGTERM, SIGKILL after 10 s); the rest is slack for load
+        except subprocess.TimeoutExpired:  # say where it hangs: every thread's stack (SIGUSR1) and the processes
+            os.kill(driver.pid, signal.SIGUSR1)
+            time.sleep(3)
+            ps = subprocess.run(["ps", "-eo", "pid,ppid,pgid,stat,etime,args"], capture_output=True, text=True)
+            os.killpg(driver.pid, signal.SIGKILL)
+            raise AssertionError(f"run.py still running 120 s after {sig.name}; its stacks:\n"
+                                 f"{driver.communicate()[1][-6000:]}\nprocesses:\n{ps.stdout[-4000:]}") from None
         assert gone(child), f"train.py (pid {child}) outlived run.py killed by {sig.name}"
         err = driver.stderr.read()
         assert "Traceback" not in err, err[-3000:]
         if sig != signal.SIGKILL:
             assert driver.returncode != 0 and len([l for l in err.splitlines() if l.strip()]) == 1, err
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.communicate()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="SIGUSR1 is POSIX")
+def test_sigusr1_prints_the_drivers_stacks_and_the_run_goes_on(env, tmp_path):
+    driver = long_run(env, tmp_path / "run")
+    try:
+        child = child_of(driver.pid, "train.py")
+        os.kill(driver.pid, signal.SIGUSR1)
+        time.sleep(2)
+        assert driver.poll() is None and not gone(child, timeout=0.1)  # both still at work
+        os.kill(driver.pid, signal.SIGTERM)
+        driver.wait(120)
+        err = driver.stderr.read()
+        assert "most recent call first" in err and "run.py" in err and "in execute" in err, err[-3000:]
+        assert gone(child)
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)

@@ -47,3 +47,38 @@ def test_zygote_dies_with_stdin_closed_and_reports_children(tmp_path):
     zygote.close()
     assert codes == [2, 2, 2] and zygote.proc.returncode == 0
     assert all("rollout.py: error: argument --max-new-tokens" in (tmp_path / f"{i}.log").read_text() for i in range(3))
+
+
+def test_close_kills_a_zygote_that_does_not_exit_and_its_children_die_with_it(tmp_path):
+    """close() is bounded: a zygote whose child still runs after `timeout` is SIGKILLed, the child with it
+    (PR_SET_PDEATHSIG), and the waiting run() returns -9 -- a driver never hangs in its cleanup."""
+    import threading
+    import time
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(tmp_path / "cache"))
+    zygote = Zygote(env)
+    pids, codes = [], []
+    t = threading.Thread(target=lambda: codes.append(zygote.run("train", [], tmp_path / "t.log", env,
+                                                                 on_start=pids.append)))
+    t.start()  # train.py with no flags: the embedded default, minutes of work
+    deadline = time.monotonic() + 60
+    while not pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pids, "the child never started"
+    zygote.close(timeout=1)
+    t.join(30)
+    assert zygote.proc.returncode == -9 and codes == [-9]
+    assert gone(pids[0]), "the child outlived its zygote"
+
+
+def gone(pid: int, timeout: float = 20) -> bool:
+    """pid has exited (or is a zombie waiting to be reaped) within timeout seconds."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
