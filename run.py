@@ -36,7 +36,8 @@ continues where it stopped (killing it anywhere loses at most the steps in progr
 re-runs exactly the steps that read it.
 
 Stopping: Ctrl-C, SIGTERM or SIGHUP stop every running step (SIGTERM, then SIGKILL after 10 s) and keep the finished
-ones; a step outlives no driver, even one killed by SIGKILL. `kill -USR1 PID` makes a driver print every thread's
+ones; a step outlives no driver, even one killed by SIGKILL. A signal ignored when the driver starts stays ignored
+(`nohup` keeps SIGHUP away; a shell script's `python run.py &` starts with SIGINT ignored: stop that one with kill). `kill -USR1 PID` makes a driver print every thread's
 stack to stderr (for a driver that seems stuck) and go on.
 
 Determinism: results are a function of the command, its inputs and its seeds. Every CPU step runs with the same
@@ -322,9 +323,12 @@ class Pipeline:
                    disable=self.quiet)
         running, failure = {}, None
         pool = ThreadPoolExecutor(self.jobs)
-        # SIGTERM/SIGHUP end the driver like Ctrl-C does: its steps are stopped first (see below)
+        # SIGTERM/SIGHUP end the driver like Ctrl-C does: its steps are stopped first (see below). A signal the
+        # driver was started ignoring stays ignored: `nohup python run.py` survives a logout (SIGHUP), and so does
+        # SIGINT for a job that a non-interactive shell started with `&` (Python leaves it ignored too)
         for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, _exit_on_signal)
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, _exit_on_signal)
         try:
             while (todo and failure is None) or running:
                 for key in [k for k in todo if all(self.done(d) for d in self.steps[k]["deps"])]:
