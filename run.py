@@ -86,7 +86,8 @@ THREADS = 1
 
 # ---- presets: the paper's setting and two CPU-sized ones --------------------------------------------------------
 # the paper's setting is the scripts' own defaults (train.py, rollout.py), not a second copy of them
-PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=train.LR, global_batch=train.GLOBAL_BATCH,
+PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=train.LR, warmup=train.WARMUP,
+             global_batch=train.GLOBAL_BATCH,
              max_len=train.MAX_LEN, micro_tokens=train.MICRO_TOKENS, max_new_tokens=rollout.MAX_NEW_TOKENS,
              temperature=rollout.TEMPERATURE, max_train=rollout.MAX_TRAIN, eval_limit=None,
              eval_repeats=8,           # the official tools/eval.py: 8 samples per test prompt, scores averaged
@@ -138,6 +139,8 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=comma_list(int_at_least(1)),
                    help="epochs per stage: one int, or a comma list per task (default: task table)")
     p.add_argument("--lr", type=float_in(0, lo_open=True), help="peak learning rate (default: per preset; paper 1e-5)")
+    p.add_argument("--warmup", type=float_in(0, 1),
+                   help="fraction of each stage's steps with a linear lr warmup (default: per preset; paper 0)")
     p.add_argument("--global-batch", type=int_at_least(1),
                    help="sequences per optimizer step (default: per preset; paper 128)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), help="generation budget (default: per preset; paper 512)")
@@ -424,7 +427,7 @@ def main(argv=None):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     preset = "paper" if args.model else (args.base or "tiny")
     cfg = dict(PRESETS[preset])
-    for k in ("methods", "rho", "lr", "global_batch", "max_new_tokens", "n_train", "n_test", "eval_limit", "sft_kl_beta",
+    for k in ("methods", "rho", "lr", "warmup", "global_batch", "max_new_tokens", "n_train", "n_test", "eval_limit", "sft_kl_beta",
               "sdft_teacher", "sdft_max_new_tokens", "epochs", "max_train", "eval_repeats", "scoring", "replay_budget",
               "drift_limit"):
         if getattr(args, k, None) is not None:
@@ -495,6 +498,8 @@ def main(argv=None):
         spec = dict(tasks=task_list, seed=seed, lr=cfg["lr"], gb=cfg["global_batch"], extra=list(extra),
                     ep=n_epochs or epochs[task_list[-1]], max_len=cfg["max_len"], mt=cfg["micro_tokens"],
                     max_train=cfg["max_train"])
+        if cfg["warmup"]:  # absent when 0, so the keys of runs made before the flag existed stay valid
+            spec["warmup"] = cfg["warmup"]
 
         def build(tmp, dirs):
             records = [{"prompt": e.prompt, "response": e.answer, "task": e.task, "idx": e.idx}
@@ -507,7 +512,7 @@ def main(argv=None):
                               "--out", str(tmp / "ckpt"), "--epochs", str(spec["ep"]), "--lr", str(cfg["lr"]),
                               "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
                               "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", "0",
-                              "--quiet", *extra, *ac]
+                              "--warmup", str(cfg["warmup"]), "--quiet", *extra, *ac]
         return pipe.add("train", name, spec, [d for d in (prev, buffer_key) if d], build,
                         reads=files("train", task_list) + ([] if prev else base_files))
 

@@ -13,7 +13,8 @@ The algorithm, top to bottom:
      micro-batches of at most --micro-tokens tokens with no padding, and accumulates gradients of
          sum of response-token NLL / number of response tokens in the whole step (all ranks)
      so gradients do not depend on world size, micro-batch split or packing
-  4. AdamW, cosine decay to 0 with no warmup, grad-norm clip
+  4. AdamW, linear warmup over the first --warmup fraction of steps (none by default), cosine decay to 0,
+     grad-norm clip
   5. periodic resumable training state; final weights as a Hugging Face checkpoint directory (--out)
 
 Records that carry a "source" field (the replay buffers score.py and run.py write) are replay examples, the others
@@ -58,7 +59,8 @@ from model.tokenizer import ChatTokenizer
 from model.transformer import Transformer
 
 # ---- defaults: the paper's hyperparameters (7-8B models, 8xH100) ------------------------------------------
-LR = 1e-5                # AdamW, cosine to 0, no warmup
+LR = 1e-5                # AdamW, cosine to 0
+WARMUP = 0.0             # fraction of the steps with a linear warmup to LR (the paper's setting: none)
 WEIGHT_DECAY = 0.0
 BETAS = (0.9, 0.999)
 GRAD_CLIP = 1.0
@@ -97,6 +99,8 @@ def parse_args(argv=None):
                                                            "not write it")
     p.add_argument("--epochs", type=int_at_least(1), default=EPOCHS, help="epochs over the mixture (default: %(default)s)")
     p.add_argument("--lr", type=float_in(0, lo_open=True), default=LR, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--warmup", type=float_in(0, 1), default=WARMUP,
+                   help="fraction of the steps over which the lr rises linearly from 0 (default: %(default)s)")
     p.add_argument("--weight-decay", type=float_in(0), default=WEIGHT_DECAY, help="(default: %(default)s)")
     p.add_argument("--betas", type=float_in(0, 1), nargs=2, default=BETAS, help="AdamW betas (default: %(default)s)")
     p.add_argument("--grad-clip", type=float_in(0, lo_open=True), default=GRAD_CLIP, help="max grad norm (default: %(default)s)")
@@ -232,8 +236,13 @@ def replay_split(examples, device):
     return mask, None
 
 
-def cosine(step: int, total: int) -> float:
-    return 0.5 * (1 + math.cos(math.pi * min(step, total) / max(total, 1)))
+def cosine(step: int, total: int, warmup: float = 0.0) -> float:
+    """lr factor of optimizer step `step` (0-based) of `total`: a linear rise over the first round(warmup * total)
+    steps (step 0 trains at 1 / (n + 1) of the peak, never at 0), then a cosine decay to 0 over the rest."""
+    n = round(warmup * total)
+    if step < n:
+        return (step + 1) / (n + 1)
+    return 0.5 * (1 + math.cos(math.pi * min(step - n, total - n) / max(total - n, 1)))
 
 
 def measured_peak_flops(device, dtype) -> float:
@@ -393,7 +402,8 @@ def main(argv=None):
     objective = {"sft": {}, "sft-kl": {k: v for k, v in vars(args).items() if k.startswith("sft_kl")},
                  "sdft": {k: v for k, v in vars(args).items() if k.startswith("sdft")}}[args.objective]
     plan_id = hashlib.sha256(json.dumps([args.data, lengths, args.epochs, args.global_batch, args.seed, args.lr,
-                                         args.max_len, args.objective, objective]).encode()).hexdigest()
+                                         args.max_len, args.objective, objective]
+                                        + ([args.warmup] if args.warmup else [])).encode()).hexdigest()
 
     # 2. model, and the teacher of sft-kl / sdft: a copy of the initial weights (an EMA from there on, or frozen);
     #    sdft's "student" teacher is the training model itself
@@ -412,7 +422,7 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay,
                             fused=True)  # one fused kernel over all tensors: a tiny model's step on CPU spends 5 ms
     # in it instead of 22 with foreach=True (FSDP2's DTensors dispatch each foreach op separately)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, total_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, total_steps, args.warmup))
     start = 0
     if rank == 0:
         workdir.mkdir(parents=True, exist_ok=True)

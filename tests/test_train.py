@@ -7,6 +7,7 @@ Every training run is a real subprocess (`python train.py`, or torchrun with 2 g
 tiny-tensor ops with 2 threads on a busy 2-core machine are many times slower than with one.
 """
 import json
+import math
 import os
 import signal
 import socket
@@ -26,6 +27,7 @@ from data.packing import collate, pack, plan_steps, tokenize_sft  # noqa: E402
 from model.base import CHATML, train_tiny_tokenizer  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
+import train as train_script  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_LEN = 48
@@ -298,6 +300,24 @@ def test_max_steps_keeps_the_whole_plans_schedule(ckpt, ref, tmp_path):
     out = tmp_path / "stopped"
     train(ckpt, out, "--max-steps", "3")
     assert [x["lr"] for x in log(out)] == [x["lr"] for x in log(ref)[:3]]
+
+
+def test_warmup_schedule_hand_checked():
+    # 8 steps, warmup 0.25: 2 warmup steps at 1/3 and 2/3 of the peak, then cosine over the remaining 6
+    got = [train_script.cosine(s, 8, 0.25) for s in range(9)]
+    want = [1 / 3, 2 / 3] + [0.5 * (1 + math.cos(math.pi * k / 6)) for k in range(7)]
+    assert got == pytest.approx(want, abs=1e-12)
+    assert got[2] == 1.0 and got[8] == pytest.approx(0.0, abs=1e-12)
+    assert [train_script.cosine(s, 8) for s in range(9)] == [train_script.cosine(s, 8, 0.0) for s in range(9)]
+
+
+def test_warmup_reaches_the_logged_lr(ckpt, ref, tmp_path):
+    out = tmp_path / "warm"
+    train(ckpt, out, "--max-steps", "3", "--warmup", "0.5")
+    lrs, peak = [x["lr"] for x in log(out)], log(ref)[0]["lr"]  # ref: no warmup, its step 0 is at the peak
+    total = len(log(ref))
+    n = round(0.5 * total)
+    assert lrs == pytest.approx([peak * (s + 1) / (n + 1) for s in range(3)], rel=1e-6)
 
 
 def test_resume_refuses_a_state_saved_for_another_plan(ckpt, tmp_path):
