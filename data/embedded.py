@@ -10,16 +10,22 @@ that decides an answer in one task decides a different answer in another, so a m
 at once and a replay buffer of any size only helps (a benchmark whose tasks contradict each other is bistable:
 which rule wins depends on a few replayed examples, and seed-to-seed noise swamps the method differences).
 
-  C-STANCE     "<Subj> <verb> the <obj> <when> ." -> A/B/C by the verb (favor/against/neutral verbs)
+  C-STANCE     "<When> , about the <obj> , <subj> <verb> ." -> A/B/C by the verb (favor/against/neutral verbs)
   FOMC         the same frame, subjects, objects and letters, its own verbs -> A/B/C (dovish/hawkish/neutral);
                the two verb sets are disjoint, so the tasks compete for the letters, not for the texts
   MeetingBank  3-sentence meeting -> "council approves|rejects <action> of <item> in district <d>" (ROUGE-L)
   Py150        two code lines with <EOL>/<NUM_LIT:k> -> the next line, copied from variables in the prompt (fuzz)
-  ScienceQA    "Which one is hot?" + 3 choices -> "<letter> because <item> is <prop>" (the stance letters again)
-  NumGLUE-cm   "<name> has <a> <obj> and buys <b> more. How many <obj> now?" -> a + b (single digit)
-  NumGLUE-ds   "<name> has <a> bags with <b> <obj> each. How many <obj> now?" -> a * b (single digit): the same
-               names, objects and numbers as NumGLUE-cm, another operation, told apart by the question's words
+  ScienceQA    "Which one describes the <item> ?" with the options hot / cold / wet -> "<letter> because <item> is
+               <prop>" (the stance letters again)
+  NumGLUE-cm   "<name> buys one more <obj> . How many <obj> now ? Had <a> ." -> a + 1
+  NumGLUE-ds   "<name> has a pair of bags of <obj> . ... Each bag <a in words> ." -> 2 * a: the same frame, names
+               and objects as NumGLUE-cm, another operation, its own number tokens ("three", not "3")
   20Minuten    German sentence -> drop time/adverb/adjective words, swap a rare verb for a plain one (SARI)
+
+In every classification and arithmetic task the words that decide the answer end the prompt, at the same
+distance from the answer on every prompt. Version 3 put them anywhere in the sentence, and the tiny model then had
+to find them by content. Whether it found them within a stage was a coin flip per seed: the bistable plateau
+that made the default's seed noise larger than the method effects (BENCHMARKS.md).
 
 Each task has at least ~1,000 distinct prompts, so large test splits (hundreds of prompts per task, the lever
 that makes seed-to-seed noise small) never repeat a training prompt. Same seed -> byte-identical files.
@@ -40,7 +46,7 @@ from pathlib import Path
 
 from data.tasks import TASK_ORDER, parse_tasks
 
-VERSION = 3  # bumped whenever the generated data changes: part of the cache directory names
+VERSION = 5  # bumped whenever the generated data changes: part of the cache directory names
 
 # ---------------------------------------------------------------------------------------------------------------
 # Vocabulary
@@ -75,10 +81,13 @@ SCIENCE_ITEMS = {  # property -> things that have it
     "wet": ["rain", "river", "sea"],
     "hard": ["rock", "iron", "stone"],
 }
+SCIENCE_PROPS = ["hot", "cold", "wet"]  # the three options, always in this order ("hard" things are no answer)
 
 MATH_OBJECTS = ["apples", "pens", "cards", "coins", "books", "eggs", "cups", "toys", "shells", "stamps"]
-MATH_SUM = (range(1, 7), range(1, 4))       # NumGLUE-cm: a + b <= 9
-MATH_PRODUCT = (range(1, 4), range(1, 4))   # NumGLUE-ds: a * b <= 9
+MATH_NUMBERS = range(1, 10)  # the one number of a problem; NumGLUE-cm answers a + 1, NumGLUE-ds 2 * a
+# NumGLUE-cm writes the number in digits, NumGLUE-ds in words: like the two verb tables of the stance tasks, the
+# token that decides an answer belongs to one task only, so the tasks share frame, names and objects, not a rule
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 DE_NAMES = ["Anna", "Reto", "Lea", "Jonas", "Nina"]
 DE_VERBS = {"erwarb": "kaufte", "erblickte": "sah", "verspeiste": "aß", "veräußerte": "verkaufte",
@@ -106,7 +115,7 @@ def stance_text(rng: random.Random, task: str) -> tuple[str, str]:
     letter = rng.choice("ABC")
     obj = rng.choice(STANCE_OBJECTS)
     subj, verb, when = rng.choice(STANCE_SUBJECTS), rng.choice(STANCE_VERBS[task][letter]), rng.choice(STANCE_WHEN)
-    return f"{subj[0].upper()}{subj[1:]} {verb} the {obj} {when} .", obj
+    return f"{when[0].upper()}{when[1:]} , about the {obj} , {subj} {verb} .", obj
 
 
 def stance_label(task: str, text: str) -> str:
@@ -119,8 +128,8 @@ def stance_label(task: str, text: str) -> str:
 
 def make_cstance(rng):
     text, obj = stance_text(rng, "C-STANCE")
-    prompt = (f"Stance of the text toward the target? A. favor, B. against, C. neutral.\nText:\n{text}\n"
-              f"Target:\n{obj}\nStance:")
+    prompt = (f"Stance of the text toward the target? A. favor, B. against, C. neutral.\nTarget:\n{obj}\n"
+              f"Text:\n{text}\nStance:")
     return {"prompt": prompt, "answer": stance_label("C-STANCE", text)}
 
 
@@ -153,36 +162,35 @@ def make_py150(rng):
 
 
 def make_scienceqa(rng):
-    props = rng.sample(list(SCIENCE_ITEMS), 3)  # the asked property and two distractor properties
-    items = [rng.choice(SCIENCE_ITEMS[p]) for p in props]
-    order = list(range(3))
-    rng.shuffle(order)
-    choices = [items[i] for i in order]
-    letter = "ABC"[order.index(0)]
-    prompt = (f"Answer and give your reasons.\nQuestion:\nWhich one is {props[0]}?\nChoices:\nA. {choices[0]}\n"
-              f"B. {choices[1]}\nC. {choices[2]}\nAnswer:")
-    return {"prompt": prompt, "answer": f"{letter} because {items[0]} is {props[0]}"}
+    item_prop = rng.choice(SCIENCE_PROPS)  # the options are the three properties in a fixed order
+    item = rng.choice(SCIENCE_ITEMS[item_prop])
+    asker, asked = rng.sample(NAMES, 2)  # context that varies the prompt and decides nothing
+    options = "".join(f"{'ABC'[i]}. {p}\n" for i, p in enumerate(SCIENCE_PROPS))
+    prompt = (f"Answer and give your reasons.\nContext:\n{asker} asks {asked} in class .\nChoices:\n{options}"
+              f"Question:\nWhich one describes the {item} ?\nAnswer:")
+    letter = "ABC"[SCIENCE_PROPS.index(item_prop)]
+    return {"prompt": prompt, "answer": f"{letter} because {item} is {item_prop}"}
 
 
-def _math(rng, question: str, ranges) -> tuple[str, int, int]:
-    name, obj = rng.choice(NAMES), rng.choice(MATH_OBJECTS)
-    a, b = rng.choice(ranges[0]), rng.choice(ranges[1])
-    q = question.format(name=name, a=a, b=b, obj=obj)
-    return f"Solve the math problem.\nQuestion:\n{q}\nAnswer:", a, b
+def _math(rng, task: str) -> tuple[str, int]:
+    name, obj, a = rng.choice(NAMES), rng.choice(MATH_OBJECTS), rng.choice(MATH_NUMBERS)
+    q = MATH_QUESTIONS[task].format(name=name, a=a if task == "NumGLUE-cm" else NUMBER_WORDS[a], obj=obj)
+    return f"Solve the math problem.\nQuestion:\n{q}\nAnswer:", a
 
 
-MATH_QUESTIONS = {"NumGLUE-cm": "{name} has {a} {obj} and buys {b} more. How many {obj} now?",
-                  "NumGLUE-ds": "{name} has {a} bags with {b} {obj} each. How many {obj} now?"}
+# the number ends the question, always at the same distance from the answer; the words before it say what to do
+MATH_QUESTIONS = {"NumGLUE-cm": "{name} buys one more {obj} . How many {obj} now ? Had {a} .",
+                  "NumGLUE-ds": "{name} has a pair of bags of {obj} . How many {obj} in all ? Each bag {a} ."}
 
 
 def make_numglue_cm(rng):
-    prompt, a, b = _math(rng, MATH_QUESTIONS["NumGLUE-cm"], MATH_SUM)
-    return {"prompt": prompt, "answer": str(a + b)}
+    prompt, a = _math(rng, "NumGLUE-cm")
+    return {"prompt": prompt, "answer": str(a + 1)}
 
 
 def make_numglue_ds(rng):
-    prompt, a, b = _math(rng, MATH_QUESTIONS["NumGLUE-ds"], MATH_PRODUCT)
-    return {"prompt": prompt, "answer": str(a * b)}
+    prompt, a = _math(rng, "NumGLUE-ds")
+    return {"prompt": prompt, "answer": str(2 * a)}
 
 
 def make_20minuten(rng):
@@ -230,13 +238,13 @@ def solve(task: str, prompt: str) -> str:
         v, op, kw, k = m.groups()
         return f"return {v} {op} {k}" if kw == "if" else f"{v} = {v} - {k}"
     if task == "ScienceQA":
-        prop = re.search(r"Which one is (\w+)\?", prompt).group(1)
-        for letter, item in re.findall(r"\n([ABC])\. (\w+)", prompt):
+        item = re.search(r"Which one describes the (\w+) \?", prompt).group(1)
+        for letter, prop in re.findall(r"\n([ABC])\. (\w+)", prompt):
             if item in SCIENCE_ITEMS[prop]:
                 return f"{letter} because {item} is {prop}"
     if task in ("NumGLUE-cm", "NumGLUE-ds"):
-        a, b = (int(x) for x in re.findall(r"\d+", prompt.split("Question:\n")[1]))
-        return str(a + b if task == "NumGLUE-cm" else a * b)
+        last = prompt.split("Question:\n")[1].split("\n")[0].split()[-2]  # the number before the final " ."
+        return str(int(last) + 1) if task == "NumGLUE-cm" else str(2 * NUMBER_WORDS.index(last))
     if task == "20Minuten":
         words = prompt.split("Paragraph:\n")[1].split("\n")[0].split()
         return f"{words[0]} {DE_VERBS[words[1]]} {words[-4]} in {words[-2]} ."
@@ -326,10 +334,10 @@ def _mixture_example(rng):
     if kind == 4:
         return {"prompt": f"What is the last word in this list?\n{listed}", "answer": words[-1]}
     classes = list(MIX_CLASSES)
-    if kind == 5:  # a word's class as a letter: the multiple-choice answer format of three of the tasks
+    if kind == 5:  # the class of a text's last word as a letter: the answer format of three of the tasks
         cls = rng.choice(classes)
-        return {"prompt": f"Is the word a color, an animal or a thing? A. color, B. animal, C. thing.\nWord:\n"
-                          f"{rng.choice(MIX_CLASSES[cls])}\nClass:", "answer": "ABC"[classes.index(cls)]}
+        return {"prompt": f"Is the last word a color, an animal or a thing? A. color, B. animal, C. thing.\nText:\n"
+                          f"{listed} {rng.choice(MIX_CLASSES[cls])} .\nClass:", "answer": "ABC"[classes.index(cls)]}
     if kind == 6:  # which option has a class, as a letter
         picked = [rng.choice(MIX_CLASSES[c]) for c in rng.sample(classes, 3)]
         asked = rng.randrange(3)
@@ -343,9 +351,10 @@ def _mixture_example(rng):
 
 def general_mixture(n: int, seed: int = 0) -> list[dict]:
     """n generic instruction-following examples {"prompt", "answer"} (copy, reverse, uppercase, count, last word,
-    a word's class as a letter, which option has a class, what comes after X). Their instructions and words appear
-    in none of the eight tasks; the two letter kinds make the base answer multiple-choice prompts with a letter, as
-    any instruction-tuned model does, so stage 1 does not start with a long plateau at chance."""
+    the class of a text's last word as a letter, which option has a class, what comes after X). Their instructions
+    and words appear in none of the eight tasks; the two letter kinds make the base answer multiple-choice prompts
+    with a letter, as any instruction-tuned model does. Stage 1 still has to find the word that decides its
+    letter: a plateau of 114-193 updates at chance in the default (BENCHMARKS.md)."""
     rng = random.Random(f"embedded/mixture/{seed}")
     return [_mixture_example(rng) for _ in range(n)]
 
@@ -356,7 +365,7 @@ def corpus_texts(seed: int = 0, n_per_task: int = 400) -> list[str]:
     vocab_lists = [NAMES, STANCE_SUBJECTS, *(v for t in STANCE_VERBS.values() for v in t.values()), STANCE_OBJECTS,
                    STANCE_WHEN, MEET_SPEAKERS,
                    MEET_ACTIONS, MEET_ITEMS, MEET_REACTIONS, CODE_FUNCS, CODE_ARGS, CODE_VARS, CODE_OPS,
-                   *SCIENCE_ITEMS.values(), list(SCIENCE_ITEMS), MATH_OBJECTS,
+                   *SCIENCE_ITEMS.values(), list(SCIENCE_ITEMS), MATH_OBJECTS, NUMBER_WORDS,
                    [str(i) for i in range(0, 100)], DE_NAMES, list(DE_VERBS), list(DE_VERBS.values()), DE_TIMES,
                    DE_ADVERBS, DE_ADJECTIVES, DE_NOUNS, DE_CITIES, MIX_WORDS, [w.upper() for w in MIX_WORDS],
                    *MIX_SEQUENCES, ["A", "B", "C", "council", "approves", "rejects"]]

@@ -212,7 +212,8 @@ def test_embedded_stance_tasks_share_inputs_not_rules(bench):
             with pytest.raises(ValueError, match="no .* verb"):
                 embedded.stance_label(other, text)
             words = text.split()
-            frames[task].add(" ".join(words[:1] + words[2:]))  # the text with its verb taken out
+            assert words[-2] in verbs[task] and words[-1] == "."  # the verb ends the text, next to the answer
+            frames[task].add(" ".join(words[:-2]))  # the text with its verb taken out
     # ...while subjects, objects and the frame are shared: the same verb-less texts occur in both tasks
     assert len(frames["C-STANCE"] & frames["FOMC"]) >= 20
     # all three letters occur in all three letter tasks (ScienceQA answers with the same letters)
@@ -220,22 +221,33 @@ def test_embedded_stance_tasks_share_inputs_not_rules(bench):
         assert {e.answer[0] for e in data[task]["train"]} == {"A", "B", "C"}
 
 
+def test_embedded_scienceqa_item_ends_the_prompt(bench):
+    # the options are the three properties in one fixed order; the item that decides the letter ends the prompt
+    _, data = bench
+    rx = r"\nChoices:\nA\. hot\nB\. cold\nC\. wet\nQuestion:\nWhich one describes the (\w+) \?\nAnswer:$"
+    for e in data["ScienceQA"]["train"] + data["ScienceQA"]["test"]:
+        item = re.search(rx, e.prompt).group(1)
+        prop = embedded.SCIENCE_PROPS["ABC".index(e.answer[0])]
+        assert item in embedded.SCIENCE_ITEMS[prop] and e.answer == f"{e.answer[0]} because {item} is {prop}"
+
+
 def test_embedded_arithmetic_tasks_share_inputs(bench):
     _, data = bench
-    pat = {"NumGLUE-cm": r"(\w+) has (\d+) (\w+) and buys (\d+) more\. How many (\w+) now\?",
-           "NumGLUE-ds": r"(\w+) has (\d+) bags with (\d+) (\w+) each\. How many (\w+) now\?"}
+    # the number ends the question, right before the answer; the words before it decide the operation
+    pat = {"NumGLUE-cm": r"\n(\w+) buys one more (\w+) \. How many (\w+) now \? Had (\d+) \.\nAnswer:$",
+           "NumGLUE-ds": r"\n(\w+) has a pair of bags of (\w+) \. How many (\w+) in all \? Each bag (\w+) \.\nAnswer:$"}
     seen, names = {}, {}
     for task, rx in pat.items():
         seen[task], names[task] = {}, set()
         for e in data[task]["train"]:
             m = re.search(rx, e.prompt)
-            assert m, e.prompt
-            a, b = (int(m.group(2)), int(m.group(4))) if task == "NumGLUE-cm" else (int(m.group(2)), int(m.group(3)))
-            assert e.answer == str(a + b if task == "NumGLUE-cm" else a * b) and len(e.answer) == 1
-            seen[task][(a, b)] = e.answer
+            assert m and m.group(2) == m.group(3), e.prompt
+            a = int(m.group(4)) if task == "NumGLUE-cm" else embedded.NUMBER_WORDS.index(m.group(4))
+            assert e.answer == str(a + 1 if task == "NumGLUE-cm" else 2 * a)
+            seen[task][a] = e.answer
             names[task].add(m.group(1))
         assert data[task]["train"][0].prompt.startswith("Solve the math problem.\nQuestion:\n")
-    # the same names and number pairs in both tasks, a different answer where the operations differ
+    # the same names and numbers (digits in one, words in the other) in both tasks, different answers
     assert names["NumGLUE-cm"] == names["NumGLUE-ds"]
     both = set(seen["NumGLUE-cm"]) & set(seen["NumGLUE-ds"])
     assert sum(seen["NumGLUE-cm"][k] != seen["NumGLUE-ds"][k] for k in both) >= 5
