@@ -11,6 +11,7 @@ were allocated. It includes the [V, H] weight gradient, which both variants must
 
 import argparse
 import json
+import random
 import resource
 import statistics
 import subprocess
@@ -110,15 +111,29 @@ def run_attention(args) -> None:
                         .transpose(0, 1))
         return torch.cat(outs)
 
+    def attend_padded(q, k, v, cu):
+        # one SDPA call: every document right-padded to the longest, [n_docs, H, L, D], is_causal. Exact for the
+        # real positions (a query sees only earlier keys, never the padding after it); the padded rows are dropped
+        lens = cu[1:] - cu[:-1]
+        ar = torch.arange(int(lens.max()), dtype=torch.int32)
+        valid = ar[None] < lens[:, None]
+        idx = torch.where(valid, cu[:-1, None] + ar[None], 0).long()
+        qp, kp, vp = (x[idx].transpose(1, 2) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2)[valid]
+
     variants = {"3-D, kv repeated (before)": lambda *a: attend_3d(*a, repeat=True),
                 "3-D, enable_gqa": lambda *a: attend_3d(*a, repeat=False),
-                "4-D, enable_gqa (kernels/attention.py)": lambda q, k, v, cu: _sdpa(q, k, v, cu, None)}
+                "4-D, enable_gqa (kernels/attention.py)": lambda q, k, v, cu: _sdpa(q, k, v, cu, None),
+                "one call, documents padded": attend_padded}
     print(f"\nvarlen SDPA fwd+bwd per packed micro-batch, CPU fp32, {torch.get_num_threads()} thread(s), median of "
           f"{args.repeats}, variants alternated")
     print(f"command: python bench/bench_loss_memory.py --attention --repeats {args.repeats}\n")
     print("| shape | " + " | ".join(f"{v} (ms)" for v in variants) + " | before / now |")
     print("|---|" + "---:|" * (len(variants) + 1))
+    mixed = [random.Random(0).randint(20, 90) for _ in range(16)]
     shapes = {"tiny base: 16 docs of 51 tokens, 4/2 heads, dim 32": ([51] * 16, 4, 2, 32),
+              f"tiny base: 16 docs of 20-90 tokens ({sum(mixed)} in all), 4/2 heads, dim 32": (mixed, 4, 2, 32),
               "SmolLM2: docs [300, 512, 97, 1, 640, 498], 9/3 heads, dim 64": ([300, 512, 97, 1, 640, 498], 9, 3, 64)}
     for name, (lengths, hq, hkv, d) in shapes.items():
         cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
