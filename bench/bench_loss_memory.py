@@ -131,7 +131,8 @@ def run_attention(args) -> None:
     print(f"command: python bench/bench_loss_memory.py --attention --repeats {args.repeats}\n")
     print("| shape | " + " | ".join(f"{v} (ms)" for v in variants) + " | before / now |")
     print("|---|" + "---:|" * (len(variants) + 1))
-    mixed = [random.Random(0).randint(20, 90) for _ in range(16)]
+    rng = random.Random(0)
+    mixed = [rng.randint(20, 90) for _ in range(16)]
     shapes = {"tiny base: 16 docs of 51 tokens, 4/2 heads, dim 32": ([51] * 16, 4, 2, 32),
               f"tiny base: 16 docs of 20-90 tokens ({sum(mixed)} in all), 4/2 heads, dim 32": (mixed, 4, 2, 32),
               "SmolLM2: docs [300, 512, 97, 1, 640, 498], 9/3 heads, dim 64": ([300, 512, 97, 1, 640, 498], 9, 3, 64)}
