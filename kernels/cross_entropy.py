@@ -46,37 +46,44 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
         # A no-op for fp32 weights; for bf16 weights a one-off fp32 copy of [V, H].
         weight_acc = weight.to(acc)
+        # Only the rows with a target need logits. In SFT most tokens are the prompt's (ignored), and computing
+        # their logits only to zero them out was most of this function's time (BENCHMARKS.md, "Logits for the
+        # target rows only").
+        keep = labels != ignore_index
+        rows = None if bool(keep.all()) else keep.nonzero().squeeze(1)
+        if rows is not None:
+            hidden, labels = hidden.index_select(0, rows), labels.index_select(0, rows)
+        n_rows = hidden.shape[0]
         loss = torch.zeros((), dtype=acc, device=hidden.device)
-        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if grad_hidden_needed else None
+        grad_rows = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if grad_hidden_needed else None
         grad_weight = torch.zeros_like(weight_acc) if grad_weight_needed else None
         # One logits buffer reused by every chunk: a fresh multi-MB tensor per chunk is a fresh mmap on
         # CPU, and page-faulting it in made the logits matmul ~30% slower in our measurements.
-        buf = torch.empty(min(chunk, n_tokens), vocab, dtype=acc, device=hidden.device)
-        for start in range(0, n_tokens, chunk):
-            end = min(start + chunk, n_tokens)
+        buf = torch.empty(min(chunk, n_rows), vocab, dtype=acc, device=hidden.device)
+        for start in range(0, n_rows, chunk):
+            end = min(start + chunk, n_rows)
             labels_c = labels[start:end]
-            valid = labels_c != ignore_index
-            if not bool(valid.any()):
-                continue  # all-ignored chunk: contributes neither loss nor gradient
             h_c = hidden[start:end].to(acc)
             logits = torch.mm(h_c, weight_acc.T, out=buf[: end - start])  # [c, V]
             # Stable log-sum-exp, in place: logits -> logits - max -> exp(logits - max).
-            row_max = logits.amax(dim=1, keepdim=True)
-            logits.sub_(row_max)
-            safe_labels = labels_c.masked_fill(~valid, 0)  # ignored rows are zeroed out below
-            target_logit = logits.gather(1, safe_labels[:, None]).squeeze(1)
+            logits.sub_(logits.amax(dim=1, keepdim=True))
+            target_logit = logits.gather(1, labels_c[:, None]).squeeze(1)
             probs = logits.exp_()
             sum_exp = probs.sum(dim=1)
-            loss += ((sum_exp.log() - target_logit) * valid).sum()
-            if grad_hidden is None and grad_weight is None:
+            loss += (sum_exp.log() - target_logit).sum()
+            if grad_rows is None and grad_weight is None:
                 continue
-            # d(lse - logit_y)/d logits = softmax - onehot(y), masked to the valid rows.
-            grad_logits = probs.mul_((valid / sum_exp)[:, None])
-            grad_logits[torch.arange(end - start, device=hidden.device), safe_labels] -= valid.to(acc)
-            if grad_hidden is not None:
-                torch.mm(grad_logits, weight_acc, out=grad_hidden[start:end])
+            # d(lse - logit_y)/d logits = softmax - onehot(y)
+            grad_logits = probs.div_(sum_exp[:, None])
+            grad_logits[torch.arange(end - start, device=hidden.device), labels_c] -= 1
+            if grad_rows is not None:
+                torch.mm(grad_logits, weight_acc, out=grad_rows[start:end])
             if grad_weight is not None:
                 grad_weight.addmm_(grad_logits.T, h_c)
+        grad_hidden = grad_rows
+        if grad_rows is not None and rows is not None:  # ignored rows get a zero gradient
+            grad_hidden = torch.zeros((n_tokens, hidden.shape[1]), dtype=acc, device=hidden.device)
+            grad_hidden.index_copy_(0, rows, grad_rows)
         ctx.save_for_backward(
             grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
             grad_weight.to(weight.dtype) if grad_weight is not None else None,

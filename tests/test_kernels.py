@@ -273,6 +273,31 @@ def test_chunked_ce_matches_naive_with_ignored_labels_and_ragged_chunks(chunked_
     assert torch.all(hidden.grad[labels == -100] == 0)
 
 
+def test_chunked_ce_ignored_rows_change_no_byte(chunked_backend, monkeypatch):
+    # the kernel computes logits for the target rows only: with ignored rows it must give the same bytes as the
+    # same call on the target rows alone (loss, their hidden grads, the weight grad) and exact zeros elsewhere.
+    # Also a NaN in an ignored row's hidden state must not reach anything (it is never read)
+    torch.manual_seed(3)
+    N, H, V = 40, 16, 50
+    small_chunks(monkeypatch, V, rows=8)
+    hidden = torch.randn(N, H)
+    weight = torch.randn(V, H)
+    labels = torch.randint(0, V, (N,))
+    labels[torch.randperm(N)[:27]] = -100
+    keep = labels != -100
+    hidden[(~keep).nonzero()[0, 0]] = float("nan")
+
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss1 = fused_linear_cross_entropy(h1, w1, labels)
+    loss1.backward()
+    h2, w2 = hidden[keep].clone().requires_grad_(), weight.clone().requires_grad_()
+    loss2 = fused_linear_cross_entropy(h2, w2, labels[keep])
+    loss2.backward()
+    assert torch.equal(loss1, loss2) and torch.isfinite(loss1)
+    assert torch.equal(h1.grad[keep], h2.grad) and torch.equal(w1.grad, w2.grad)
+    assert torch.equal(h1.grad[~keep], torch.zeros(int((~keep).sum()), H))
+
+
 def test_chunked_ce_all_ignored_gives_zero_loss_and_zero_grads(chunked_backend, monkeypatch):
     small_chunks(monkeypatch, 11, rows=4)
     hidden = torch.randn(10, 6, requires_grad=True)
