@@ -9,5 +9,6 @@ __all__ = ["varlen_attention", "fused_linear_cross_entropy", "NUMERICS"]
 # in every step's key, so a run resumed after such a change recomputes its steps rather than mixing numerics.
 # 2: CPU SDPA per document on 4-D tensors with enable_gqa (the flash kernel; was the math path)
 # 3: CUDA decode attends over key spans rounded up to 64 slots (model.transformer.KVCache; CPU results unchanged)
-# 4: the chunked cross-entropy computes logits for the target rows only (summation order of the loss and grad_weight)
+# 4: the chunked cross-entropy forms logits for the target rows only (grad_weight still sums over every row, so the
+#    tiny base is byte-identical; a matmul over fewer rows can round differently, e.g. at SmolLM2 shapes)
 NUMERICS = 4

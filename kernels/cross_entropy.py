@@ -46,44 +46,55 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
         # A no-op for fp32 weights; for bf16 weights a one-off fp32 copy of [V, H].
         weight_acc = weight.to(acc)
-        # Only the rows with a target need logits. In SFT most tokens are the prompt's (ignored), and computing
-        # their logits only to zero them out was most of this function's time (BENCHMARKS.md, "Logits for the
-        # target rows only").
-        keep = labels != ignore_index
-        rows = None if bool(keep.all()) else keep.nonzero().squeeze(1)
-        if rows is not None:
-            hidden, labels = hidden.index_select(0, rows), labels.index_select(0, rows)
-        n_rows = hidden.shape[0]
         loss = torch.zeros((), dtype=acc, device=hidden.device)
-        grad_rows = torch.empty(hidden.shape, dtype=acc, device=hidden.device) if grad_hidden_needed else None
+        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if grad_hidden_needed else None
         grad_weight = torch.zeros_like(weight_acc) if grad_weight_needed else None
         # One logits buffer reused by every chunk: a fresh multi-MB tensor per chunk is a fresh mmap on
         # CPU, and page-faulting it in made the logits matmul ~30% slower in our measurements.
-        buf = torch.empty(min(chunk, n_rows), vocab, dtype=acc, device=hidden.device)
-        for start in range(0, n_rows, chunk):
-            end = min(start + chunk, n_rows)
-            labels_c = labels[start:end]
+        buf = torch.empty(min(chunk, n_tokens), vocab, dtype=acc, device=hidden.device)
+        dense = torch.empty_like(buf) if grad_weight_needed else None  # a chunk's grad_logits, ignored rows as zeros
+        for start in range(0, n_tokens, chunk):
+            end = min(start + chunk, n_tokens)
+            valid = labels[start:end] != ignore_index
+            rows = valid.nonzero().squeeze(1)  # the chunk's rows with a target
+            n = rows.numel()
+            if n == 0:
+                continue  # all-ignored chunk: contributes neither loss nor gradient
+            # Logits, softmax and grad_hidden for the target rows only: in SFT most tokens are the prompt's, and
+            # computing their logits only to zero them out was most of this function's time (BENCHMARKS.md,
+            # "Logits for the target rows only").
             h_c = hidden[start:end].to(acc)
-            logits = torch.mm(h_c, weight_acc.T, out=buf[: end - start])  # [c, V]
+            every = n == end - start  # no ignored row: nothing to select or scatter
+            h_t = h_c if every else h_c.index_select(0, rows)
+            labels_t = labels[start:end] if every else labels[start:end].index_select(0, rows)
+            logits = torch.mm(h_t, weight_acc.T, out=buf[:n])  # [n, V]
             # Stable log-sum-exp, in place: logits -> logits - max -> exp(logits - max).
             logits.sub_(logits.amax(dim=1, keepdim=True))
-            target_logit = logits.gather(1, labels_c[:, None]).squeeze(1)
+            target_logit = logits.gather(1, labels_t[:, None]).squeeze(1)
             probs = logits.exp_()
             sum_exp = probs.sum(dim=1)
-            loss += (sum_exp.log() - target_logit).sum()
-            if grad_rows is None and grad_weight is None:
+            # summed over the chunk's rows with exact zeros at the ignored ones: the same sum, in the same order,
+            # as when every row's loss was computed and the ignored ones multiplied by 0
+            row_loss = sum_exp.log() - target_logit
+            if not every:
+                row_loss = torch.zeros(end - start, dtype=acc, device=hidden.device).index_copy_(0, rows, row_loss)
+            loss += row_loss.sum()
+            if grad_hidden is None and grad_weight is None:
                 continue
             # d(lse - logit_y)/d logits = softmax - onehot(y)
-            grad_logits = probs.div_(sum_exp[:, None])
-            grad_logits[torch.arange(end - start, device=hidden.device), labels_c] -= 1
-            if grad_rows is not None:
-                torch.mm(grad_logits, weight_acc, out=grad_rows[start:end])
+            grad_logits = probs.mul_((valid[rows] / sum_exp)[:, None])
+            grad_logits[torch.arange(n, device=hidden.device), labels_t] -= 1
+            if grad_hidden is not None:
+                if every:
+                    torch.mm(grad_logits, weight_acc, out=grad_hidden[start:end])
+                else:
+                    grad_hidden[start:end].index_copy_(0, rows, torch.mm(grad_logits, weight_acc))
             if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.T, h_c)
-        grad_hidden = grad_rows
-        if grad_rows is not None and rows is not None:  # ignored rows get a zero gradient
-            grad_hidden = torch.zeros((n_tokens, hidden.shape[1]), dtype=acc, device=hidden.device)
-            grad_hidden.index_copy_(0, rows, grad_rows)
+                # summed over every row of the chunk, the ignored ones as zero rows, as before this function
+                # skipped them: over the target rows alone the sum rounds differently, and with it every float of
+                # the tiny base and of the default's tables (a new base, which learned 2 tasks on fewer seeds)
+                g = grad_logits if every else dense[: end - start].zero_().index_copy_(0, rows, grad_logits)
+                grad_weight.addmm_(g.T, h_c)
         ctx.save_for_backward(
             grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
             grad_weight.to(weight.dtype) if grad_weight is not None else None,
