@@ -6,6 +6,7 @@ peak is the process RSS high-water mark (getrusage ru_maxrss) minus its value ri
 were allocated. It includes the [V, H] weight gradient, which both variants must produce.
 
     python bench/bench_loss_memory.py                 # loss: naive vs fused
+    python bench/bench_loss_memory.py --target-share 0.1   # ... when 90% of the tokens are prompt (ignored)
     python bench/bench_loss_memory.py --attention     # varlen SDPA: 4-D + enable_gqa vs 3-D variants
 """
 
@@ -37,7 +38,7 @@ def available_mb() -> float:
     return float("inf")
 
 
-def child(variant: str, tokens: int, vocab: int, hidden_size: int, repeats: int) -> dict:
+def child(variant: str, tokens: int, vocab: int, hidden_size: int, repeats: int, target_share: float) -> dict:
     from kernels import cross_entropy
 
     cross_entropy.set_backend("chunked")  # the CPU path; on CUDA the wrapper would call liger
@@ -46,7 +47,7 @@ def child(variant: str, tokens: int, vocab: int, hidden_size: int, repeats: int)
     # Filled in place: a `0.02 * randn` temporary would raise the baseline high-water mark by [V, H].
     weight = torch.empty(vocab, hidden_size).normal_(0, 0.02).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,))
-    labels[torch.rand(tokens) < 0.1] = -100  # some prompt tokens, as in SFT
+    labels[torch.rand(tokens) >= target_share] = -100  # the prompt tokens, as in SFT
 
     def step():
         if variant == "naive":
@@ -75,14 +76,16 @@ def run_loss(args) -> None:
             print(f"skipping {variant}: needs ~{need_mb:.0f} MB, {available_mb():.0f} MB available")
             continue
         cmd = [sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens), "--vocab",
-               str(args.vocab), "--hidden", str(args.hidden), "--repeats", str(args.repeats)]
+               str(args.vocab), "--hidden", str(args.hidden), "--repeats", str(args.repeats),
+               "--target-share", str(args.target_share)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     print(f"\nLoss forward+backward, N={args.tokens} tokens, V={args.vocab}, H={args.hidden}, fp32, CPU, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}; "
+          f"{args.target_share:.0%} of them targets, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"median of {args.repeats}; "
           f"fp32 [N, V] logits alone = {logits_mb:.0f} MB")
     print(f"command: python bench/bench_loss_memory.py --tokens {args.tokens} --vocab {args.vocab} "
-          f"--hidden {args.hidden} --repeats {args.repeats}\n")
+          f"--hidden {args.hidden} --repeats {args.repeats} --target-share {args.target_share}\n")
     print("| variant | peak memory above inputs (MB) | time fwd+bwd (s), median | loss |")
     print("|---|---:|---:|---:|")
     for r in rows:
@@ -162,11 +165,13 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--hidden", type=int, default=896)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--target-share", type=float, default=0.9,
+                   help="share of the tokens with a target, the rest ignored like prompt tokens (default: %(default)s)")
     p.add_argument("--attention", action="store_true", help="compare SDPA GQA variants instead")
     p.add_argument("--child", choices=["naive", "fused"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.tokens, args.vocab, args.hidden, args.repeats)))
+        print(json.dumps(child(args.child, args.tokens, args.vocab, args.hidden, args.repeats, args.target_share)))
     elif args.attention:
         run_attention(args)
     else:
