@@ -52,10 +52,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # One logits buffer reused by every chunk: a fresh multi-MB tensor per chunk is a fresh mmap on
         # CPU, and page-faulting it in made the logits matmul ~30% slower in our measurements.
         buf = torch.empty(min(chunk, n_tokens), vocab, dtype=acc, device=hidden.device)
-        dense = torch.empty_like(buf) if grad_weight_needed else None  # a chunk's grad_logits, ignored rows as zeros
+        dense = None  # a chunk's grad_logits with the ignored rows as zeros, allocated when a chunk first needs it
         for start in range(0, n_tokens, chunk):
             end = min(start + chunk, n_tokens)
-            valid = labels[start:end] != ignore_index
+            labels_c = labels[start:end]
+            valid = labels_c != ignore_index
             rows = valid.nonzero().squeeze(1)  # the chunk's rows with a target
             n = rows.numel()
             if n == 0:
@@ -66,7 +67,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             h_c = hidden[start:end].to(acc)
             every = n == end - start  # no ignored row: nothing to select or scatter
             h_t = h_c if every else h_c.index_select(0, rows)
-            labels_t = labels[start:end] if every else labels[start:end].index_select(0, rows)
+            labels_t = labels_c if every else labels_c.index_select(0, rows)
             logits = torch.mm(h_t, weight_acc.T, out=buf[:n])  # [n, V]
             # Stable log-sum-exp, in place: logits -> logits - max -> exp(logits - max).
             logits.sub_(logits.amax(dim=1, keepdim=True))
@@ -81,7 +82,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss += row_loss.sum()
             if grad_hidden is None and grad_weight is None:
                 continue
-            # d(lse - logit_y)/d logits = softmax - onehot(y)
+            # d(lse - logit_y)/d logits = softmax - onehot(y); the 1 / sum_exp is the division by a bool mask
+            # (all True here) that the every-row version did, so each row keeps its bytes
             grad_logits = probs.mul_((valid[rows] / sum_exp)[:, None])
             grad_logits[torch.arange(n, device=hidden.device), labels_t] -= 1
             if grad_hidden is not None:
@@ -93,6 +95,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 # summed over every row of the chunk, the ignored ones as zero rows, as before this function
                 # skipped them: over the target rows alone the sum rounds differently, and with it every float of
                 # the tiny base and of the default's tables (a new base, which learned 2 tasks on fewer seeds)
+                if not every and dense is None:
+                    dense = torch.empty_like(buf)
                 g = grad_logits if every else dense[: end - start].zero_().index_copy_(0, rows, grad_logits)
                 grad_weight.addmm_(g.T, h_c)
         ctx.save_for_backward(
