@@ -82,9 +82,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss += row_loss.sum()
             if grad_hidden is None and grad_weight is None:
                 continue
-            # d(lse - logit_y)/d logits = softmax - onehot(y); the 1 / sum_exp is the division by a bool mask
-            # (all True here) that the every-row version did, so each row keeps its bytes
-            grad_logits = probs.mul_((valid[rows] / sum_exp)[:, None])
+            # d(lse - logit_y)/d logits = softmax - onehot(y), as probs * (1 / sum_exp): the same bytes as the
+            # every-row version's division of the valid mask by sum_exp
+            grad_logits = probs.mul_(sum_exp.reciprocal()[:, None])
             grad_logits[torch.arange(n, device=hidden.device), labels_t] -= 1
             if grad_hidden is not None:
                 if every:
