@@ -44,6 +44,8 @@ Sections of the report and the functions that make them:
                               and the final per-task scores; the mean matrix with row 0 and next-task scores
     uncertainty(results)      95% intervals: per method (test-set bootstrap) and paired differences vs REFERENCES
                               per seed (t-interval over seeds, test-set bootstrap), with a "resolved" verdict
+    noise_numbers(results)    where the seed spread of ACC and BWT comes from: each task's share, and the part more
+                              test prompts would remove (data.stats.noise_sources); noise_tables(...) shows it
     format_table(results)     the main table (Markdown; readable in a terminal), printed by run.py at the end
     delta_table(...)          paired differences against one reference method
     diagnostics_table(...)    degenerate answers next to each accuracy matrix; warning_lines(...) flags them
@@ -75,15 +77,12 @@ import numpy as np
 from data.diagnostics import warnings as diagnostic_warnings
 from data.metrics import acc_bwt, cl_metrics
 from data.stats import (BOOTSTRAP_B, BOOTSTRAP_SEED, LEVEL, bootstrap_acc_bwt, bootstrap_indices, excludes_zero,
-                        mean_std, paired_differences, pearson, percentile_interval, spearman, t_interval)
-
-from data.diagnostics import warnings as diagnostic_warnings
-from data.metrics import acc_bwt
-from data.stats import (BOOTSTRAP_B, BOOTSTRAP_SEED, LEVEL, bootstrap_acc_bwt, bootstrap_indices, excludes_zero,
-                        mean_std, paired_differences, percentile_interval, t_interval)
+                        mean_std, noise_sources, paired_differences, pearson, percentile_interval, spearman,
+                        t_interval)
 
 REFERENCE = "replay"              # the baseline of the "delta vs replay" figure
 REFERENCES = ("replay", "sft")    # paired-difference tables, in this order, for those present in the run
+NOISE_MIN_SEEDS = 3               # "where the seed noise comes from" for methods with at least this many seeds
 FIGURES = {  # file name -> what it shows (paper figure)
     "fig_matrix.png": "accuracy matrices: score of each task (column) after each stage (row)",
     "fig_trajectories.png": "per-task score across stages, from the stage that trains it (paper Fig. 3); dotted: "
@@ -294,6 +293,30 @@ def uncertainty(results, summary=None, B: int = BOOTSTRAP_B, seed: int = BOOTSTR
     return out
 
 
+def noise_numbers(results, summary=None) -> dict:
+    """{method: {"acc": noise_sources(...), "bwt": ... or None}} for the methods with >= NOISE_MIN_SEEDS seeds: ACC
+    from the final row, BWT from final minus own-stage score of every task but the last, each with its per-example
+    scores when every seed has them (then the test-prompt part and the floor are known)."""
+    summary = summary or summarize(results)
+    out = {}
+    for m, s in summary.items():
+        if len(s["seeds"]) < NOISE_MIN_SEEDS:
+            continue
+        runs = [results["methods"][m]["seeds"][k] for k in s["seeds"]]
+        n = s["stages"]
+        final = [r["matrix"][n - 1][:n] for r in runs]
+        ex = [r["example_scores"] for r in runs] if all(r.get("example_scores") for r in runs) else None
+        acc = noise_sources(final, [e[n - 1][:n] for e in ex] if ex else None)
+        bwt = None
+        if n > 1:
+            diff = [[r["matrix"][n - 1][j] - r["matrix"][j][j] for j in range(n - 1)] for r in runs]
+            diff_ex = ([[(np.asarray(e[n - 1][j], dtype=np.float64) - np.asarray(e[j][j], dtype=np.float64)).tolist()
+                         for j in range(n - 1)] for e in ex] if ex else None)
+            bwt = noise_sources(diff, diff_ex)
+        out[m] = {"acc": acc, "bwt": bwt}
+    return out
+
+
 def diagnostic_flags(results) -> list:
     """[(method, stage (1-based), task, [(seed, [reason, ...]), ...])] for every flagged evaluation, in run order."""
     tasks, out = results["tasks"], []
@@ -382,6 +405,31 @@ def delta_table(summary, unc, ref: str) -> str:
                     [f"{d['mean']:+.2f}", _ci(d["seeds"], True), _ci(d["test"], True), _verdict(d)])
         rows.append(row)
     return _markdown(header, rows)
+
+
+def noise_tables(tasks, nn: dict) -> list:
+    """Two Markdown tables from noise_numbers: per method the seed std of ACC and BWT, the share of their variance
+    that is test-prompt noise and the floor no test-set size goes below; then each task's seed std of its final
+    score with its share of ACC's variance."""
+    def part(ns):
+        if ns is None:
+            return ["-", "-", "-"]
+        if ns["prompt"] is None:
+            return [f"{ns['std']:.2f}", "-", "-"]
+        share = ns["prompt"] / ns["std"] ** 2 if ns["std"] > 0 else 0.0
+        return [f"{ns['std']:.2f}", f"{share:.0%}", f"{ns['floor']:.2f}"]
+    rows = [[m, str(v["acc"]["n"]), *part(v["acc"]), *part(v["bwt"])] for m, v in nn.items()]
+    first = _markdown(["method", "seeds", "ACC std", "of it test prompts", "ACC floor", "BWT std",
+                       "of it test prompts", "BWT floor"], rows)
+    n_tasks = max(len(v["acc"]["task_std"]) for v in nn.values())
+    rows = []
+    for m, v in nn.items():
+        a = v["acc"]
+        cells = [f"{sd:.1f} ({sh:+.0%})" if a["share"] is not None else f"{sd:.1f}"
+                 for sd, sh in zip(a["task_std"], a["share"] or [None] * len(a["task_std"]))]
+        rows.append([m] + cells + ["-"] * (n_tasks - len(cells)))
+    second = _markdown(["method"] + list(tasks[:n_tasks]), rows)
+    return [first, "", "Per task: the seed std of the final score and (its share of ACC's variance):", "", second]
 
 
 def matrix_table(tasks, s: dict) -> str:
@@ -539,6 +587,17 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
                 "Each interval is for one comparison (no multiple-comparison correction): among many rows, about "
                 "1 in 20 pure-noise intervals excludes 0."]
 
+    nn = noise_numbers(results, summary)
+    if nn:
+        out += ["", "## Where the seed noise comes from", "", *noise_tables(tasks, nn), "",
+                "- std: sample std over seeds (as in the main table). 'of it test prompts': the share of its variance "
+                "that is each test prompt's own seed-to-seed variation (evaluation sampling, which prompts a seed "
+                "happens to get right); k times as many test prompts would divide that part by k. The rest is "
+                "whole-task movement (one seed learned or kept a task better than another) that more test prompts "
+                "do not remove. floor: the std with that part gone, i.e. with unlimited test prompts.",
+                "- Per-task shares sum to 100% over the tasks; a negative share is a task moving against the others. "
+                f"Estimated from the seeds at hand (methods with >= {NOISE_MIN_SEEDS} seeds): with few seeds these "
+                "are rough."]
     out += ["", "## TRACE's conventions and per-task forgetting", "", transfer_table(tasks, summary)]
     out += ["", "## Accuracy matrices and answers (mean over seeds)", ""]
     for m, s in summary.items():

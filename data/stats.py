@@ -20,6 +20,8 @@ Two sources of noise, two intervals; neither covers the other's:
     pearson(xs, ys)                       Pearson correlation (None when a side is constant)
     spearman(xs, ys)                      Spearman rank correlation, ties at their average rank (score.py: RU vs
                                           SC; the report: forgetting vs drift)
+    noise_sources(values, examples)       where the seed spread of a mean over tasks (ACC, BWT) comes from: each
+                                          task's share of the variance, and the part that more test prompts remove
 
 BOOTSTRAP_B and BOOTSTRAP_SEED are the defaults the report uses.
 """
@@ -174,3 +176,52 @@ def spearman(xs, ys):
     if len(xs) != len(ys):
         raise ValueError(f"spearman: {len(xs)} vs {len(ys)} values")
     return pearson(ranks(xs), ranks(ys))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where the spread over seeds comes from
+
+
+def noise_sources(values, examples=None):
+    """Where the spread over seeds of a mean over N tasks comes from (ACC: of the final row; BWT: of final minus
+    own-stage score, the last task left out).
+
+    values[s][j]: task j's number on seed s. examples[s][j] (optional): its per-example scores on task j's test
+    prompts, the same prompts in the same order on every seed, with values[s][j] their mean (to 1e-3). With V the sample
+    variance over seeds (n-1) and C the tasks' sample covariance matrix:
+
+      var       V(mean over tasks) = sum(C) / N^2; "std" is its square root
+      share[j]  sum_k C[j, k] / N^2 / var: task j's part of var. The shares sum to 1; a negative one belongs to a
+                task that moves against the others.
+      prompt    sum_j sum_p V(examples[:, j, p]) / P_j^2 / N^2: the part of var made of each prompt's own
+                seed-to-seed variation (sampling, which prompts a seed happens to get right). With k times as many
+                test prompts drawn the same way it becomes prompt / k. The rest is the covariance between one seed's
+                prompts (a seed that learned a task better scores higher on all of them): more prompts leave it.
+      floor     sqrt(max(var - prompt, 0)): the std that no number of test prompts goes below.
+
+    Returns {"n": seeds, "std", "task_std": [N], "share": [N] or None (var <= 1e-12: no spread to share out),
+    "prompt": float or None (no examples), "floor": float or None}, or None with fewer than 2 seeds."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.ndim != 2:
+        raise ValueError(f"noise_sources: values must be [seeds][tasks], got shape {v.shape}")
+    n_seeds, n_tasks = v.shape
+    if n_seeds < 2:
+        return None
+    c = np.cov(v, rowvar=False, ddof=1).reshape(n_tasks, n_tasks)
+    var = float(c.sum()) / n_tasks ** 2
+    out = {"n": n_seeds, "std": math.sqrt(max(var, 0.0)), "task_std": np.sqrt(np.diag(c)).tolist(),
+           "share": (c.sum(axis=1) / n_tasks ** 2 / var).tolist() if var > 1e-12 else None,
+           "prompt": None, "floor": None}
+    if examples is not None:
+        if len(examples) != n_seeds or any(len(e) != n_tasks for e in examples):
+            raise ValueError("noise_sources: examples must be [seeds][tasks][prompts] like values")
+        prompt = 0.0
+        for j in range(n_tasks):
+            x = np.asarray([e[j] for e in examples], dtype=np.float64)  # [seeds, prompts]; ragged -> error
+            if x.ndim != 2 or not np.allclose(x.mean(axis=1), v[:, j], rtol=0, atol=1e-3):
+                raise ValueError(f"noise_sources: task {j}'s example scores do not average to its values")
+            prompt += float(x.var(axis=0, ddof=1).sum()) / x.shape[1] ** 2
+        out["prompt"] = prompt / n_tasks ** 2
+        out["floor"] = math.sqrt(max(var - out["prompt"], 0.0))
+    return out
+

@@ -435,3 +435,38 @@ def test_diagnostics_and_warnings_in_the_report(tmp_path):
         "responses hit the max-new-tokens cap")
     # MeetingBank is not a classification task: no label, nothing to show but 'ok'
     assert "| 3: MeetingBank | A 50% | A 50% | ok |" in replay
+
+
+def test_where_the_seed_noise_comes_from():
+    """Shown for methods with >= 3 seeds, by hand: replay's ACC per seed 67, 71, 69 (var 4); its final rows'
+    tasks vary by 4, 6.25 and 2.25 with covariances 5, 3, 3.75, so C-STANCE's share of the variance is (4 + 5 + 3) /
+    9 / 4 = 1/3. The per-example scores move with the task (v -/+ 5 on every seed), so the test-prompt part of
+    each task's variance is its variance / 4 prompts."""
+    r = copy.deepcopy(RESULTS)
+    assert "## Where the seed noise comes from" not in markdown_report(r)  # 2 seeds: not shown
+    r["methods"]["replay"]["seeds"]["2"] = {"matrix": [[82], [61, 72], [52, 63.5, 91.5]]}
+    for run in r["methods"]["replay"]["seeds"].values():
+        run.pop("loss_curves", None)
+    nn = report.noise_numbers(r)
+    assert list(nn) == ["replay"]  # opr-ru has 2 seeds
+    acc = nn["replay"]["acc"]
+    assert acc["n"] == 3 and acc["std"] == pytest.approx(2.0) and acc["prompt"] is None
+    assert acc["task_std"] == pytest.approx([2.0, 2.5, 1.5])
+    assert acc["share"] == pytest.approx([1 / 3, (5 + 6.25 + 3.75) / 9 / 4, (3 + 3.75 + 2.25) / 9 / 4])
+    # BWT per seed -19.5, -19, -19.25: the last task left out, final - own stage per task
+    assert nn["replay"]["bwt"]["std"] == pytest.approx(0.25)
+    md = markdown_report(r)
+    assert "## Where the seed noise comes from" in md
+    row = next(line for line in md.splitlines() if line.startswith("| replay ") and "33%" in line)
+    assert [c.strip() for c in row.strip("|").split("|")] == ["replay", "2.0 (+33%)", "2.5 (+42%)", "1.5 (+25%)"]
+
+    ex = with_examples(r)
+    nn = report.noise_numbers(ex)
+    acc = nn["replay"]["acc"]
+    # every prompt of a task moves with it: prompt part = sum_j var_j / 4 / 3^2 = (4 + 6.25 + 2.25) / 36
+    assert acc["prompt"] == pytest.approx((4 + 6.25 + 2.25) / 4 / 9)
+    assert acc["floor"] == pytest.approx(math.sqrt(4 - acc["prompt"]))
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in markdown_report(ex).splitlines()
+            if line.startswith("| replay ")]
+    cells = next(c for c in rows if len(c) == 8)  # the std / test prompts / floor table
+    assert cells[:5] == ["replay", "3", "2.00", f"{acc['prompt'] / 4:.0%}", f"{acc['floor']:.2f}"]

@@ -1,16 +1,18 @@
 """data/stats.py and data/diagnostics.py on hand-made data: exact t quantiles against published table values,
 t-intervals and paired differences against hand-computed numbers, the test-set bootstrap (deterministic, the
 identity resample equals acc_bwt, paired differences cancel shared noise, coverage near 95% on a known
-population), and the collapse / empty / length-capped diagnostics on hand-made predictions."""
+population), where the seed variance of a mean over tasks comes from (hand-computed covariances, the two limits of
+the test-prompt part), and the collapse / empty / length-capped diagnostics on hand-made predictions."""
 import math
+import statistics
 
 import numpy as np
 import pytest
 
 from data.diagnostics import COLLAPSE_RATE, diagnose, warnings
 from data.metrics import acc_bwt
-from data.stats import (bootstrap_acc_bwt, bootstrap_indices, excludes_zero, mean_std, paired_differences,
-                        percentile_interval, t_interval, t_quantile)
+from data.stats import (bootstrap_acc_bwt, bootstrap_indices, excludes_zero, mean_std, noise_sources,
+                        paired_differences, percentile_interval, t_interval, t_quantile)
 
 # two-sided 95% (= one-sided 0.975) Student-t quantiles, from any printed t table
 T975 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 6: 2.4469, 7: 2.3646, 8: 2.3060, 9: 2.2622,
@@ -132,6 +134,57 @@ def test_percentile_interval_by_hand():
 
 def rec(prediction, gold, finish="stop", tokens=3):
     return {"prediction": prediction, "gold": gold, "finish_reason": finish, "num_tokens": tokens}
+
+
+def test_noise_sources_by_hand():
+    # 3 seeds x 2 tasks. Row means 1.5, 2.5, 6.5 -> var ((-2)^2 + (-1)^2 + 3^2) / 2 = 7. Task variances 4 and 12,
+    # covariance ((1-3)(2-4) + 0 + (5-3)(8-4)) / 2 = 6: shares (4 + 6) / 4 / 7 = 5/14 and (12 + 6) / 4 / 7 = 9/14.
+    ns = noise_sources([[1, 2], [3, 2], [5, 8]])
+    assert ns["n"] == 3 and ns["std"] == pytest.approx(math.sqrt(7))
+    assert ns["task_std"] == pytest.approx([2.0, math.sqrt(12)])
+    assert ns["share"] == pytest.approx([5 / 14, 9 / 14])
+    assert ns["prompt"] is None and ns["floor"] is None
+    # with per-example scores: task 0's prompts (1, 3) and (2, 3) over the 2 seeds vary by 2 and 0.5; task 1 not at
+    # all: prompt part (2 + 0.5) / 2^2 / 2^2 = 0.15625 of var ((1.75 - 2.5)^2 * 2 / 1 / 4 =) 0.28125
+    ns = noise_sources([[1.5, 2], [3, 2]], [[[1, 2], [2, 2]], [[3, 3], [2, 2]]])
+    assert ns["std"] == pytest.approx(math.sqrt(0.28125)) and ns["share"] == pytest.approx([1.0, 0.0])
+    assert ns["prompt"] == pytest.approx(0.15625) and ns["floor"] == pytest.approx(math.sqrt(0.125))
+    assert noise_sources([[1, 2]]) is None  # one seed: no spread
+
+
+def test_noise_sources_std_and_shares_on_random_data():
+    v = np.random.default_rng(0).normal(50, 5, size=(7, 5))
+    ns = noise_sources(v)
+    assert ns["std"] == pytest.approx(statistics.stdev(v.mean(axis=1)))
+    assert sum(ns["share"]) == pytest.approx(1.0)
+    assert ns["task_std"] == pytest.approx(v.std(axis=0, ddof=1))
+
+
+def test_noise_sources_test_prompt_part_at_its_two_limits():
+    rng = np.random.default_rng(1)
+    # one task whose prompts all move with the seed (a seed that learned the task better): each prompt varies as
+    # much as the task mean, so the prompt part is var / P exactly and the floor sqrt(var (1 - 1/P))
+    base, shift = rng.normal(60, 10, size=(1, 1, 8)), rng.normal(0, 3, size=(6, 1, 1))
+    ex = base + shift
+    ns = noise_sources(ex.mean(axis=2), ex)
+    var = ns["std"] ** 2
+    assert ns["prompt"] == pytest.approx(var / 8)
+    assert ns["floor"] == pytest.approx(math.sqrt(var * (1 - 1 / 8)))
+    # every seed gets the same scores on other prompts (a permutation): the task means never move, all of the
+    # prompts' variation averages out, and the floor is 0 (not the square root of a negative number)
+    perm = np.stack([rng.permutation(base[0, 0]) for _ in range(6)])[:, None, :]
+    ns = noise_sources(perm.mean(axis=2), perm)
+    assert ns["std"] == pytest.approx(0, abs=1e-9) and ns["prompt"] > 1 and ns["floor"] == 0.0
+    assert ns["share"] is None
+
+
+def test_noise_sources_rejects_mismatched_examples():
+    with pytest.raises(ValueError, match="average to its values"):
+        noise_sources([[1, 2], [3, 4]], [[[1], [2]], [[3], [5]]])
+    with pytest.raises(ValueError, match="like values"):
+        noise_sources([[1, 2], [3, 4]], [[[1], [2]]])
+    with pytest.raises(ValueError, match=r"\[seeds\]\[tasks\]"):
+        noise_sources([1, 2, 3])
 
 
 def test_collapsed_classification_task_is_flagged():
