@@ -293,27 +293,58 @@ def uncertainty(results, summary=None, B: int = BOOTSTRAP_B, seed: int = BOOTSTR
     return out
 
 
+def _noise_inputs(runs: list, n: int) -> dict:
+    """Per seed, as float arrays: the final row ("acc", [n]) and final minus own-stage score of tasks 1..n-1 ("bwt"),
+    and the same per test example ("acc_ex", "bwt_ex": [task][example], None without per-example scores)."""
+    ex = all(r.get("example_scores") for r in runs)
+    out = []
+    for r in runs:
+        m = r["matrix"]
+        d = {"acc": np.asarray(m[n - 1][:n], dtype=np.float64),
+             "bwt": np.asarray([m[n - 1][j] - m[j][j] for j in range(n - 1)], dtype=np.float64),
+             "acc_ex": None, "bwt_ex": None}
+        if ex:
+            e = [[np.asarray(x, dtype=np.float64) for x in row] for row in r["example_scores"]]
+            d["acc_ex"] = e[n - 1][:n]
+            d["bwt_ex"] = [e[n - 1][j] - e[j][j] for j in range(n - 1)]
+        out.append(d)
+    return out
+
+
+def _noise_of(inputs: list, n: int) -> dict:
+    def part(key):
+        if key == "bwt" and n < 2:
+            return None
+        ex = None if inputs[0][key + "_ex"] is None else [[x.tolist() for x in d[key + "_ex"]] for d in inputs]
+        return noise_sources([d[key] for d in inputs], ex)
+    return {"acc": part("acc"), "bwt": part("bwt")}
+
+
 def noise_numbers(results, summary=None) -> dict:
-    """{method: {"acc": noise_sources(...), "bwt": ... or None}} for the methods with >= NOISE_MIN_SEEDS seeds: ACC
-    from the final row, BWT from final minus own-stage score of every task but the last, each with its per-example
+    """Where the seed spread of ACC and BWT comes from (data.stats.noise_sources): {label: {"acc": ..., "bwt": ...
+    or None}}. One label per method with >= NOISE_MIN_SEEDS seeds, then "m − ref" for each paired difference against
+    REFERENCES with as many paired seeds and stages (the spread that sets the width of its seed interval). ACC from
+    the final row, BWT from final minus own-stage score of every task but the last, each with its per-example
     scores when every seed has them (then the test-prompt part and the floor are known)."""
     summary = summary or summarize(results)
-    out = {}
-    for m, s in summary.items():
-        if len(s["seeds"]) < NOISE_MIN_SEEDS:
-            continue
-        runs = [results["methods"][m]["seeds"][k] for k in s["seeds"]]
-        n = s["stages"]
-        final = [r["matrix"][n - 1][:n] for r in runs]
-        ex = [r["example_scores"] for r in runs] if all(r.get("example_scores") for r in runs) else None
-        acc = noise_sources(final, [e[n - 1][:n] for e in ex] if ex else None)
-        bwt = None
-        if n > 1:
-            diff = [[r["matrix"][n - 1][j] - r["matrix"][j][j] for j in range(n - 1)] for r in runs]
-            diff_ex = ([[(np.asarray(e[n - 1][j], dtype=np.float64) - np.asarray(e[j][j], dtype=np.float64)).tolist()
-                         for j in range(n - 1)] for e in ex] if ex else None)
-            bwt = noise_sources(diff, diff_ex)
-        out[m] = {"acc": acc, "bwt": bwt}
+    inputs = {m: dict(zip(s["seeds"], _noise_inputs([results["methods"][m]["seeds"][k] for k in s["seeds"]],
+                                                    s["stages"])))
+              for m, s in summary.items()}
+    out = {m: _noise_of(list(inputs[m].values()), s["stages"])
+           for m, s in summary.items() if len(s["seeds"]) >= NOISE_MIN_SEEDS}
+    for ref in [r for r in REFERENCES if r in summary]:
+        for m, s in summary.items():
+            paired = [k for k in s["seeds"] if k in inputs[ref]]
+            if (m == ref or s["stages"] != summary[ref]["stages"] or len(paired) < NOISE_MIN_SEEDS
+                    or f"{ref} − {m}" in out):  # the same spread as its mirror
+                continue
+            diffs = []
+            for k in paired:
+                a, b = inputs[m][k], inputs[ref][k]
+                diffs.append({key: (None if a[key] is None or b[key] is None else
+                                    a[key] - b[key] if not key.endswith("_ex") else
+                                    [x - y for x, y in zip(a[key], b[key])]) for key in a})
+            out[f"{m} − {ref}"] = _noise_of(diffs, s["stages"])
     return out
 
 
@@ -408,9 +439,9 @@ def delta_table(summary, unc, ref: str) -> str:
 
 
 def noise_tables(tasks, nn: dict) -> list:
-    """Two Markdown tables from noise_numbers: per method the seed std of ACC and BWT, the share of their variance
-    that is test-prompt noise and the floor no test-set size goes below; then each task's seed std of its final
-    score with its share of ACC's variance."""
+    """Two Markdown tables from noise_numbers: per method (and paired difference) the seed std of ACC and BWT, the
+    share of their variance that is test-prompt noise and the floor no test-set size goes below; then each task's
+    seed std of its final score (of its difference) with its share of ACC's (ΔACC's) variance."""
     def part(ns):
         if ns is None:
             return ["-", "-", "-"]
@@ -419,7 +450,7 @@ def noise_tables(tasks, nn: dict) -> list:
         share = ns["prompt"] / ns["std"] ** 2 if ns["std"] > 0 else 0.0
         return [f"{ns['std']:.2f}", f"{share:.0%}", f"{ns['floor']:.2f}"]
     rows = [[m, str(v["acc"]["n"]), *part(v["acc"]), *part(v["bwt"])] for m, v in nn.items()]
-    first = _markdown(["method", "seeds", "ACC std", "of it test prompts", "ACC floor", "BWT std",
+    first = _markdown(["method or Δ", "seeds", "ACC std", "of it test prompts", "ACC floor", "BWT std",
                        "of it test prompts", "BWT floor"], rows)
     n_tasks = max(len(v["acc"]["task_std"]) for v in nn.values())
     rows = []
@@ -428,8 +459,9 @@ def noise_tables(tasks, nn: dict) -> list:
         cells = [f"{sd:.1f} ({sh:+.0%})" if a["share"] is not None else f"{sd:.1f}"
                  for sd, sh in zip(a["task_std"], a["share"] or [None] * len(a["task_std"]))]
         rows.append([m] + cells + ["-"] * (n_tasks - len(cells)))
-    second = _markdown(["method"] + list(tasks[:n_tasks]), rows)
-    return [first, "", "Per task: the seed std of the final score and (its share of ACC's variance):", "", second]
+    second = _markdown(["method or Δ"] + list(tasks[:n_tasks]), rows)
+    return [first, "", "Per task: the seed std of the final score and (its share of ACC's variance); for a Δ row, of the "
+                   "per-seed difference of final scores (its share of ΔACC's variance):", "", second]
 
 
 def matrix_table(tasks, s: dict) -> str:
@@ -597,7 +629,10 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
                 "do not remove. floor: the std with that part gone, i.e. with unlimited test prompts.",
                 "- Per-task shares sum to 100% over the tasks; a negative share is a task moving against the others. "
                 f"Estimated from the seeds at hand (methods with >= {NOISE_MIN_SEEDS} seeds): with few seeds these "
-                "are rough."]
+                "are rough.",
+                "- Δ rows: the same for the per-seed paired difference (method − reference). Its seed std sets the "
+                "width of the seed interval in 'Paired differences' (half-width = t × std / √seeds); its floor is "
+                "what that std stays at however many test prompts there are."]
     out += ["", "## TRACE's conventions and per-task forgetting", "", transfer_table(tasks, summary)]
     out += ["", "## Accuracy matrices and answers (mean over seeds)", ""]
     for m, s in summary.items():

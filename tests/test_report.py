@@ -5,6 +5,7 @@ import copy
 import json
 import math
 import re
+import statistics
 
 import numpy as np
 import pytest
@@ -470,3 +471,28 @@ def test_where_the_seed_noise_comes_from():
             if line.startswith("| replay ")]
     cells = next(c for c in rows if len(c) == 8)  # the std / test prompts / floor table
     assert cells[:5] == ["replay", "3", "2.00", f"{acc['prompt'] / 4:.0%}", f"{acc['floor']:.2f}"]
+
+
+def test_noise_of_a_paired_difference_is_the_spread_of_its_seed_interval():
+    """With 3 paired seeds the 'opr-ru − replay' row holds the std of the per-seed ΔACC and ΔBWT that the paired
+    t-interval uses: half-width = t(2) * std / sqrt(3)."""
+    r = with_examples(RESULTS)
+    r["methods"]["replay"]["seeds"]["2"] = {"matrix": [[82], [61, 72], [52, 63.5, 91.5]]}
+    r["methods"]["opr-ru"]["seeds"]["2"] = {"matrix": [[81], [70, 73], [70, 70, 92]]}
+    for e in r["methods"].values():
+        e["seeds"]["2"]["example_scores"] = [[[v - 5, v + 5, v - 5, v + 5] for v in row]
+                                             for row in e["seeds"]["2"]["matrix"]]
+    nn = report.noise_numbers(r)
+    assert list(nn) == ["replay", "opr-ru", "opr-ru − replay"]
+    d = uncertainty(r)["deltas"]["replay"]["opr-ru"]
+    for metric in ("acc", "bwt"):
+        per_seed = list(d[metric]["per_seed"].values())
+        sd = nn["opr-ru − replay"][metric]["std"]
+        assert sd == pytest.approx(statistics.stdev(per_seed))
+        lo, hi = d[metric]["seeds"]
+        assert (hi - lo) / 2 == pytest.approx(t_quantile(2) * sd / math.sqrt(3))
+    # both methods' examples sit at -/+ 5 around their cell on every seed: the differences' examples equal the
+    # difference of the cells, so each prompt varies as much as its task: prompt part = sum_j var_j / 4 / 3^2
+    acc = nn["opr-ru − replay"]["acc"]
+    assert acc["prompt"] == pytest.approx(sum(sd ** 2 for sd in acc["task_std"]) / 4 / 9)
+    assert acc["prompt"] != pytest.approx(acc["std"] ** 2 / 4)  # the tasks' covariances are not in it
