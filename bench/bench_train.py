@@ -1,10 +1,11 @@
-"""Training throughput on CPU: train.py (packed micro-batches, FSDP2 world of one) vs Hugging Face `Trainer` in its
-two stock setups — padded micro-batches (DataCollatorForSeq2Seq) and padding-free packing (DataCollatorWithFlattening:
-one row per micro-batch, position ids restarting per document, which transformers' SDPA path turns into a
-block-diagonal causal mask) — on the same model, records, sequence-length limit and hyperparameters (fp32, AdamW lr
-1e-5 betas (0.9, 0.999), no weight decay, cosine, grad clip 1.0, same global batch). The step-1 training loss of
-each is printed too: the two HF setups draw the same batches and must agree to float noise (a check that the
-padding-free path computes the padded loss); train.py draws its own sample order, so its loss is close, not equal.
+"""Training throughput on CPU: train.py (packed micro-batches; one CPU process runs its model unwrapped, and
+--with-fsdp adds a run with it FSDP2-wrapped) vs Hugging Face `Trainer` in its two stock setups — padded
+micro-batches (DataCollatorForSeq2Seq) and padding-free packing (DataCollatorWithFlattening: one row per
+micro-batch, position ids restarting per document, which transformers' SDPA path turns into a block-diagonal causal
+mask) — on the same model, records, sequence-length limit and hyperparameters (fp32, AdamW lr 1e-5 betas (0.9,
+0.999), no weight decay, cosine, grad clip 1.0, same global batch). The step-1 training loss of each is printed too:
+the two HF setups draw the same batches and must agree to float noise (a check that the padding-free path computes
+the padded loss); train.py draws its own sample order, so its loss is close, not equal.
 
     python bench/bench_train.py                          # tiny base config + SmolLM2-135M, 1 thread
     python bench/bench_train.py --models tiny --threads 2 --repeats 5
