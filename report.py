@@ -293,7 +293,7 @@ def uncertainty(results, summary=None, B: int = BOOTSTRAP_B, seed: int = BOOTSTR
     return out
 
 
-def _noise_inputs(runs: list, n: int) -> dict:
+def _noise_inputs(runs: list, n: int) -> list:
     """Per seed, as float arrays: the final row ("acc", [n]) and final minus own-stage score of tasks 1..n-1 ("bwt"),
     and the same per test example ("acc_ex", "bwt_ex": [task][example], None without per-example scores)."""
     ex = all(r.get("example_scores") for r in runs)
@@ -312,6 +312,7 @@ def _noise_inputs(runs: list, n: int) -> dict:
 
 
 def _noise_of(inputs: list, n: int) -> dict:
+    """noise_sources of ACC and BWT (None with one stage) from _noise_inputs-shaped entries, one per seed."""
     def part(key):
         if key == "bwt" and n < 2:
             return None
