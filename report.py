@@ -24,6 +24,7 @@ results.json (written by run.py's collect; JSON):
            "example_scores": [[[s, ...]], [[...], [...]], ...],  # optional, ragged like matrix: per test example
                                                             # (order of test_idx) its score averaged over eval
                                                             # repeats; the mean of a list is the matrix entry
+                                                            # (to EXAMPLE_MEAN_TOL, checked)
            "diagnostics": [{task: diag}, ...],              # optional, per stage: data.diagnostics.diagnose of
                                                             # that evaluation's predictions (label distribution,
                                                             # collapse flag, empty / length-capped rates)
@@ -83,6 +84,7 @@ from data.stats import (BOOTSTRAP_B, BOOTSTRAP_SEED, LEVEL, bootstrap_acc_bwt, b
 REFERENCE = "replay"              # the baseline of the "delta vs replay" figure
 REFERENCES = ("replay", "sft")    # paired-difference tables, in this order, for those present in the run
 NOISE_MIN_SEEDS = 3               # "where the seed noise comes from" for methods with at least this many seeds
+EXAMPLE_MEAN_TOL = 1e-3           # per-example scores must average to their matrix entry (run.py rounds them to 1e-4)
 FIGURES = {  # file name -> what it shows (paper figure)
     "fig_matrix.png": "accuracy matrices: score of each task (column) after each stage (row)",
     "fig_trajectories.png": "per-task score across stages, from the stage that trains it (paper Fig. 3); dotted: "
@@ -160,6 +162,10 @@ def check_results(results) -> None:
                         if sizes.setdefault(tasks[j], len(cell)) != len(cell):
                             raise ValueError(f"{where}['example_scores'][{i}][{j}]: {len(cell)} examples of "
                                              f"{tasks[j]}, elsewhere {sizes[tasks[j]]}")
+                        if abs(statistics.fmean(cell) - matrix[i][j]) > EXAMPLE_MEAN_TOL:
+                            raise ValueError(f"{where}['example_scores'][{i}][{j}]: the examples' mean "
+                                             f"{statistics.fmean(cell):.4f} is not matrix[{i}][{j}] = "
+                                             f"{matrix[i][j]:.4f}")
             diags = run.get("diagnostics")
             if diags is not None and (not isinstance(diags, list) or len(diags) != len(matrix)
                                       or not all(isinstance(d, dict) for d in diags)):

@@ -496,3 +496,17 @@ def test_noise_of_a_paired_difference_is_the_spread_of_its_seed_interval():
     acc = nn["opr-ru − replay"]["acc"]
     assert acc["prompt"] == pytest.approx(sum(sd ** 2 for sd in acc["task_std"]) / 4 / 9)
     assert acc["prompt"] != pytest.approx(acc["std"] ** 2 / 4)  # the tasks' covariances are not in it
+
+
+def test_example_scores_must_average_to_their_matrix_entry(tmp_path):
+    """The bootstrap and the noise section read per-example scores as the matrix entry's parts: a results.json whose
+    examples average elsewhere is refused with the cell named, before anything is written."""
+    bad = with_examples(RESULTS)
+    bad["methods"]["opr-ru"]["seeds"]["1"]["example_scores"][2][1][0] += 4  # mean 72 -> 73
+    with pytest.raises(ValueError, match=r"\['opr-ru'\]\['seeds'\]\['1'\]\['example_scores'\]\[2\]\[1\]: the "
+                                         r"examples' mean 73.0000 is not matrix\[2\]\[1\] = 72.0000"):
+        write_report(bad, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    ok = with_examples(RESULTS)
+    ok["methods"]["opr-ru"]["seeds"]["1"]["example_scores"][2][1][0] += 4e-4  # run.py's rounding: accepted
+    write_report(ok, tmp_path)
