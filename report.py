@@ -162,10 +162,10 @@ def check_results(results) -> None:
                         if sizes.setdefault(tasks[j], len(cell)) != len(cell):
                             raise ValueError(f"{where}['example_scores'][{i}][{j}]: {len(cell)} examples of "
                                              f"{tasks[j]}, elsewhere {sizes[tasks[j]]}")
-                        if abs(statistics.fmean(cell) - matrix[i][j]) > EXAMPLE_MEAN_TOL:
-                            raise ValueError(f"{where}['example_scores'][{i}][{j}]: the examples' mean "
-                                             f"{statistics.fmean(cell):.4f} is not matrix[{i}][{j}] = "
-                                             f"{matrix[i][j]:.4f}")
+                        mean = statistics.fmean(cell)
+                        if abs(mean - matrix[i][j]) > EXAMPLE_MEAN_TOL:
+                            raise ValueError(f"{where}['example_scores'][{i}][{j}]: the examples' mean {mean:.4f} "
+                                             f"is not matrix[{i}][{j}] = {matrix[i][j]:.4f}")
             diags = run.get("diagnostics")
             if diags is not None and (not isinstance(diags, list) or len(diags) != len(matrix)
                                       or not all(isinstance(d, dict) for d in diags)):
@@ -299,32 +299,31 @@ def uncertainty(results, summary=None, B: int = BOOTSTRAP_B, seed: int = BOOTSTR
     return out
 
 
-def _noise_inputs(runs: list, n: int) -> list:
-    """Per seed, as float arrays: the final row ("acc", [n]) and final minus own-stage score of tasks 1..n-1 ("bwt"),
-    and the same per test example ("acc_ex", "bwt_ex": [task][example], None without per-example scores)."""
-    ex = all(r.get("example_scores") for r in runs)
-    out = []
-    for r in runs:
-        m = r["matrix"]
-        d = {"acc": np.asarray(m[n - 1][:n], dtype=np.float64),
-             "bwt": np.asarray([m[n - 1][j] - m[j][j] for j in range(n - 1)], dtype=np.float64),
-             "acc_ex": None, "bwt_ex": None}
-        if ex:
-            e = [[np.asarray(x, dtype=np.float64) for x in row] for row in r["example_scores"]]
-            d["acc_ex"] = e[n - 1][:n]
-            d["bwt_ex"] = [e[n - 1][j] - e[j][j] for j in range(n - 1)]
-        out.append(d)
+def _noise_parts(run: dict, n: int) -> dict:
+    """One seed's inputs to noise_sources: {"acc": (final row [n], its per-example arrays or None), "bwt": (final
+    minus own-stage score of tasks 1..n-1, the same per example or None)}."""
+    m, e = run["matrix"], run.get("example_scores")
+    e = [[np.asarray(x, dtype=np.float64) for x in row] for row in e] if e else None
+    return {"acc": (np.asarray(m[n - 1][:n], dtype=np.float64), e[n - 1][:n] if e else None),
+            "bwt": (np.asarray([m[n - 1][j] - m[j][j] for j in range(n - 1)], dtype=np.float64),
+                    [e[n - 1][j] - e[j][j] for j in range(n - 1)] if e else None)}
+
+
+def _noise_minus(a: dict, b: dict) -> dict:
+    """_noise_parts of the paired difference a - b (per-example parts only when both have them)."""
+    return {k: (a[k][0] - b[k][0], None if a[k][1] is None or b[k][1] is None else
+                [x - y for x, y in zip(a[k][1], b[k][1])]) for k in a}
+
+
+def _noise_of(parts: list, n: int) -> dict:
+    """noise_sources of ACC and BWT (None with one stage) from one _noise_parts entry per seed; the test-prompt part
+    only when every seed has per-example scores."""
+    out = {}
+    for key in ("acc", "bwt"):
+        values, examples = [p[key][0] for p in parts], [p[key][1] for p in parts]
+        out[key] = None if key == "bwt" and n < 2 else noise_sources(
+            values, None if any(x is None for x in examples) else examples)
     return out
-
-
-def _noise_of(inputs: list, n: int) -> dict:
-    """noise_sources of ACC and BWT (None with one stage) from _noise_inputs-shaped entries, one per seed."""
-    def part(key):
-        if key == "bwt" and n < 2:
-            return None
-        ex = None if inputs[0][key + "_ex"] is None else [[x.tolist() for x in d[key + "_ex"]] for d in inputs]
-        return noise_sources([d[key] for d in inputs], ex)
-    return {"acc": part("acc"), "bwt": part("bwt")}
 
 
 def noise_numbers(results, summary=None) -> dict:
@@ -334,24 +333,17 @@ def noise_numbers(results, summary=None) -> dict:
     the final row, BWT from final minus own-stage score of every task but the last, each with its per-example
     scores when every seed has them (then the test-prompt part and the floor are known)."""
     summary = summary or summarize(results)
-    inputs = {m: dict(zip(s["seeds"], _noise_inputs([results["methods"][m]["seeds"][k] for k in s["seeds"]],
-                                                    s["stages"])))
-              for m, s in summary.items()}
-    out = {m: _noise_of(list(inputs[m].values()), s["stages"])
+    parts = {m: {k: _noise_parts(results["methods"][m]["seeds"][k], s["stages"]) for k in s["seeds"]}
+             for m, s in summary.items()}
+    out = {m: _noise_of(list(parts[m].values()), s["stages"])
            for m, s in summary.items() if len(s["seeds"]) >= NOISE_MIN_SEEDS}
     for ref in [r for r in REFERENCES if r in summary]:
         for m, s in summary.items():
-            paired = [k for k in s["seeds"] if k in inputs[ref]]
+            paired = [k for k in s["seeds"] if k in parts[ref]]
             if (m == ref or s["stages"] != summary[ref]["stages"] or len(paired) < NOISE_MIN_SEEDS
                     or f"{ref} − {m}" in out):  # the same spread as its mirror
                 continue
-            diffs = []
-            for k in paired:
-                a, b = inputs[m][k], inputs[ref][k]
-                diffs.append({key: (None if a[key] is None or b[key] is None else
-                                    a[key] - b[key] if not key.endswith("_ex") else
-                                    [x - y for x, y in zip(a[key], b[key])]) for key in a})
-            out[f"{m} − {ref}"] = _noise_of(diffs, s["stages"])
+            out[f"{m} − {ref}"] = _noise_of([_noise_minus(parts[m][k], parts[ref][k]) for k in paired], s["stages"])
     return out
 
 
