@@ -185,6 +185,10 @@ def test_row0_fwt_forgetting_op_and_protocol_header(tmp_path):
      r"\['replay'\]\['seeds'\]\['0'\]\['row0'\]"),
     (lambda r: r["methods"]["replay"]["seeds"]["0"].update(row0=[1.0, 2.0, 3.0], next_task=[1.0]),
      r"\['replay'\]\['seeds'\]\['0'\]\['next_task'\]: expected at least 2"),
+    # a partial run (2 of 3 stages) still has a next task after its last stage: summarize reads 2 entries
+    (lambda r: [run.update(matrix=run["matrix"][:2], loss_curves=run["loss_curves"][:2], row0=[1.0, 2.0, 3.0],
+                           next_task=[1.0]) for run in r["methods"]["replay"]["seeds"].values()],
+     r"\['replay'\]\['seeds'\]\['0'\]\['next_task'\]: expected at least 2"),
 ])
 def test_bad_results_name_the_field(tmp_path, mutate, where):
     bad = copy.deepcopy(RESULTS)
