@@ -69,6 +69,7 @@ import train
 
 from data.cli import InputError, Parser, UserError, comma_list, float_in, int_at_least, main_cli, task_names
 from data.diagnostics import diagnose
+from data import metrics
 from data.digest import Digests
 from data.zygote import SCRIPTS, Zygote, die_with_parent
 from data.jsonl import check_output, read_records, write_json, write_jsonl
@@ -531,7 +532,8 @@ def main(argv=None):
             return py + [str(HERE / "evaluate.py"), "--ckpt", str(ckpt), *common_data,
                          "--tasks", ",".join(task_list), "--out", str(tmp / "eval"), "--seed", str(seed),
                          "--repeats", str(cfg["eval_repeats"]), "--scoring", cfg["scoring"], *gen, *engine, *limit]
-        spec = dict(tasks=task_list, seed=seed, gen=gen_spec, repeats=cfg["eval_repeats"], scoring=cfg["scoring"])
+        spec = dict(tasks=task_list, seed=seed, gen=gen_spec, repeats=cfg["eval_repeats"], scoring=cfg["scoring"],
+                    rules=metrics.RULES)
         return pipe.add("eval", f"s{stage}-eval", spec, [train_key] if train_key else [], build,
                         reads=files("test", task_list) + ([] if train_key else base_files))
 
@@ -558,7 +560,8 @@ def main(argv=None):
                          str(data_root), "--scorer", scorer, "--select", mode, *flags, *scoring,
                          "--tasks", ",".join(prior), "--seed", str(seed), "--out", str(tmp / "buffer.jsonl")]
         return pipe.add("score", f"s{stage}-{scorer}-{mode}", dict(scorer=scorer, mode=mode, budget=budget,
-                                                                  seed=seed, scoring=cfg["scoring"]), [r_key],
+                                                                  seed=seed, scoring=cfg["scoring"],
+                                                                  rules=metrics.RULES), [r_key],
                         build_score, reads=files("train", prior))
 
     def gold_buffer(stage, prior, seed, next_task, rho):

@@ -118,6 +118,21 @@ def test_edited_answer_reruns_exactly_the_dependent_steps(setup, run_one_core):
     assert kinds.count("s1-replay") == 1 and kinds.count("s2-train") == 3
 
 
+def test_new_scoring_rules_rescore_exactly_the_dependent_steps(setup, run_one_core):
+    """data.metrics.RULES (bumped when a metric's rule changes) keys the steps that score: every evaluation and the
+    OPR-RU buffer, and what follows from that buffer (opr-ru's stage-2 training, its drift and evaluation)."""
+    out = setup["root"] / "run_rules"
+    shutil.copytree(run_one_core, out)
+    before = manifest(out)
+    argv = command(setup["base"], setup["data"], out, jobs=2)[1:]
+    patched = (f"import runpy, sys; sys.path.insert(0, {str(REPO)!r}); import data.metrics as m; m.RULES += 1; "
+               f"sys.argv = {argv!r}; runpy.run_path({argv[0]!r}, run_name='__main__')")
+    run([sys.executable, "-c", patched], setup["env"])
+    after = manifest(out)
+    new = sorted(k.split("-")[0] + "-" + after[k]["kind"] for k in set(after) - set(before))
+    assert new == ["s0-eval", "s1-eval", "s1-score", "s2-drift", "s2-eval", "s2-eval", "s2-eval", "s2-train"]
+
+
 def test_key_covers_numerics_and_file_content(tmp_path):
     from run import Pipeline
     f = tmp_path / "x.json"
