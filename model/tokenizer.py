@@ -209,11 +209,19 @@ class ChatTokenizer:
         anything the template writes after end-of-turn).
 
         The response span is found by tokenizing the prompt with the generation prompt and requiring it to be a token
-        prefix of the full conversation; the span runs from there to the first stop token (inclusive).
+        prefix of the full conversation; the span runs from there to the first stop token (inclusive). Where a token
+        merges across that boundary (Qwen's pre-tokenizer joins the generation prompt's "\n" with a response that
+        starts with "\n") but the rendered text still starts with the generation prompt's text, the ids are the
+        prompt's ids followed by those of the rest of the text: the tokens a model sampling after the prompt emits.
         """
         user = [{"role": "user", "content": prompt}]
         prefix = self.apply_chat_template(user, add_generation_prompt=True, tokenize=True, **kwargs)
         ids = self.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=True, **kwargs)
+        if ids[:len(prefix)] != prefix:
+            prefix_text = self.apply_chat_template(user, add_generation_prompt=True, **kwargs)
+            text = self.apply_chat_template(user + [{"role": "assistant", "content": response}], **kwargs)
+            if text.startswith(prefix_text):
+                ids = prefix + self.encode(text[len(prefix_text):])
         if ids[:len(prefix)] != prefix:
             raise ValueError(f"{self.source}: the prompt's token ids with the generation prompt are not a prefix of "
                              f"the full conversation's ids; the template or a token merge across the boundary "

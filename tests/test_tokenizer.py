@@ -432,6 +432,35 @@ def test_encode_sft_label_mask(pair, prompt, response):
     assert ours.decode(ids[labelled[-1] + 1:], skip_special_tokens=False) in ("", "\n")
 
 
+@pytest.mark.parametrize("response", ["\nA", "\n\nprint(1)"])
+def test_encode_sft_response_starting_with_newline(pair, response):
+    """A sampled response may start with "\n". Qwen's pre-tokenizer merges it with the generation prompt's "\n"
+    when the whole conversation is tokenized at once, so the prompt's ids are no longer a prefix; the ids are then
+    the prompt's ids followed by the rest of the rendered text's, as sampling produced them. Elsewhere nothing
+    changes. (Qwen3's and Llama 3.1's templates strip the leading newlines from the assistant turn themselves.)"""
+    name, ours, hf = pair
+    prompt, eot = "What is it?", END_OF_TURN[name]
+    ids, labels = ours.encode_sft(prompt, response)
+    start = len(ours.prompt_ids(prompt))
+    assert ids[:start] == ours.prompt_ids(prompt)
+    user = [{"role": "user", "content": prompt}]
+    full = user + [{"role": "assistant", "content": response}]
+    text = hf_render(hf, full, False, tokenize=False, enable_thinking=False)
+    rest = text[len(hf_render(hf, user, True, tokenize=False, enable_thinking=False)):]
+    if name in ("smollm2", "qwen2.5"):
+        assert rest.startswith(response + eot)
+    labelled = [t for t in range(len(ids)) if labels[t] != IGNORE_INDEX]
+    assert labelled == list(range(start, labelled[-1] + 1))
+    assert ours.decode([ids[t] for t in labelled], skip_special_tokens=False) == rest[:rest.index(eot) + len(eot)]
+    joint = hf_render(hf, full, False, tokenize=True, enable_thinking=False)
+    if joint[:start] == ours.prompt_ids(prompt):
+        assert ids == joint
+    else:
+        assert ids == ours.prompt_ids(prompt) + hf.encode(rest, add_special_tokens=False)
+    if name == "qwen2.5":  # the case this covers: the joint tokenization breaks the prefix
+        assert joint[:start] != ours.prompt_ids(prompt)
+
+
 def test_special_ids(pair):
     name, ours, hf = pair
     assert ours.eos_id == hf.eos_token_id
