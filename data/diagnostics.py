@@ -13,8 +13,9 @@ with one warning line per flagged (method, stage, task).
 Rates are fractions in [0, 1] of all responses (examples x repeats). A label is data.metrics.answer_letter of the
 response, the character the lenient metric compares ("" for an empty response), whatever --scoring the evaluation
 used: the diagnostics describe what the model answered, not how it was scored. A task's predictions have
-COLLAPSED when one non-empty label is at least COLLAPSE_RATE of all responses while the gold labels' majority class
-is below COLLAPSE_RATE (a test set that is itself 95% "A" may rightly be answered "A").
+COLLAPSED when one non-empty label is at least COLLAPSE_RATE of all responses while that label is below
+COLLAPSE_RATE of the gold answers (a test set that is itself 95% "A" may rightly be answered "A"; answering it "C"
+throughout is a collapse).
 """
 from collections import Counter
 
@@ -22,7 +23,7 @@ from data.metrics import answer_letter
 from data.tasks import get_task
 
 # ---- thresholds of the warnings --------------------------------------------------------------------------------
-COLLAPSE_RATE = 0.9    # one label takes >= 90% of the responses (and the gold majority class does not)
+COLLAPSE_RATE = 0.9    # one label takes >= 90% of the responses (and not >= 90% of the gold answers)
 EMPTY_WARN = 0.2       # >= 20% of the responses are empty (all whitespace)
 LENGTH_WARN = 0.2      # >= 20% of the responses stopped at the max-new-tokens cap (finish_reason "length")
 # -----------------------------------------------------------------------------------------------------------------
@@ -58,7 +59,7 @@ def diagnose(task: str, records: list) -> dict:
         gold_major = max(gold.values()) / n
         out.update(labels=_ranked(pred, n), gold_labels=_ranked(gold, n), top_label=top, top_rate=top_n / n,
                    gold_majority_rate=gold_major,
-                   collapsed=bool(top) and top_n / n >= COLLAPSE_RATE and gold_major < COLLAPSE_RATE)
+                   collapsed=bool(top) and top_n / n >= COLLAPSE_RATE and gold[top] / n < COLLAPSE_RATE)
     return out
 
 

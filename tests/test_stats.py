@@ -202,6 +202,10 @@ def test_collapse_needs_a_balanced_gold_and_a_real_label():
     # answering the majority class of a test set that is itself 95% "A" is not flagged
     d = diagnose("C-STANCE", [rec("A", "A")] * 19 + [rec("A", "B")])
     assert d["top_rate"] == 1.0 and d["gold_majority_rate"] == 0.95 and d["collapsed"] is False
+    # ... but answering that test set (or a one-label one) with another label throughout is
+    wrong = diagnose("C-STANCE", [rec("C", "A")] * 19 + [rec("C", "B")])
+    assert wrong["top_label"] == "C" and wrong["gold_majority_rate"] == 0.95 and wrong["collapsed"] is True
+    assert diagnose("FOMC", [rec("B", "A")] * 20)["collapsed"] is True
     # exactly at the threshold counts; just below does not
     n = 10
     at = diagnose("ScienceQA", [rec("B", "A" if k % 2 else "B") for k in range(n - 1)] + [rec("A", "A")])
