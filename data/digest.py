@@ -1,12 +1,13 @@
 """Content digests of the files a pipeline step reads, so a step's key changes when its inputs change, not only
 when their paths do.
 
-    digests = Digests(run_dir / "digests.json")   # cache: path -> (size, mtime_ns, sha256)
+    digests = Digests(run_dir / "digests.json")   # cache: path -> (size, mtime_ns, sha256, inode, ctime_ns)
     digests.of([data_root / "FOMC" / "train.json", base_dir])  -> ["3f2a...", "9c1e..."]
     digests.save()
 
-A file is hashed once; re-runs reuse the cached digest while its size and modification time are unchanged, so a
-7B checkpoint costs one read per run directory, not one per step. A directory's digest covers every file under it
+A file is hashed once; re-runs reuse the cached digest while its size, modification time, inode and status-change
+time are unchanged, so a 7B checkpoint costs one read per run directory, not one per step. (The status-change time
+cannot be set back: an in-place edit whose mtime was restored, e.g. by `touch -r` or `cp -p`, is hashed again.) A directory's digest covers every file under it
 (relative path and content), in sorted order. The paths themselves are not part of a digest: moving the data
 elsewhere keeps every result.
 """
@@ -42,10 +43,10 @@ class Digests:
         st = path.stat()
         key = str(path.resolve())
         hit = self.cache.get(key)
-        if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
+        if hit and hit[:2] == [st.st_size, st.st_mtime_ns] and hit[3:] == [st.st_ino, st.st_ctime_ns]:
             return hit[2]
         digest = file_sha256(path)
-        self.cache[key] = [st.st_size, st.st_mtime_ns, digest]
+        self.cache[key] = [st.st_size, st.st_mtime_ns, digest, st.st_ino, st.st_ctime_ns]
         return digest
 
     def path(self, path) -> str:
