@@ -151,13 +151,15 @@ def needs_checkpointing(cfg, profile: Profile) -> bool:
     return memory_per_gpu(cfg, profile.gpus, profile.micro_tokens)["total"] > GPU_MEMORY_GB * 1e9
 
 
-def price(c: StepCost, cfg, profile: Profile):
-    """Fill in c.gpu_hours (estimate) and c.gpu_hours_max (upper bound). Training that only fits with activation
-    checkpointing pays a second forward (x 4/3); SDFT's teacher forward another 1/3."""
+def price(c: StepCost, cfg, profile: Profile, checkpointing: bool = False):
+    """Fill in c.gpu_hours (estimate) and c.gpu_hours_max (upper bound). Training with activation checkpointing
+    (`checkpointing`: the command turns it on; or it only fits with it) pays a second forward (x 4/3); SDFT's
+    teacher forward another 1/3."""
     over = profile.overhead_s * profile.gpus / 3600
     tps = train_tok_s(cfg, c.mean_doc or 512, profile)
     if c.kind == "train":
-        f = (1 + c.sdft / 3 + needs_checkpointing(cfg, profile) / 3) if not profile.train_tok_s else 1 + c.sdft / 3
+        recompute = checkpointing or needs_checkpointing(cfg, profile)
+        f = (1 + c.sdft / 3 + recompute / 3) if not profile.train_tok_s else 1 + c.sdft / 3
         c.gpu_hours = over + f * c.train_tokens / tps / 3600
         c.gpu_hours_max = over + f * c.train_tokens_max / tps / 3600
     elif c.kind in ("eval", "rollout", "drift"):
@@ -266,7 +268,7 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
         elif kind == "buffer-nll":  # buffer_nll.py: one teacher-forced forward over the gold buffer
             b_est, _, _ = buffer_lengths(s["deps"][1])
             c.prompts, c.prompt_tokens = len(b_est), sum(b_est)
-        price(c, model_cfg, profile)
+        price(c, model_cfg, profile, cfg_run["activation_checkpointing"])  # run.py turns it on for GPU steps
         costs[key] = c
 
     for label, by_seed in runs.items():  # which methods use each step (shared steps: several)
@@ -279,8 +281,9 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
                 todo += steps[k]["deps"]
         for k in keys:
             costs[k].methods.append(label)
-    for c in costs.values():  # steps outside every chain (row 0: the base's evaluation) serve every method
-        c.methods = c.methods or list(runs)
+    for key, c in costs.items():  # steps outside every chain: a probe serves the methods of all the steps it reads
+        deps = steps[key]["deps"]  # (drift: this stage's and the last stage's checkpoints); row 0 (no deps): all
+        c.methods = c.methods or [m for m in runs if all(m in costs[d].methods for d in deps)]
     return list(costs.values())
 
 
@@ -304,7 +307,7 @@ def format_memory(model_cfg, gpus: int, micro_tokens: int) -> str:
 
 
 def format_plan(costs: list[StepCost], model_cfg, profile: Profile, micro_tokens: int, title: str,
-                methods: list[str]) -> str:
+                methods: list[str], checkpointing: bool = False) -> str:
     """The printed plan: one line per step, GPU-hours per method and in total, memory per GPU."""
     lines = [title, "",
              f"{'step':<44} {'kind':<8} {'train_tok':>11} {'train_max':>11} {'prompts':>8} {'prompt_tok':>11} "
@@ -325,7 +328,7 @@ def format_plan(costs: list[StepCost], model_cfg, profile: Profile, micro_tokens
     train = [c for c in costs if c.kind == "train"]
     mean_doc = sum(c.mean_doc * c.train_tokens for c in train) / max(sum(c.train_tokens for c in train), 1)
     tps = train_tok_s(model_cfg, mean_doc or 512, profile)
-    ac = needs_checkpointing(model_cfg, profile) and not profile.train_tok_s
+    ac = (checkpointing or needs_checkpointing(model_cfg, profile)) and not profile.train_tok_s
     lines += ["", f"profile: train {tps:,.0f} tok/s per GPU{' before the x 4/3 of activation checkpointing' if ac else ''}"
                   f"{' (given)' if profile.train_tok_s else f' ({profile.mfu:.0%} MFU of {profile.peak_tflops:g} TFLOP/s, mean document {mean_doc:.0f} tokens)'}"
                   f", generation {profile.gen_tok_s:,.0f} new tok/s per GPU, prefill {PREFILL_FACTOR:g}x train tok/s, "
@@ -362,7 +365,8 @@ def print_plan(steps, runs, cfg_run, train_sets, tok, data_root, base, args):
               f"{profile.micro_tokens} train.py needs --activation-checkpointing to fit {GPU_MEMORY_GB:g} GB per GPU "
               "(see the memory table); the GPU-hours assume it")
     print(format_plan(costs, model_cfg, profile, cfg_run["micro_tokens"],
-                      f"plan (dry run: nothing ran, nothing was written): {len(costs)} steps, model {base}", list(runs)))
+                      f"plan (dry run: nothing ran, nothing was written): {len(costs)} steps, model {base}", list(runs),
+                      cfg_run["activation_checkpointing"]))
     return costs
 
 
@@ -401,11 +405,12 @@ def paper_tasks(trace_dir=None) -> dict:
 
 
 def paper_grid(model_cfg, profile: Profile, trace_dir=None, rho: float = 0.01, max_new: int = 512,
-               repeats: int = 8) -> list[StepCost]:
+               repeats: int = 8, checkpointing: bool = True) -> list[StepCost]:
     """One model's 8 stages of an OPR method, as run.py plans them: row 0 evaluates the base on every task; stage i
     trains on task i (+ the buffer of rho x 5000 model answers from tasks < i) for the task's epochs, evaluates
     tasks 1..i+1 (`repeats` samples per test prompt, the paper preset's 8), and (i < 8) rolls out every training
-    prompt of tasks 1..i once, <= max_new new tokens."""
+    prompt of tasks 1..i once, <= max_new new tokens. Training recomputes activations (the paper preset's
+    --activation-checkpointing) unless checkpointing=False."""
     from data.tasks import TASK_ORDER, get_task
     table = paper_tasks(trace_dir)
     doc = {t: table[t][1] + table[t][2] + TEMPLATE_ANSWER for t in TASK_ORDER}  # one SFT example's tokens
@@ -439,7 +444,7 @@ def paper_grid(model_cfg, profile: Profile, trace_dir=None, rho: float = 0.01, m
             costs.append(r)
         prev = c.key
     for c in costs:
-        price(c, model_cfg, profile)
+        price(c, model_cfg, profile, checkpointing)
         c.methods = ["opr"]
     return costs
 
@@ -465,7 +470,8 @@ def main(argv=None):
         measured = table[t] != PAPER_TASKS[t] or (args.trace and (Path(args.trace) / t / "train.json").is_file())
         print(f"{t:<12} {n:>7} {pr:>10} {an:>10} {nt:>6}  {'measured (' + args.trace + ')' if measured else 'assumed'}")
     costs = paper_grid(cfg, profile, args.trace, repeats=args.eval_repeats)
-    print(format_plan(costs, cfg, profile, args.micro_tokens, f"\nplan of the paper's grid on {args.config}", ["opr"]))
+    print(format_plan(costs, cfg, profile, args.micro_tokens, f"\nplan of the paper's grid on {args.config}", ["opr"],
+                      checkpointing=True))
     total = sum(c.gpu_hours for c in costs)
     print(f"\npaper: {PAPER_GPU_HOURS:g} GPU-hours for one model's 8 stages; this plan: {total:.1f} "
           f"({total / PAPER_GPU_HOURS:.2f}x), upper bound {sum(c.gpu_hours_max for c in costs):.1f}")

@@ -111,9 +111,28 @@ def test_gpu_hours_add_up_per_method_and_in_total(dry):
             if line.startswith(("sft ", "replay ", "opr-ru ", "ALL "))}
     total = sum(s["gpu_hours"] for s in steps.values())
     assert float(rows["ALL (each step once)"][4]) == pytest.approx(total, abs=0.01 * len(steps))  # train rollout eval
-    # probes total
     # sft uses a subset of replay's steps' kinds: train + eval only, no rollout
     assert float(rows["sft"][1]) == 0.0 and float(rows["opr-ru"][1]) > 0
+    # every probe (each method's stage-2 drift, replay's buffer NLL) serves the one method whose steps it reads
+    probes = {m: float(rows[m][3]) for m in ("sft", "replay", "opr-ru")}
+    assert sum(probes.values()) == pytest.approx(float(rows["ALL (each step once)"][3]), abs=0.02)
+    drift = [s["gpu_hours"] for s in steps.values() if s["kind"] == "drift"]
+    assert len(drift) == 3 and probes["sft"] == pytest.approx(drift[0], abs=0.01)
+
+
+def test_activation_checkpointing_is_priced_when_the_command_turns_it_on():
+    """Qwen2.5-0.5B fits 80 GB without recomputation, but the paper preset passes --activation-checkpointing on GPUs
+    anyway: its training then costs 4/3 of the tokens' time (the per-step overhead aside)."""
+    from model.checkpoint import load_config
+    cfg = load_config(REPO / "bench" / "configs" / "qwen2.5-0.5b")
+    profile = plan.Profile(overhead_s=0)
+    assert not plan.needs_checkpointing(cfg, profile)
+    hours = []
+    for on in (False, True):
+        c = plan.StepCost("s1-train-FOMC", "train", [], train_tokens=10**9, train_tokens_max=10**9, mean_doc=300)
+        plan.price(c, cfg, profile, checkpointing=on)
+        hours.append(c.gpu_hours)
+    assert hours[1] == pytest.approx(hours[0] * 4 / 3)
 
 
 def test_activation_model_counts_what_autograd_keeps_in_a_block():
