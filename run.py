@@ -481,12 +481,14 @@ def main(argv=None):
     numerics = dict(threads=threads, torch=torch.__version__, gpus=gpus, code=NUMERICS,
                     device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
     pipe = Pipeline(run_dir, jobs, env, args.quiet, numerics)
-    pipe.use_zygote &= gpus == 0 and args.engine != "vllm"  # CUDA and vLLM start in processes of their own
+    from model.sampling import resolve_engine
+    engine_name = resolve_engine(args.engine)  # "auto" resolved here, so the keys say which engine sampled
+    pipe.use_zygote &= gpus == 0 and engine_name != "vllm"  # CUDA and vLLM start in processes of their own
     base_files = [base]  # the base checkpoint: every chain starts from it, and gold replay uses its tokenizer
 
     def files(split, task_list):
         return [task_file(data_root, t, split) for t in task_list]
-    engine = ["--engine", args.engine, "--tp", str(max(gpus, 1))]
+    engine = ["--engine", engine_name, "--tp", str(max(gpus, 1))]
     py = [sys.executable]
     trainer = args.launcher.split() if args.launcher else py if gpus <= 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
@@ -494,8 +496,7 @@ def main(argv=None):
     common_data = ["--data", str(data_root), "--max-len", str(cfg["max_len"])]
     # what generation depends on (keys eval/rollout steps): not the method list or rho, so adding a method or a rho
     # to a run re-uses the evaluations and rollouts of the checkpoints it shares
-    gen_spec = dict(engine=engine, **{k: cfg[k] for k in (
-        "temperature", "max_new_tokens", "max_len", "max_train", "eval_limit")})
+    gen_spec = dict(engine=engine, **{k: cfg[k] for k in ("temperature", "max_new_tokens", "max_len")})
 
     # on GPUs: recomputing blocks in backward saves memory and leaves the numbers as they are (tests/test_train.py):
     # not part of the key
@@ -512,8 +513,9 @@ def main(argv=None):
         def build(tmp, dirs):
             records = [{"prompt": e.prompt, "response": e.answer, "task": e.task, "idx": e.idx}
                        for t in task_list for e in train_sets[t]]
-            if buffer_key:
-                records += read_records(dirs[buffer_key] / "buffer.jsonl", required=("prompt", "response"))
+            buffer = dirs[buffer_key] / "buffer.jsonl" if buffer_key else None
+            if buffer and buffer.stat().st_size:  # (empty: score.py found no rollout short enough to train on)
+                records += read_records(buffer, required=("prompt", "response"))
             write_jsonl(tmp / "mixture.jsonl", records)
             model = dirs[prev] / "ckpt" if prev else base
             return trainer + [str(HERE / "train.py"), "--model", str(model), "--data", str(tmp / "mixture.jsonl"),
@@ -533,13 +535,17 @@ def main(argv=None):
                          "--tasks", ",".join(task_list), "--out", str(tmp / "eval"), "--seed", str(seed),
                          "--repeats", str(cfg["eval_repeats"]), "--scoring", cfg["scoring"], *gen, *engine, *limit]
         spec = dict(tasks=task_list, seed=seed, gen=gen_spec, repeats=cfg["eval_repeats"], scoring=cfg["scoring"],
-                    rules=metrics.RULES)
+                    rules=metrics.RULES, limit=cfg["eval_limit"])
         return pipe.add("eval", f"s{stage}-eval", spec, [train_key] if train_key else [], build,
                         reads=files("test", task_list) + ([] if train_key else base_files))
 
     def budget_args(prior, next_task, rho):
         """(score.py flags, the budget) of the replay buffer built after the stage that trained prior[-1]."""
         budget = replay_budget(cfg["replay_budget"], rho, prior, train_sizes, next_task)
+        if not budget.get("total", sum(budget.get("per_task", {}).values())):
+            raise UserError(f"--rho {rho}: the replay buffer after stage {len(prior)} would hold 0 examples "
+                            f"({cfg['replay_budget']} budget, round(rho x training examples)); the replay methods "
+                            f"would train as sft does: raise --rho or the training set size")
         if "per_task" in budget:
             return ["--task-budgets", ",".join(f"{t}={k}" for t, k in budget["per_task"].items())], budget
         return ["--budget", str(budget["total"])], budget
@@ -549,7 +555,8 @@ def main(argv=None):
             return py + [str(HERE / "rollout.py"), "--ckpt", str(dirs[train_key] / "ckpt"), *common_data,
                          "--tasks", ",".join(prior), "--out", str(tmp / "rollouts.jsonl"), "--seed", str(seed),
                          "--max-train", str(cfg["max_train"]), *gen, *engine]
-        r_key = pipe.add("rollout", f"s{stage}-rollout", dict(prior=prior, seed=seed, gen=gen_spec), [train_key],
+        r_key = pipe.add("rollout", f"s{stage}-rollout", dict(prior=prior, seed=seed, gen=gen_spec,
+                                                              max_train=cfg["max_train"]), [train_key],
                          build_rollout, reads=files("train", prior))
 
         flags, budget = budget_args(prior, next_task, rho)
@@ -558,10 +565,14 @@ def main(argv=None):
         def build_score(tmp, dirs):
             return py + [str(HERE / "score.py"), "--rollouts", str(dirs[r_key] / "rollouts.jsonl"), "--data",
                          str(data_root), "--scorer", scorer, "--select", mode, *flags, *scoring,
-                         "--tasks", ",".join(prior), "--seed", str(seed), "--out", str(tmp / "buffer.jsonl")]
+                         "--max-len", str(cfg["max_len"]), "--tokenizer", str(base),  # only what train.py can train on
+                         # ties among equal scores (many rollouts score 100) drawn anew at every stage, as gold
+                         # replay draws its examples ("seed:stage:task")
+                         "--tasks", ",".join(prior), "--seed", f"{seed}:{stage}", "--out", str(tmp / "buffer.jsonl")]
         return pipe.add("score", f"s{stage}-{scorer}-{mode}", dict(scorer=scorer, mode=mode, budget=budget,
-                                                                  seed=seed, scoring=cfg["scoring"],
-                                                                  rules=metrics.RULES), [r_key],
+                                                                  seed=f"{seed}:{stage}", scoring=cfg["scoring"],
+                                                                  rules=metrics.RULES, max_len=cfg["max_len"]),
+                        [r_key],
                         build_score, reads=files("train", prior))
 
     def gold_buffer(stage, prior, seed, next_task, rho):

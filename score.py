@@ -4,7 +4,8 @@
                     --out runs/stage2/buffer.jsonl
 
   1. read the rollouts written by rollout.py (one per historical training prompt)
-  2. score each one
+  2. score each one; with --max-len and --tokenizer, a rollout whose chat-templated prompt + response is longer than
+     --max-len tokens is no candidate (train.py would drop it, leaving the buffer short of b): counted as over-long
        ru (OPR-RU): the task's own metric (data.metrics.score, 0..100) of the response against the gold answer of the
                     same training record (looked up by task + idx in <data>/<task>/train.json), under --scoring:
                     lenient (default), paper (the official code's generate_opr_ru.py rules) or trace (TRACE's)
@@ -16,8 +17,8 @@
      remainder to the earliest tasks, each capped by its rollouts, shortfall moved to the others (data.replay.allocate).
      --task-budgets T=K,... instead gives each task its own count (run.py --replay-budget per-task: rho times that
      task's own training-set size), capped by its rollouts, no shortfall moved
-  4. per task keep the b_task highest-scoring rollouts (ties broken by a seeded shuffle); --select low / random pick
-     the lowest / a seeded random sample instead (ablations)
+  4. per task keep the b_task highest-scoring rollouts (ties broken by a shuffle seeded with --seed and the task);
+     --select low / random pick the lowest / a seeded random sample instead (ablations)
   5. the buffer's loss bound (paper Eq. 3): per task, the per-token NLL l = -mean(logprobs) of each rollout under the
      checkpoint that produced it (= -SC score; the sampled end-of-turn token counts, as training's loss does), its
      mean and max (l_max) over the selected and over the rejected rollouts, and the Spearman rank correlation of
@@ -25,7 +26,7 @@
      gold answers, so with --scorer sc it is computed only when --data is given)
   6. write the buffer atomically as SFT examples {"prompt", "response"} (what train.py reads) plus task, idx, score,
      scorer, select and source (the rollout file), and the numbers of step 5 as <buffer stem>_stats.json:
-       {"scorer", "select", "budget", "spearman_ru_sc", "tasks": {task: {"n", "spearman_ru_sc",
+       {"scorer", "select", "budget", "spearman_ru_sc", "tasks": {task: {"n", "overlong", "spearman_ru_sc",
         "selected": {"n", "nll_mean", "nll_max", "token_nll_max"}, "rejected": {same}}}, "all": {"selected",
         "rejected"}}          (null where a set is empty or a correlation undefined)
      nothing is written when any step fails
@@ -73,7 +74,12 @@ def parse_args(argv=None):
                    help="comma-separated prior tasks in order (default: as in the file)")
     p.add_argument("--select", default=SELECT, choices=["top", "low", "random"],
                    help="keep the highest / lowest scores, or a random sample (ablation)")
-    p.add_argument("--seed", type=int, default=SEED, help="seed for tie-breaking and --select random")
+    p.add_argument("--seed", default=str(SEED), help="seed for tie-breaking and --select random: an integer or any "
+                                                     "string (run.py passes SEED:STAGE, so every stage draws anew)")
+    p.add_argument("--max-len", type=int_at_least(2), default=None,
+                   help="with --tokenizer: rollouts longer than this (chat-templated prompt + response, the length "
+                        "train.py's --max-len drops) are no candidates (default: no length check)")
+    p.add_argument("--tokenizer", default=None, help="checkpoint directory whose tokenizer measures --max-len")
     p.add_argument("--out", default=None, help="buffer JSONL (default: buffer.jsonl next to --rollouts); an earlier "
                                                "buffer is replaced, any other file is refused")
     p.add_argument("--overwrite", action="store_true", help="replace the file at --out even if score.py did not "
@@ -81,6 +87,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.budget is not None and (args.rho is not None or args.n is not None):
         p.error("give either --budget or --rho/--n, not both")
+    if (args.max_len is None) != (args.tokenizer is None):
+        p.error("give --max-len and --tokenizer together")
     if args.task_budgets is not None:
         if args.budget is not None or args.rho is not None or args.n is not None:
             p.error("give either --task-budgets or --budget / --rho/--n, not both")
@@ -203,7 +211,13 @@ def main(argv=None):
         from data.embedded import ensure_embedded
         ru = ru_scores(records, Path(args.data) if args.data is not None else ensure_embedded(), args.scoring)
     scores = ru if args.scorer == "ru" else sc
-    by_task = {t: [i for i, r in enumerate(records) if r["task"] == t] for t in tasks}
+    fits = [True] * len(records)
+    if args.max_len is not None:  # what train.py could not train on is no candidate
+        from model.tokenizer import ChatTokenizer
+        tok = ChatTokenizer.from_dir(Path(args.tokenizer))
+        fits = [tok.sft_length(r["prompt"], r["response"]) <= args.max_len for r in records]
+    overlong = {t: sum(not f for r, f in zip(records, fits) if r["task"] == t) for t in tasks}
+    by_task = {t: [i for i, r in enumerate(records) if r["task"] == t and fits[i]] for t in tasks}
 
     # 3. budget and its split over the prior tasks (or each task's own count)
     if args.task_budgets is not None:
@@ -231,13 +245,14 @@ def main(argv=None):
                            "scoring": args.scoring if args.scorer == "ru" else None,
                            "source": str(rollout_path)})
         picked.update(chosen)
-        task_stats[t] = {"n": len(ix), "spearman_ru_sc": spearman([ru[i] for i in ix], [sc[i] for i in ix])
+        task_stats[t] = {"n": len(ix), "overlong": overlong[t], "spearman_ru_sc": spearman([ru[i] for i in ix], [sc[i] for i in ix])
                          if ru is not None else None,
                          "selected": nll_stats([records[i] for i in chosen]),
                          "rejected": nll_stats([records[i] for i in ix if i not in picked])}
-        med = statistics.median(task_scores)
+        med = statistics.median(task_scores) if ix else None  # (none: every rollout of the task is over-long)
         passed = sum((s == 100.0) if args.scorer == "ru" else (s > med) for s in task_scores)
-        rows.append((t, len(ix), len(chosen), min(task_scores), med, max(task_scores), passed,
+        rows.append((t, len(ix), overlong[t], len(chosen), min(task_scores, default=None), med,
+                     max(task_scores, default=None), passed,
                      sum(not records[i]["response"].strip() for i in ix)))
 
     # 5. the buffer's loss bound
@@ -253,13 +268,13 @@ def main(argv=None):
     print(f"scorer={args.scorer} select={args.select} budget={budget}"
           f"{' (per task)' if args.task_budgets is not None else ''}"
           f"{f' scoring={args.scoring}' if args.scorer == 'ru' else ''} (passed: {passed_rule})")
-    print("| task | available | selected | min | median | max | passed | empty | NLL/token selected mean | "
-          "selected max | rejected mean | Spearman RU-SC |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| task | available | over-long | selected | min | median | max | passed | empty | NLL/token selected "
+          "mean | selected max | rejected mean | Spearman RU-SC |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    for t, n, k, lo, med, hi, passed, empty in rows:
+    for t, n, n_long, k, lo, med, hi, passed, empty in rows:
         st = task_stats[t]
-        print(f"| {t} | {n} | {k} | {lo:.3f} | {med:.3f} | {hi:.3f} | {passed} | {empty} | "
+        print(f"| {t} | {n} | {n_long} | {k} | {fmt(lo)} | {fmt(med)} | {fmt(hi)} | {passed} | {empty} | "
               f"{fmt(st['selected']['nll_mean'])} | {fmt(st['selected']['nll_max'])} | "
               f"{fmt(st['rejected']['nll_mean'])} | {fmt(st['spearman_ru_sc'])} |")
     print(f"Spearman(RU, SC) over all rollouts: {fmt(stats['spearman_ru_sc'])}; buffer stats: {stats_path(out_path)}")

@@ -307,7 +307,7 @@ def test_rollout_then_score_end_to_end(ckpt, data_root, tmp_path):
     for b in buf:
         assert {"prompt", "response", "task", "idx", "score", "scorer", "source"} <= set(b)
         assert b["scorer"] == "ru" and b["source"] == str(tmp_path / "rollouts.jsonl") and 0 <= b["score"] <= 100
-    assert "| FOMC | 5 | 3 |" in r.stdout and "| NumGLUE-cm | 4 | 2 |" in r.stdout
+    assert "| FOMC | 5 | 0 | 3 |" in r.stdout and "| NumGLUE-cm | 4 | 0 | 2 |" in r.stdout
 
     # SC with b = rho * n = 0.01 * 700 = 7 -> 4 + 3, highest mean log-prob first within each task
     r = run_script("score.py", "--rollouts", tmp_path / "rollouts.jsonl", "--scorer", "sc", "--rho", "0.01",

@@ -31,7 +31,7 @@ import pytest
 from data.diagnostics import diagnose
 from data.metrics import acc_bwt, cl_metrics
 from data.metrics import score as metric
-from data.replay import allocate, buffer_size
+from data.replay import allocate, buffer_size, select
 from report import FIGURES, format_table, summarize, warning_lines
 from data.trace import load_task
 
@@ -102,6 +102,17 @@ def test_unknown_method_fails_before_running_anything(env):
     assert p.returncode != 0
     assert "unknown method 'opr-bogus'" in p.stderr and "opr-ru" in p.stderr  # names the culprit and the choices
     assert not out.exists()  # nothing planned, nothing run
+
+
+def test_zero_replay_budget_fails_before_running_anything(env):
+    """rho x 8 training examples rounds to an empty buffer: a replay method would silently train as sft does (it
+    used to crash at stage 2 on the empty buffer file instead)."""
+    out = env["root"] / "zero"
+    cmd = command(env["base"], out, "replay") + ["--rho", "0.01"]
+    p = subprocess.run(cmd, cwd=REPO, env=env["env"], capture_output=True, text=True)
+    assert p.returncode != 0
+    assert "--rho 0.01: the replay buffer after stage 1 would hold 0 examples" in p.stderr
+    assert not out.exists()
 
 
 def test_results_matrices_and_loss_curves(run_a):
@@ -196,6 +207,10 @@ def test_replay_buffers_sizes_and_contents(run_a, train_sets):
                 worst_picked = min(expected(rollouts[(t, i)]) for i in picked)
                 best_left = max(expected(rollouts[(t, i)]) for i in range(N_TRAIN) if i not in picked)
                 assert worst_picked >= best_left, (name, stage, t)
+                # ties drawn with the stage in the seed, as gold replay draws ("seed:stage:task")
+                order = [r["idx"] for r in read_jsonl(Path(buf[0]["source"])) if r["task"] == t]
+                draw = select(order, [expected(rollouts[(t, i)]) for i in order], want[t], "top", f"0:{stage}:{t}")
+                assert set(draw) == set(picked), (name, stage, t)
             n_model_text += sum(1 for r in buf if r["response"].strip())
     # the tiny model at lr 1e-4 still babbles, so the OPR buffers hold real (wrong) generations, not only empty ones
     assert n_model_text > 0

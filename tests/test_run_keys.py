@@ -166,6 +166,12 @@ def test_digest_cache_and_directories(tmp_path):
     assert again.path(d) == first
     (d / "sub" / "b.bin").write_bytes(b"c")  # a nested file's content changes the directory's digest
     assert again.path(d) != first
+    # an in-place edit of the same size with its mtime set back (touch -r, cp -p) is hashed again (ctime moved)
+    f, st = d / "a.bin", (d / "a.bin").stat()
+    before = again.path(d)
+    f.write_bytes(b"z")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_mtime_ns == st.st_mtime_ns and again.path(d) != before
     shutil.copytree(d, tmp_path / "moved")
     assert again.path(tmp_path / "moved") == again.path(d)  # paths are not part of the digest
     with pytest.raises(FileNotFoundError, match="missing"):

@@ -151,8 +151,35 @@ def test_score_ru_picks_correct_rollouts(files, capsys):
     assert all(b["score"] == 100.0 and b["scorer"] == "ru" and b["source"] == str(path) for b in buf)
     assert buf[0]["response"] == "A" and buf[0]["prompt"].startswith("Stance of text")
     table = capsys.readouterr().out
-    assert "| FOMC | 6 | 3 | 0.000 | 50.000 | 100.000 | 3 | 1 |" in table
-    assert "| NumGLUE-cm | 5 | 2 | 0.000 | 0.000 | 100.000 | 2 | 0 |" in table
+    assert "| FOMC | 6 | 0 | 3 | 0.000 | 50.000 | 100.000 | 3 | 1 |" in table
+    assert "| NumGLUE-cm | 5 | 0 | 2 | 0.000 | 0.000 | 100.000 | 2 | 0 |" in table
+
+
+def test_score_skips_rollouts_too_long_to_train_on(files, tmp_path, capsys):
+    """With --max-len and --tokenizer, a rollout longer than train.py's --max-len (which would drop it from the next
+    stage, leaving the buffer short) is no candidate: the next best takes its place, and it is counted."""
+    from model.base import write_random_tiny
+    from model.tokenizer import ChatTokenizer
+    tmp, path = files
+    rows = read(path)
+    rows[0]["response"] = "A" + " and so on" * 60  # right (first letter), and long
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = tmp_path / "base"
+    write_random_tiny(base)
+    tok = ChatTokenizer.from_dir(base)
+    assert tok.sft_length(rows[0]["prompt"], rows[0]["response"]) > 64 >= max(
+        tok.sft_length(r["prompt"], r["response"]) for r in rows[1:])
+    args = ["--rollouts", str(path), "--data", str(tmp / "trace"), "--scorer", "ru", "--budget", "5"]
+    unchecked = read(score.main(args + ["--out", str(tmp / "a.jsonl")]))
+    assert sorted(b["idx"] for b in unchecked if b["task"] == "FOMC") == [0, 2, 4]
+    capsys.readouterr()
+    out = score.main(args + ["--max-len", "64", "--tokenizer", str(base), "--out", str(tmp / "b.jsonl")])
+    fomc = [b["idx"] for b in read(out) if b["task"] == "FOMC"]
+    assert len(fomc) == 3 and 0 not in fomc and {2, 4} <= set(fomc)
+    assert json.loads(score.stats_path(out).read_text())["tasks"]["FOMC"]["overlong"] == 1
+    assert "| FOMC | 5 | 1 | 3 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        score.main(args + ["--max-len", "64", "--out", str(tmp / "c.jsonl")])  # one without the other
 
 
 def test_score_ru_scoring_conventions(files, capsys):
@@ -170,7 +197,7 @@ def test_score_ru_scoring_conventions(files, capsys):
         out = capsys.readouterr().out
         best = "100.000" if numglue_passed else "0.000"
         assert f"scoring={scoring}" in out
-        assert f"| NumGLUE-cm | 5 | 5 | 0.000 | 0.000 | {best} | {numglue_passed} | 0 |" in out
+        assert f"| NumGLUE-cm | 5 | 0 | 5 | 0.000 | 0.000 | {best} | {numglue_passed} | 0 |" in out
 
 
 def test_score_task_budgets_each_task_its_own_count(files):
@@ -319,7 +346,7 @@ def test_score_records_nll_bound_and_rank_correlation(files, capsys):
     assert stats["all"]["selected"]["n"] == 5 and stats["all"]["rejected"]["n"] == 6
     assert stats["all"]["selected"]["nll_max"] == pytest.approx(0.5)
     assert stats["all"]["rejected"]["nll_mean"] == pytest.approx((0.2 + 0.4 + 0.6 + 0.25 + 0.2 + 0.15) / 6)
-    assert "| FOMC | 6 | 3 | 0.000 | 50.000 | 100.000 | 3 | 1 | 0.300 | 0.500 | 0.400 | 0.293 |" in \
+    assert "| FOMC | 6 | 0 | 3 | 0.000 | 50.000 | 100.000 | 3 | 1 | 0.300 | 0.500 | 0.400 | 0.293 |" in \
         capsys.readouterr().out
 
 
