@@ -11,4 +11,6 @@ __all__ = ["varlen_attention", "fused_linear_cross_entropy", "NUMERICS"]
 # 3: CUDA decode attends over key spans rounded up to 64 slots (model.transformer.KVCache; CPU results unchanged)
 # 4: the chunked cross-entropy forms logits for the target rows only (grad_weight still sums over every row, so the
 #    tiny base is byte-identical; a matmul over fewer rows can round differently, e.g. at SmolLM2 shapes)
-NUMERICS = 4
+# 5: CPU sampling multiplies inputs of <= 4 rows by a weight's two halves in one bmm (model.transformer.Linear), not
+#    through F.linear's small-M path: decode steps of 1-4 live rows round differently (training does not change)
+NUMERICS = 5

@@ -18,6 +18,32 @@ from kernels.kl import chunked_kl
 from model.config import ModelConfig
 
 
+# A CPU matmul with a few rows (a decode step of 1-4 sequences) runs through MKL's small-M path: one thread, ~19 GB/s of
+# weight read (about a third of this machine's bandwidth at 2 threads; slower still at 2-4 rows than at 1). The same
+# product as one bmm over the weight's two halves of rows runs multi-threaded and 2-6x faster (BENCHMARKS.md, "Native
+# generation engine"). It rounds differently from F.linear (~1e-6 relative), so it is used only without autograd:
+# sampling, never training.
+SPLIT_MAX_ROWS = 4         # inputs of at most this many rows
+SPLIT_MIN_WEIGHT = 1 << 15  # weights of at least this many elements (smaller ones: the bmm's overhead does not pay)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, state dict and training numerics); see SPLIT_MAX_ROWS for its CPU inference path."""
+
+    def forward(self, x):
+        w = self.weight
+        if torch.is_grad_enabled() or x.numel() > SPLIT_MAX_ROWS * w.shape[1]:  # the common cases first: cheap
+            return F.linear(x, w, self.bias)
+        n, k = w.shape
+        if n % 2 or w.numel() < SPLIT_MIN_WEIGHT or not w.is_cpu or not w.is_contiguous():
+            return F.linear(x, w, self.bias)
+        rows = x.reshape(-1, k)
+        y = torch.bmm(w.view(2, n // 2, k), rows.t().expand(2, k, rows.shape[0])).view(n, -1).t()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], n)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -112,10 +138,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_proj = Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -149,9 +175,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -185,7 +211,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._inv_freq = None  # computed on first use: keeps meta-device construction free of real buffers

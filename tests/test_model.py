@@ -173,3 +173,31 @@ def test_missing_and_misshaped_weights_are_named(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("rows, bias", [(1, False), (3, True), (4, False), (5, False)])
+def test_linear_few_rows_without_autograd_is_the_split_bmm(rows, bias):
+    """model.transformer.Linear: with autograd (training) exactly F.linear; without it, at most SPLIT_MAX_ROWS rows
+    times a large enough weight are one bmm over the weight's two row halves (bit for bit that formula, within fp32
+    rounding of F.linear); more rows, or a small weight, F.linear again."""
+    import torch.nn.functional as F
+
+    from model.transformer import SPLIT_MAX_ROWS, SPLIT_MIN_WEIGHT, Linear
+    torch.manual_seed(0)
+    layer = Linear(256, 384, bias=bias)
+    x = torch.randn(1, rows, 256)
+    ref = F.linear(x, layer.weight, layer.bias)
+    assert torch.equal(layer(x), ref)  # autograd on: training numerics untouched
+    with torch.no_grad():
+        y = layer(x)
+        w = layer.weight
+        split = torch.bmm(w.view(2, 192, 256), x[0].t().expand(2, 256, rows)).view(384, rows).t()
+        if bias:
+            split = split + layer.bias
+        if rows <= SPLIT_MAX_ROWS:
+            assert torch.equal(y, split[None]) and torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(y, ref)
+        small = Linear(64, 64, bias=bias)
+        assert small.weight.numel() < SPLIT_MIN_WEIGHT
+        assert torch.equal(small(x[..., :64]), F.linear(x[..., :64], small.weight, small.bias))

@@ -1,0 +1,80 @@
+"""A matmul of a few rows on the CPU: F.linear vs model.transformer.Linear's sampling path (the weight's two row
+halves in one bmm), per weight shape of SmolLM2-135M and of the tiny base, at 1-16 rows.
+
+    python bench/bench_linear.py [--threads 2] [--rows 1,2,4,8,16] [--repeats 5]
+
+Each call reads a different weight of a pool larger than the caches, as a decode step reads each layer's weight once.
+Prints microseconds per call (median of --repeats timings, the two variants alternated) and the ratio; '*' marks the
+shapes and row counts where Linear takes the split path (no autograd, <= SPLIT_MAX_ROWS rows, >= SPLIT_MIN_WEIGHT
+elements), elsewhere it is F.linear itself.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model.transformer import SPLIT_MAX_ROWS, SPLIT_MIN_WEIGHT, Linear  # noqa: E402
+
+SHAPES = {  # (out, in) of each projection
+    "SmolLM2-135M": {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536),
+                     "lm_head": (49152, 576)},
+    "tiny base": {"q/o": (128, 128), "k/v": (64, 128), "gate/up": (384, 128), "down": (128, 384),
+                  "lm_head": (1024, 128)},
+}
+
+
+def per_call(fn, weights, x, calls):
+    """Seconds per call of fn(x, w), cycling through `weights`."""
+    t = time.perf_counter()
+    for i in range(calls):
+        fn(x, weights[i % len(weights)])
+    return (time.perf_counter() - t) / calls
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"torch {torch.__version__}, {args.threads} thread(s); us per call, F.linear / Linear (ratio); "
+          f"* = split path\n")
+    for model, shapes in SHAPES.items():
+        print(f"| {model}: rows | " + " | ".join(shapes) + " |")
+        print("|---:|" + "---:|" * len(shapes))
+        pools = {}
+        for name, (n, k) in shapes.items():
+            layers = [Linear(k, n, bias=False) for _ in range(max(1, int(64e6 // (n * k * 4))))]
+            pools[name] = layers
+        for m in rows:
+            cells = []
+            for name, (n, k) in shapes.items():
+                layers = pools[name]
+                x = torch.randn(m, k)
+                calls = max(20, int(2e8 // (n * k * 4)))
+                with torch.no_grad():
+                    fa = lambda x, layer: F.linear(x, layer.weight)  # noqa: E731
+                    fb = lambda x, layer: layer(x)  # noqa: E731
+                    fa(x, layers[0]), fb(x, layers[0])
+                    ta, tb = [], []
+                    for _ in range(args.repeats):
+                        ta.append(per_call(fa, layers, x, calls))
+                        tb.append(per_call(fb, layers, x, calls))
+                a, b = statistics.median(ta), statistics.median(tb)
+                split = m <= SPLIT_MAX_ROWS and n * k >= SPLIT_MIN_WEIGHT
+                cells.append(f"{a * 1e6:.0f} / {b * 1e6:.0f} ({a / b:.2f}x){' *' if split else ''}")
+            print(f"| {m} | " + " | ".join(cells) + " |", flush=True)
+        print()
+    print(f"command: python bench/bench_linear.py --threads {args.threads} --rows {args.rows} --repeats {args.repeats}")
+
+
+if __name__ == "__main__":
+    main()
