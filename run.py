@@ -477,9 +477,10 @@ def main(argv=None):
         env["OPR_DEBUG"] = "1"  # steps show tracebacks too
     import torch
     # everything besides the settings that changes float results: part of every step's key and of results.json
-    from kernels import NUMERICS
-    numerics = dict(threads=threads, torch=torch.__version__, gpus=gpus, code=NUMERICS,
-                    device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+    import kernels
+    numerics = dict(threads=threads, torch=torch.__version__, gpus=gpus, code=kernels.NUMERICS,
+                    device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                    cpu=torch.backends.cpu.get_cpu_capability(), kernels=kernels.backends())  # (the ISA: AVX2, ...)
     pipe = Pipeline(run_dir, jobs, env, args.quiet, numerics)
     from model.sampling import resolve_engine
     engine_name = resolve_engine(args.engine)  # "auto" resolved here, so the keys say which engine sampled

@@ -3,7 +3,15 @@
 from kernels.attention import varlen_attention
 from kernels.cross_entropy import fused_linear_cross_entropy
 
-__all__ = ["varlen_attention", "fused_linear_cross_entropy", "NUMERICS"]
+__all__ = ["varlen_attention", "fused_linear_cross_entropy", "NUMERICS", "backends"]
+
+
+def backends() -> dict:
+    """The kernel each op uses in this process, and whether it was forced (KERNELS_*_BACKEND, set_backend): the
+    defaults follow what is installed (flash-attn, liger-kernel), so run.py keys every step by them."""
+    from kernels import attention, cross_entropy
+    return {"attention": [attention._BACKEND, attention._FORCED],
+            "cross_entropy": [cross_entropy._BACKEND, cross_entropy._FORCED]}
 
 # Bumped whenever a change to the model code or a kernel changes float results (not only the speed): run.py puts it
 # in every step's key, so a run resumed after such a change recomputes its steps rather than mixing numerics.

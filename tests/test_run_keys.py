@@ -74,6 +74,10 @@ def test_results_identical_across_jobs_and_cores(setup, run_one_core):
     assert meta["numerics"]["threads"] == 1  # the pinned default, not cores // jobs
     from kernels import NUMERICS
     assert meta["numerics"]["code"] == NUMERICS  # a kernel change that moves float results is a new key
+    import torch
+    assert meta["numerics"]["cpu"] == torch.backends.cpu.get_cpu_capability()  # another ISA rounds differently
+    # the kernels the steps use (defaults follow what is installed; KERNELS_*_BACKEND forces one): on a CPU, these
+    assert meta["numerics"]["kernels"] == {"attention": ["sdpa", False], "cross_entropy": ["chunked", False]}
 
 
 def test_edited_answer_reruns_exactly_the_dependent_steps(setup, run_one_core):
