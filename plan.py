@@ -200,8 +200,9 @@ class Lengths:
 
 
 def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data_root, model_cfg,
-             profile: Profile) -> list[StepCost]:
-    """One StepCost per step of run.py's Pipeline (steps: key -> {kind, deps, spec}), in its order."""
+             profile: Profile, checkpointing: bool = False) -> list[StepCost]:
+    """One StepCost per step of run.py's Pipeline (steps: key -> {kind, deps, spec}), in its order. checkpointing:
+    the command trains with --activation-checkpointing (run.py: the preset says so and it runs on GPUs)."""
     from data.replay import replay_counts, select
     from data.trace import filter_overlong, load_task
 
@@ -268,7 +269,7 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
         elif kind == "buffer-nll":  # buffer_nll.py: one teacher-forced forward over the gold buffer
             b_est, _, _ = buffer_lengths(s["deps"][1])
             c.prompts, c.prompt_tokens = len(b_est), sum(b_est)
-        price(c, model_cfg, profile, cfg_run["activation_checkpointing"])  # run.py turns it on for GPU steps
+        price(c, model_cfg, profile, checkpointing)
         costs[key] = c
 
     for label, by_seed in runs.items():  # which methods use each step (shared steps: several)
@@ -359,14 +360,15 @@ def print_plan(steps, runs, cfg_run, train_sets, tok, data_root, base, args):
     from model.checkpoint import load_config
     model_cfg = load_config(base)
     profile = Profile.from_args(args, cfg_run["micro_tokens"])
-    costs = plan_run(steps, runs, cfg_run, train_sets, tok, data_root, model_cfg, profile)
+    checkpointing = bool(cfg_run["activation_checkpointing"] and args.gpus)  # as run.py passes the flag
+    costs = plan_run(steps, runs, cfg_run, train_sets, tok, data_root, model_cfg, profile, checkpointing)
     if needs_checkpointing(model_cfg, profile):
         print("plan.py: WARNING: at --micro-tokens "
               f"{profile.micro_tokens} train.py needs --activation-checkpointing to fit {GPU_MEMORY_GB:g} GB per GPU "
               "(see the memory table); the GPU-hours assume it")
     print(format_plan(costs, model_cfg, profile, cfg_run["micro_tokens"],
                       f"plan (dry run: nothing ran, nothing was written): {len(costs)} steps, model {base}", list(runs),
-                      cfg_run["activation_checkpointing"]))
+                      checkpointing))
     return costs
 
 

@@ -259,7 +259,7 @@ def main(argv=None):
     stats = {"scorer": args.scorer, "select": args.select, "budget": budget,
              "spearman_ru_sc": spearman(ru, sc) if ru is not None else None, "tasks": task_stats,
              "all": {"selected": nll_stats([r for i, r in enumerate(records) if i in picked]),
-                     "rejected": nll_stats([r for i, r in enumerate(records) if i not in picked])}}
+                     "rejected": nll_stats([r for i, r in enumerate(records) if fits[i] and i not in picked])}}
 
     # 6. write (atomic), then report
     write_jsonl(out_path, buffer)

@@ -99,7 +99,7 @@ def number_accuracy(prediction: str, gold: str, prompt: str = "") -> float:
         return 100.0 if p is not None and p == g else 0.0
     # non-numeric gold: exact word match at the end of the prediction
     p = prediction.strip().rstrip(".!?;: ").lower()
-    g = gold.strip().rstrip(".!?;: ").lower()
+    g = gold.strip().rstrip(".!?;: ").lower() or gold.strip().lower()  # (a gold of only punctuation stays itself)
     return 100.0 if p == g or re.search(r"(?:^|\W)" + re.escape(g) + r"$", p) else 0.0
 
 

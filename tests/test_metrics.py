@@ -61,6 +61,7 @@ def test_last_number(text, want):
     ("1.43", "1.4300000000000002", 0), ("", "12", 0), ("twelve", "12", 0),
     ("Wednesday", "Wednesday", 100), ("It is wednesday.", "Wednesday", 100), ("Tuesday", "Wednesday", 0),
     ("Wednesday.", "Wednesday.", 100), ("It is Wednesday", "Wednesday.", 100), ("x?", "x?", 100),  # gold's end stop
+    ("foo (bar)", ".", 0),  # a gold of only punctuation does not match every prediction
 ])
 def test_number_accuracy(pred, gold, want):
     assert number_accuracy(pred, gold) == want
