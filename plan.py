@@ -151,6 +151,11 @@ def needs_checkpointing(cfg, profile: Profile) -> bool:
     return memory_per_gpu(cfg, profile.gpus, profile.micro_tokens)["total"] > GPU_MEMORY_GB * 1e9
 
 
+def recomputes(cfg, profile: Profile, checkpointing: bool) -> bool:
+    """Training pays activation checkpointing's second forward: the command turns it on, or only it fits."""
+    return checkpointing or needs_checkpointing(cfg, profile)
+
+
 def price(c: StepCost, cfg, profile: Profile, checkpointing: bool = False):
     """Fill in c.gpu_hours (estimate) and c.gpu_hours_max (upper bound). Training with activation checkpointing
     (`checkpointing`: the command turns it on; or it only fits with it) pays a second forward (x 4/3); SDFT's
@@ -158,8 +163,9 @@ def price(c: StepCost, cfg, profile: Profile, checkpointing: bool = False):
     over = profile.overhead_s * profile.gpus / 3600
     tps = train_tok_s(cfg, c.mean_doc or 512, profile)
     if c.kind == "train":
-        recompute = checkpointing or needs_checkpointing(cfg, profile)
-        f = (1 + c.sdft / 3 + recompute / 3) if not profile.train_tok_s else 1 + c.sdft / 3
+        f = 1 + c.sdft / 3  # (a train tok/s given by the user gets no recomputation factor)
+        if not profile.train_tok_s:
+            f += recomputes(cfg, profile, checkpointing) / 3
         c.gpu_hours = over + f * c.train_tokens / tps / 3600
         c.gpu_hours_max = over + f * c.train_tokens_max / tps / 3600
     elif c.kind in ("eval", "rollout", "drift"):
@@ -329,7 +335,7 @@ def format_plan(costs: list[StepCost], model_cfg, profile: Profile, micro_tokens
     train = [c for c in costs if c.kind == "train"]
     mean_doc = sum(c.mean_doc * c.train_tokens for c in train) / max(sum(c.train_tokens for c in train), 1)
     tps = train_tok_s(model_cfg, mean_doc or 512, profile)
-    ac = (checkpointing or needs_checkpointing(model_cfg, profile)) and not profile.train_tok_s
+    ac = recomputes(model_cfg, profile, checkpointing) and not profile.train_tok_s
     lines += ["", f"profile: train {tps:,.0f} tok/s per GPU{' before the x 4/3 of activation checkpointing' if ac else ''}"
                   f"{' (given)' if profile.train_tok_s else f' ({profile.mfu:.0%} MFU of {profile.peak_tflops:g} TFLOP/s, mean document {mean_doc:.0f} tokens)'}"
                   f", generation {profile.gen_tok_s:,.0f} new tok/s per GPU, prefill {PREFILL_FACTOR:g}x train tok/s, "

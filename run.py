@@ -543,7 +543,7 @@ def main(argv=None):
     def budget_args(prior, next_task, rho):
         """(score.py flags, the budget) of the replay buffer built after the stage that trained prior[-1]."""
         budget = replay_budget(cfg["replay_budget"], rho, prior, train_sizes, next_task)
-        if not budget.get("total", sum(budget.get("per_task", {}).values())):
+        if (budget["total"] if "total" in budget else sum(budget["per_task"].values())) == 0:
             raise UserError(f"--rho {rho}: the replay buffer after stage {len(prior)} would hold 0 examples "
                             f"({cfg['replay_budget']} budget, round(rho x training examples)); the replay methods "
                             f"would train as sft does: raise --rho or the training set size")
@@ -562,19 +562,16 @@ def main(argv=None):
 
         flags, budget = budget_args(prior, next_task, rho)
         scoring = ["--scoring", cfg["scoring"]]  # ru's metric (sc: only the RU-SC correlation in the stats)
+        draw = f"{seed}:{stage}"  # ties among equal scores drawn anew at every stage, as gold replay draws its examples
 
         def build_score(tmp, dirs):
             return py + [str(HERE / "score.py"), "--rollouts", str(dirs[r_key] / "rollouts.jsonl"), "--data",
                          str(data_root), "--scorer", scorer, "--select", mode, *flags, *scoring,
                          "--max-len", str(cfg["max_len"]), "--tokenizer", str(base),  # only what train.py can train on
-                         # ties among equal scores (many rollouts score 100) drawn anew at every stage, as gold
-                         # replay draws its examples ("seed:stage:task")
-                         "--tasks", ",".join(prior), "--seed", f"{seed}:{stage}", "--out", str(tmp / "buffer.jsonl")]
-        return pipe.add("score", f"s{stage}-{scorer}-{mode}", dict(scorer=scorer, mode=mode, budget=budget,
-                                                                  seed=f"{seed}:{stage}", scoring=cfg["scoring"],
-                                                                  rules=metrics.RULES, max_len=cfg["max_len"]),
-                        [r_key],
-                        build_score, reads=files("train", prior))
+                         "--tasks", ",".join(prior), "--seed", draw, "--out", str(tmp / "buffer.jsonl")]
+        spec = dict(scorer=scorer, mode=mode, budget=budget, seed=draw, scoring=cfg["scoring"], rules=metrics.RULES,
+                    max_len=cfg["max_len"])
+        return pipe.add("score", f"s{stage}-{scorer}-{mode}", spec, [r_key], build_score, reads=files("train", prior))
 
     def gold_buffer(stage, prior, seed, next_task, rho):
         _, budget = budget_args(prior, next_task, rho)

@@ -216,8 +216,9 @@ def main(argv=None):
         from model.tokenizer import ChatTokenizer
         tok = ChatTokenizer.from_dir(Path(args.tokenizer))
         fits = [tok.sft_length(r["prompt"], r["response"]) <= args.max_len for r in records]
-    overlong = {t: sum(not f for r, f in zip(records, fits) if r["task"] == t) for t in tasks}
-    by_task = {t: [i for i, r in enumerate(records) if r["task"] == t and fits[i]] for t in tasks}
+    by_task = {t: [i for i, r in enumerate(records) if r["task"] == t] for t in tasks}
+    overlong = {t: sum(not fits[i] for i in ix) for t, ix in by_task.items()}
+    by_task = {t: [i for i in ix if fits[i]] for t, ix in by_task.items()}  # the candidates
 
     # 3. budget and its split over the prior tasks (or each task's own count)
     if args.task_budgets is not None:
@@ -245,8 +246,8 @@ def main(argv=None):
                            "scoring": args.scoring if args.scorer == "ru" else None,
                            "source": str(rollout_path)})
         picked.update(chosen)
-        task_stats[t] = {"n": len(ix), "overlong": overlong[t], "spearman_ru_sc": spearman([ru[i] for i in ix], [sc[i] for i in ix])
-                         if ru is not None else None,
+        task_stats[t] = {"n": len(ix), "overlong": overlong[t],
+                         "spearman_ru_sc": None if ru is None else spearman([ru[i] for i in ix], [sc[i] for i in ix]),
                          "selected": nll_stats([records[i] for i in chosen]),
                          "rejected": nll_stats([records[i] for i in ix if i not in picked])}
         med = statistics.median(task_scores) if ix else None  # (none: every rollout of the task is over-long)

@@ -10,12 +10,13 @@ gets min_new_tokens = max_new_tokens), so both do the same work. Time = wall clo
 decode), median of --repeats, engines alternating, after a short warm-up. Prints a Markdown table and the command.
 
 Then the two phases apart, against this machine's rooflines measured in the same process at the same thread count:
-the fp32 GEMM peak (a 2048^3 sgemm) and the memory read bandwidth (sum over 256 MB; a 256 MB copy_ is printed
-beside it), each the higher of a measurement before and one after the engines. Prefill = a call with 1 new token; a decode step = (whole call - prefill) / (new tokens - 1). Work is
-counted as model FLOPs of real tokens (2 x params per token, lm_head on the last prompt position only, causal
-attention over the real context) and bytes of weights read once per step (the tied embedding once, as the lm_head)
-plus the KV cache read. The roofline of a phase is the larger of its FLOP time at the GEMM peak and its byte time at
-the read bandwidth; last, the tokens/s each goal (2x HF at batch 32, 1.5x at batch 1) asks, as a share of it.
+the fp32 GEMM peak (bench_train's 2048^3 sgemm) and the memory read bandwidth (sum over 256 MB; a 256 MB copy_ is
+printed beside it), each the higher of a measurement before and one after the engines. Prefill = a call with 1 new
+token; a decode step = (whole call - prefill) / (new tokens - 1). Work is counted as model FLOPs of real tokens
+(2 x params per token, lm_head on the last prompt position only, causal attention over the real context) and bytes
+of weights read once per step (the tied embedding once, as the lm_head) plus the KV cache read. The roofline of a
+phase is the larger of its FLOP time at the GEMM peak and its byte time at the read bandwidth; last, the tokens/s
+each goal (2x HF at batch 32, 1.5x at batch 1) asks, as a share of it.
 """
 import argparse
 import statistics
@@ -28,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_train import sgemm_flops  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.generate import generate  # noqa: E402
 
@@ -89,18 +91,16 @@ def timed_pair(fn_a, fn_b, repeats):
 
 def machine_rooflines(repeats=5):
     """(fp32 sgemm FLOP/s, read bytes/s, copy bytes/s moved) at torch's current thread count: medians of `repeats`."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     x, y = torch.randn(64 * 2**20), torch.empty(64 * 2**20)  # 256 MB each, far beyond any cache
-    a @ b, x.sum(), y.copy_(x)
-    rates = {"gemm": [], "read": [], "copy": []}
+    x.sum(), y.copy_(x)
+    rates = {"read": [], "copy": []}
     for _ in range(repeats):
-        for name, fn, work in (("gemm", lambda: a @ b, 2 * 2048**3), ("read", x.sum, x.nbytes),
-                               ("copy", lambda: y.copy_(x), 2 * x.nbytes)):
+        for name, fn, work in (("read", x.sum, x.nbytes), ("copy", lambda: y.copy_(x), 2 * x.nbytes)):
             t = time.perf_counter()
             for _ in range(3):
                 fn()
             rates[name].append(3 * work / (time.perf_counter() - t))
-    return tuple(statistics.median(rates[k]) for k in ("gemm", "read", "copy"))
+    return sgemm_flops(repeats), statistics.median(rates["read"]), statistics.median(rates["copy"])
 
 
 def phase_work(cfg, prompt_lens, n_new):

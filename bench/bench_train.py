@@ -82,18 +82,23 @@ def flops_per_token(ckpt: Path, mean_len: float) -> float:
 
 # --- children (each runs in its own process) --------------------------------------------------------------------------
 
-def child_peak():
-    """fp32 sgemm GFLOP/s: median of 5 timings of a 2048^3 product (after one warm-up)."""
+def sgemm_flops(repeats: int = 5) -> float:
+    """fp32 sgemm FLOP/s at torch's thread count: median of `repeats` timings of 3 2048^3 products (after a warm-up)."""
     import torch
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
     rates = []
-    for _ in range(5):
+    for _ in range(repeats):
         t = time.perf_counter()
         for _ in range(3):
             a @ b
         rates.append(3 * 2 * 2048**3 / (time.perf_counter() - t))
-    print(json.dumps({"flops": statistics.median(rates), "threads": torch.get_num_threads()}))
+    return statistics.median(rates)
+
+
+def child_peak():
+    import torch
+    print(json.dumps({"flops": sgemm_flops(), "threads": torch.get_num_threads()}))
 
 
 def child_hf(ckpt: str, data: str, cfg: dict, work: str, flat: bool):

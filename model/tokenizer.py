@@ -215,13 +215,11 @@ class ChatTokenizer:
         prompt's ids followed by those of the rest of the text: the tokens a model sampling after the prompt emits.
         """
         user = [{"role": "user", "content": prompt}]
-        prefix = self.apply_chat_template(user, add_generation_prompt=True, tokenize=True, **kwargs)
-        ids = self.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=True, **kwargs)
-        if ids[:len(prefix)] != prefix:
-            prefix_text = self.apply_chat_template(user, add_generation_prompt=True, **kwargs)
-            text = self.apply_chat_template(user + [{"role": "assistant", "content": response}], **kwargs)
-            if text.startswith(prefix_text):
-                ids = prefix + self.encode(text[len(prefix_text):])
+        prefix_text = self.apply_chat_template(user, add_generation_prompt=True, **kwargs)
+        text = self.apply_chat_template(user + [{"role": "assistant", "content": response}], **kwargs)
+        prefix, ids = self.encode(prefix_text), self.encode(text)
+        if ids[:len(prefix)] != prefix and text.startswith(prefix_text):  # a token merged across the boundary
+            ids = prefix + self.encode(text[len(prefix_text):])
         if ids[:len(prefix)] != prefix:
             raise ValueError(f"{self.source}: the prompt's token ids with the generation prompt are not a prefix of "
                              f"the full conversation's ids; the template or a token merge across the boundary "
