@@ -32,8 +32,10 @@ scripts once, data/zygote.py; OPR_NO_ZYGOTE=1 for a fresh interpreter per step: 
 everything that changes its numbers: its settings, the keys of the steps it reads, the content of the files it reads
 (data files, the base checkpoint; digests cached by size and mtime) and the numerics (CPU threads per step, torch
 version, kernels.NUMERICS). Identical work (e.g. stage 1 of every method) runs once, re-running the same command
-continues where it stopped (killing it anywhere loses at most the steps in progress), and an edited data file
-re-runs exactly the steps that read it.
+continues where it stopped (killing it anywhere loses at most the steps in progress), an edited data file
+re-runs exactly the steps that read it, and a step directory deleted by hand re-runs with every step that read it
+(manifest.json records which execution of each input a step read: a re-run may differ in its bytes on a GPU). A
+step's files are fsynced before its rename, so a power loss cannot leave a listed step truncated.
 
 Stopping: Ctrl-C, SIGTERM or SIGHUP stop every running step (SIGTERM, then SIGKILL after 10 s) and keep the finished
 ones; a step outlives no driver, even one killed by SIGKILL. A signal ignored when the driver starts stays ignored
@@ -72,7 +74,7 @@ from data.diagnostics import diagnose
 from data import metrics
 from data.digest import Digests
 from data.zygote import SCRIPTS, Zygote, die_with_parent
-from data.jsonl import check_output, read_records, write_json, write_jsonl
+from data.jsonl import check_output, fsync_dir, fsync_tree, read_records, write_json, write_jsonl
 from data.replay import replay_budget, replay_counts, select
 from data.tasks import get_task, parse_tasks
 from data.trace import filter_overlong, load_task, task_file
@@ -230,8 +232,15 @@ class Pipeline:
     def dir(self, key: str) -> Path:
         return self.run_dir / "steps" / key
 
-    def done(self, key: str) -> bool:
-        return key in self.manifest and self.dir(key).is_dir()
+    def done(self, key: str, _memo=None) -> bool:
+        """Committed, its directory present, every input done, and each input the very execution it read."""
+        memo = {} if _memo is None else _memo
+        if key not in memo:
+            rec = self.manifest.get(key)
+            memo[key] = rec is not None and self.dir(key).is_dir() and all(
+                self.done(d, memo) and rec.get("inputs", {}).get(d) == self.manifest[d].get("id")
+                for d in self.steps[key]["deps"])
+        return memo[key]
 
     def run_step(self, key: str):
         step, final = self.steps[key], self.dir(key)
@@ -244,10 +253,16 @@ class Pipeline:
         if rc != 0:
             raise StepFailed(f"step {key} failed (exit {rc}): {last_error(tmp / 'log.txt')}; "
                              f"full log: {tmp / 'log.txt'}")
+        fsync_tree(tmp)  # durable before the rename lists it: a power loss cannot leave a listed step truncated
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        fsync_dir(final.parent)
         with self.lock:
-            self.manifest[key] = {"kind": step["kind"], "seconds": round(time.time() - t0, 2)}
+            # "id" names this execution of the step, "inputs" the executions of the steps it read: a step whose
+            # input was re-run since (deleted by hand, possibly different bytes on a GPU) is stale, not done
+            self.manifest[key] = {"kind": step["kind"], "seconds": round(time.time() - t0, 2),
+                                  "id": os.urandom(8).hex(),
+                                  "inputs": {d: self.manifest[d].get("id") for d in step["deps"]}}
             write_json(self.manifest_path, self.manifest)
 
     def call(self, argv, log_path: Path) -> int:
@@ -327,7 +342,9 @@ class Pipeline:
         self.manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
 
     def execute(self):
-        todo = [k for k in self.steps if not self.done(k)]
+        memo = {}
+        committed = {k for k in self.steps if self.done(k, memo)}  # grows as steps finish
+        todo = [k for k in self.steps if k not in committed]
         if self.use_zygote and todo:  # started by this (the main) thread: it dies with the driver
             self.zygote = Zygote(self.env, pass_fds=(self.lock_fd,))
         bar = tqdm(total=len(self.steps), initial=len(self.steps) - len(todo), desc="pipeline", unit="step",
@@ -342,7 +359,7 @@ class Pipeline:
                 signal.signal(sig, _exit_on_signal)
         try:
             while (todo and failure is None) or running:
-                for key in [k for k in todo if all(self.done(d) for d in self.steps[k]["deps"])]:
+                for key in [k for k in todo if all(d in committed for d in self.steps[k]["deps"])]:
                     if len(running) >= self.jobs or failure is not None:
                         break
                     todo.remove(key)
@@ -360,6 +377,7 @@ class Pipeline:
                             print(f"run.py: {e}\nrun.py: waiting for {len(running)} running step(s) to finish "
                                   f"(Ctrl-C stops them)", file=sys.stderr, flush=True)
                         continue
+                    committed.add(key)
                     bar.set_postfix_str(key[:40])
                     bar.update()
             if failure is not None:
@@ -661,8 +679,10 @@ def main(argv=None):
                     elif pipe.steps[dep]["kind"] == "replay":
                         found["buffers"].append((i, gold_nll_step(prev, dep, i)))
 
+    memo = {}
+    n_done = sum(pipe.done(k, memo) for k in pipe.steps)
     print(f"run.py: preset {preset}, base {base}, data {data_root}, tasks {','.join(tasks)}, methods "
-          f"{','.join(runs)}, seeds {seeds}; {len(pipe.steps)} steps ({sum(pipe.done(k) for k in pipe.steps)} "
+          f"{','.join(runs)}, seeds {seeds}; {len(pipe.steps)} steps ({n_done} "
           f"already done) in {run_dir}", flush=True)
     if args.dry_run:  # the cost planner: nothing runs and nothing is written
         return plan.print_plan(pipe.steps, runs, cfg, train_sets, tok, data_root, base, args)

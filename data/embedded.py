@@ -44,6 +44,7 @@ import tempfile
 import random
 from pathlib import Path
 
+from data.jsonl import fsync_tree
 from data.tasks import TASK_ORDER, parse_tasks
 
 VERSION = 5  # bumped whenever the generated data changes: part of the cache directory names
@@ -304,6 +305,7 @@ def ensure_embedded(root=None, *, n_train: int = 128, n_eval: int = 32, n_test: 
         root.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
         write_benchmark(tmp, n_train=n_train, n_eval=n_eval, n_test=n_test, seed=seed)
+        fsync_tree(tmp)
         try:
             os.rename(tmp, root)
         except OSError:  # another process finished first: theirs is identical

@@ -1,8 +1,8 @@
 """Reading and writing record files: JSON Lines, or a JSON list (TRACE's release format). Errors name file,
 record, line and field.
 
-Every file the pipeline writes goes through `write_jsonl` (temporary file, then rename), so a killed run never
-leaves a half-written file under the final name.
+Every file the pipeline writes goes through `write_jsonl` (temporary file, fsync, then rename, then fsync of the
+directory), so neither a killed run nor a power loss leaves a half-written file under the final name.
 """
 import json
 import os
@@ -120,15 +120,44 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
     return [r for _, _, r in located]
 
 
+def fsync_dir(path):
+    """Make a directory's entries (a rename into it, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root):
+    """fsync every file and directory under root (and root): before a rename publishes the tree, so that a power
+    loss cannot leave it listed with truncated files (the rename alone orders nothing on ext4/xfs)."""
+    for d, _, files in os.walk(root):
+        for name in files:
+            p = os.path.join(d, name)
+            if os.path.islink(p):
+                continue
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(d)
+
+
 def write_text_atomic(path, text: str) -> Path:
-    """Write text to path atomically (temp file in the same directory, then os.replace)."""
+    """Write text to path atomically and durably (temp file in the same directory, fsync, os.replace, fsync of
+    the directory)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except OSError as e:  # disk full, quota, ...: say which file (a write error carries no file name)
         os.unlink(tmp)
         if e.filename is None:

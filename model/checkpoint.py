@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from data.cli import InputError, MissingFileError, MissingWeightError
-from data.jsonl import read_text
+from data.jsonl import fsync_dir, fsync_tree, read_text
 from model.config import ModelConfig
 from model.transformer import Transformer
 
@@ -184,13 +184,16 @@ def save_checkpoint(state_dict: dict, src_dir, out_dir, max_shard_bytes: int = 5
 
 
 def replace_dir(tmp: Path, out_dir: Path):
-    """Move tmp to out_dir; an existing out_dir is moved aside first and removed only after the swap. Callers check
-    first that out_dir is theirs to replace (data.jsonl.check_output)."""
+    """Move tmp to out_dir, durably (its files are fsynced before the rename, the parent after); an existing
+    out_dir is moved aside first and removed only after the swap. Callers check first that out_dir is theirs to
+    replace (data.jsonl.check_output)."""
+    fsync_tree(tmp)
     old = None
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
         os.replace(out_dir, old)
     os.replace(tmp, out_dir)
+    fsync_dir(out_dir.parent)
     if old is None:
         return
     if old.is_dir() and not old.is_symlink():

@@ -27,6 +27,8 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from data.jsonl import fsync_tree
+
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_DIR = Path(os.environ.get("OPR_CACHE", Path.home() / ".cache" / "opr"))
 SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
@@ -276,6 +278,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
         os.umask(umask)
         for path in (tmp, *tmp.iterdir()):  # mkdtemp makes 0700; give the checkpoint ordinary permissions
             path.chmod((0o755 if path.is_dir() else 0o644) & ~umask)
+        fsync_tree(tmp)  # durable before the rename publishes it
         if out_dir.exists():  # overwrite: move the old one aside first, a rename cannot replace a non-empty dir
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
             os.replace(out_dir, old / out_dir.name)

@@ -180,3 +180,114 @@ def test_digest_cache_and_directories(tmp_path):
     assert again.path(tmp_path / "moved") == again.path(d)  # paths are not part of the digest
     with pytest.raises(FileNotFoundError, match="missing"):
         again.path(tmp_path / "missing")
+
+
+def _dag(run_dir: Path) -> tuple:
+    """a -> b -> c and a -> d; each step writes fresh random bytes followed by what it read (a step that is not
+    deterministic, as a GPU training may be)."""
+    from run import Pipeline
+    pipe = Pipeline(run_dir, 1, dict(os.environ, OPR_NO_ZYGOTE="1"), True, {})
+    pipe.use_zygote = False
+
+    def step(deps):
+        def build(tmp, dirs):
+            reads = [str(dirs[d] / "out.txt") for d in deps]
+            code = ("import os, sys; parts = [os.urandom(4).hex()] + [open(p).read() for p in sys.argv[2:]]; "
+                    "open(sys.argv[1], 'w').write('|'.join(parts))")
+            return [sys.executable, "-c", code, str(tmp / "out.txt"), *reads]
+        return build
+
+    a = pipe.add("train", "a", {}, [], step([]))
+    b = pipe.add("train", "b", {}, [a], step([a]))
+    c = pipe.add("eval", "c", {}, [b], step([b]))
+    d = pipe.add("eval", "d", {}, [a], step([a]))
+    return pipe, (a, b, c, d)
+
+
+def _execute(run_dir: Path) -> tuple:
+    pipe, keys = _dag(run_dir)
+    pipe.lock_run_dir()
+    try:
+        pipe.execute()
+    finally:
+        os.close(pipe.lock_fd)
+    out = {k: (run_dir / "steps" / k / "out.txt").read_text() for k in keys}
+    return keys, out, json.loads((run_dir / "manifest.json").read_text())
+
+
+def test_a_rerun_step_makes_everything_that_read_it_stale(tmp_path):
+    """A step re-run after its directory was deleted gets the same key, but its bytes may differ (a GPU run): the
+    steps that read the old execution must re-run too, or the table would mix two checkpoints. Steps record which
+    execution of each input they read (manifest 'id' / 'inputs')."""
+    run_dir = tmp_path / "run"
+    (a, b, c, d), first, m1 = _execute(run_dir)
+    assert first[b].split("|", 1)[1] == first[a] and first[c].split("|", 1)[1] == first[b]
+    assert m1[c]["inputs"] == {b: m1[b]["id"]} and m1[b]["inputs"] == {a: m1[a]["id"]}
+
+    _, again, m2 = _execute(run_dir)  # nothing missing: nothing runs
+    assert again == first and m2 == m1
+
+    shutil.rmtree(run_dir / "steps" / b)  # a middle step: it and its reader re-run, a and d are kept
+    _, out, m3 = _execute(run_dir)
+    assert out[a] == first[a] and out[d] == first[d] and m3[a] == m1[a] and m3[d] == m1[d]
+    assert out[b] != first[b] and out[c] != first[c]
+    assert out[c].split("|", 1)[1] == out[b]  # c read the new b
+
+    shutil.rmtree(run_dir / "steps" / a)  # the root: everything below it re-runs, even steps still on disk
+    _, out2, m4 = _execute(run_dir)
+    assert all(out2[k] != out[k] for k in (a, b, c, d))
+    assert out2[b].split("|", 1)[1] == out2[a] and out2[d].split("|", 1)[1] == out2[a]
+    assert out2[c].split("|", 1)[1] == out2[b]
+
+
+def test_a_manifest_from_before_the_provenance_records_is_resumed(tmp_path):
+    """Run directories written before steps recorded their inputs' executions are resumed as they are."""
+    run_dir = tmp_path / "run"
+    keys, first, m1 = _execute(run_dir)
+    old = {k: {"kind": v["kind"], "seconds": v["seconds"]} for k, v in m1.items()}
+    (run_dir / "manifest.json").write_text(json.dumps(old))
+    _, again, m2 = _execute(run_dir)
+    assert again == first and m2 == old
+
+
+def test_a_step_is_durable_before_it_is_listed(tmp_path, monkeypatch):
+    """Every file of a step's output is fsynced under its temporary name before the rename publishes it, and the
+    manifest that lists it after: a power loss cannot leave a listed step with truncated files."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(src), str(dst))),
+                                                         real_replace(src, dst))[1])
+    run_dir = tmp_path / "run"
+    keys, _, _ = _execute(run_dir)
+    steps = str(run_dir / "steps")
+    for k in keys:
+        tmp, final = f"{steps}/{k}.tmp", f"{steps}/{k}"
+        at = events.index(("replace", tmp, final))
+        synced = {e[1] for e in events[:at] if e[0] == "fsync"}
+        assert {f"{tmp}/out.txt", f"{tmp}/log.txt", tmp} <= synced, k
+        assert ("fsync", steps) in events[at:]  # the rename itself
+        listed = next(i for i, e in enumerate(events[at:], at) if e[0] == "replace" and e[2].endswith("manifest.json"))
+        assert events[listed - 1][0] == "fsync" and "manifest.json" in events[listed - 1][1]  # its content
+        assert events[listed + 1] == ("fsync", str(run_dir))  # its name
+
+
+def test_keys_follow_what_a_setting_changes(setup):
+    """From the dry run's step keys: --engine auto is resolved before keying (on a CPU it is the native engine, so
+    the two commands are one run); --eval-limit changes the evaluations and nothing else (training, rollouts,
+    buffers and drift read no test answers beyond their own flags)."""
+    import plan
+
+    def keys(*extra):
+        cmd = command(setup["base"], setup["data"], setup["root"] / "dry", jobs=1) + ["--dry-run", *extra]
+        steps = plan.parse_plan(run(cmd, setup["env"]).stdout)
+        assert not (setup["root"] / "dry").exists()
+        return {k: s["kind"] for k, s in steps.items()}
+
+    auto = keys("--engine", "auto")
+    assert keys("--engine", "native") == auto
+    other = keys("--eval-limit", "3")  # command() passes 4
+    assert len(other) == len(auto)
+    changed = [kind for k, kind in auto.items() if k not in other]
+    assert changed and set(changed) == {"eval"} and len(changed) == sum(kind == "eval" for kind in auto.values())
