@@ -13,7 +13,10 @@ results.json (written by run.py's collect; JSON):
                                                             # seed: the seed as a string ("0", "1", ...)
      "test_idx": {task: [idx, ...]},                        # optional: the test examples evaluated, in the order
                                                             # of every "example_scores" list (record numbers)
-     "meta": {...}}                                         # settings, printed as-is at the top of the report
+     "meta": {...}}                                         # settings, printed as-is at the top of the report;
+                                                            # optional "seed_noise": {"seeds": n, "measured": where,
+                                                            # "std": {m: {"acc", "bwt"}}, "delta_std": {ref: {m:
+                                                            # {"acc", "bwt"}}}}: the run's preset's seed noise
 
     run = {"matrix": [[a00], [a10, a11], ...],              # matrix[i][j]: score (0..100) of task j after stage i,
                                                             # j <= i (ragged rows)
@@ -78,8 +81,8 @@ import numpy as np
 from data.diagnostics import warnings as diagnostic_warnings
 from data.metrics import acc_bwt, cl_metrics
 from data.stats import (BOOTSTRAP_B, BOOTSTRAP_SEED, LEVEL, bootstrap_acc_bwt, bootstrap_indices, excludes_zero,
-                        mean_std, noise_sources, paired_differences, pearson, percentile_interval, spearman,
-                        t_interval)
+                        known_std_interval, mean_std, noise_sources, paired_differences, pearson,
+                        percentile_interval, spearman, t_interval)
 
 REFERENCE = "replay"              # the baseline of the "delta vs replay" figure
 REFERENCES = ("replay", "sft")    # paired-difference tables, in this order, for those present in the run
@@ -244,9 +247,11 @@ def uncertainty(results, summary=None, B: int = BOOTSTRAP_B, seed: int = BOOTSTR
      "deltas": {ref: {m: {"acc": D, "bwt": D}}}}               # ref in REFERENCES present in the run, m != ref with
                                                                # as many stages as ref
     D = {"per_seed": {seed: m - ref}, "n": paired seeds, "mean": mean of per_seed,
-         "seeds": t-interval over the paired seeds (None with < 2), "test": bootstrap interval of the seed-averaged
-         difference, the same resampled test prompts for m and ref (None without per-example scores),
-         "resolved": True when every available interval excludes 0}
+         "seeds": t-interval over the paired seeds; with one paired seed, the interval from the per-seed std of
+         this difference measured for the run's preset (meta "seed_noise", written by run.py when the run used
+         the preset's settings unchanged), else None; "seeds_source": "run", "preset" or None,
+         "test": bootstrap interval of the seed-averaged difference, the same resampled test prompts for m and
+         ref (None without per-example scores), "resolved": True when every available interval excludes 0}
     """
     summary = summary or summarize(results)
     tasks, methods = results["tasks"], results["methods"]
@@ -267,6 +272,7 @@ def uncertainty(results, summary=None, B: int = BOOTSTRAP_B, seed: int = BOOTSTR
                         for s, run in e["seeds"].items()} for m, e in methods.items()}
         boot = {"B": B, "seed": seed, "sizes": sizes}
 
+    noise = (results.get("meta") or {}).get("seed_noise") or {}
     out = {"bootstrap": boot, "methods": {}, "deltas": {}}
     for m, s in summary.items():
         acc = bwt = None
@@ -292,10 +298,14 @@ def uncertainty(results, summary=None, B: int = BOOTSTRAP_B, seed: int = BOOTSTR
                 if boot:
                     test = percentile_interval(_seed_mean(
                         [per_seed[m][k][metric] - per_seed[ref][k][metric] for k in d]))
-                seeds_ci = t_interval(d.values())
+                seeds_ci, source = t_interval(d.values()), "run"
+                sigma = ((noise.get("delta_std") or {}).get(ref) or {}).get(m, {}).get(metric)
+                if seeds_ci is None and sigma is not None:  # one seed: the preset's measured seed noise
+                    seeds_ci, source = known_std_interval(d.values(), sigma, noise["seeds"]), "preset"
                 available = [ci for ci in (seeds_ci, test) if ci is not None]
                 entry[metric] = {"per_seed": d, "n": len(d), "mean": statistics.fmean(d.values()), "seeds": seeds_ci,
-                                 "test": test, "resolved": bool(available) and all(map(excludes_zero, available))}
+                                 "seeds_source": source if seeds_ci else None, "test": test,
+                                 "resolved": bool(available) and all(map(excludes_zero, available))}
             out["deltas"][ref][m] = entry
     return out
 
@@ -419,6 +429,8 @@ def _verdict(d: dict) -> str:
         return "no"
     if d["seeds"] is None:
         return "yes (test set only; 1 seed)" if d["n"] == 1 else "yes (test set only)"
+    if d.get("seeds_source") == "preset":
+        return "yes (preset's seed std)"
     return "yes" if d["test"] is not None else "yes (seeds only)"
 
 
@@ -433,7 +445,8 @@ def delta_table(summary, unc, ref: str) -> str:
         for metric in ("acc", "bwt"):
             d = entry.get(metric)
             row += (["-"] * 4 if d is None else
-                    [f"{d['mean']:+.2f}", _ci(d["seeds"], True), _ci(d["test"], True), _verdict(d)])
+                    [f"{d['mean']:+.2f}", _ci(d["seeds"], True) + ("†" if d.get("seeds_source") == "preset" else ""),
+                     _ci(d["test"], True), _verdict(d)])
         rows.append(row)
     return _markdown(header, rows)
 
@@ -574,6 +587,8 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
     flags = warning_lines(results)
     out = ["# Continual SFT on " + ", ".join(tasks), "", protocol_line(results.get("meta"))]
     for k, v in (results.get("meta") or {}).items():
+        if k == "seed_noise":  # shown where it is used (results notes, paired differences)
+            continue
         out.append(f"- {k}: {v if isinstance(v, str) else json.dumps(v)}")
     n_seeds = sorted({len(s["seeds"]) for s in summary.values()})
     out += ["", "## Results", "", format_table(results, summary, unc), "",
@@ -590,7 +605,15 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
                    "drawn, with the trained checkpoints held fixed; it does not cover training or seed noise.")
     else:
         out.append("- results.json holds no per-example scores: no test-set intervals (re-run run.py to add them).")
-    if max(n_seeds) == 1:
+    noise = (results.get("meta") or {}).get("seed_noise")
+    if max(n_seeds) == 1 and noise:
+        out.append(f"- One seed: its spread over seeds is not measured by this run, but it was for this preset with "
+                   f"these settings ({noise['seeds']} seeds, {noise['measured']}). Sample std over those seeds, "
+                   f"ACC / BWT: " + "; ".join(f"{m} {v['acc']:.2f} / {v['bwt']:.2f}" for m, v in noise["std"].items()
+                                               if m in summary) +
+                   ". Another seed (or another thread count) moves a one-seed number by about that much; the "
+                   "test-set bootstrap covers only a small part of it.")
+    elif max(n_seeds) == 1:
         out.append("- One seed: the spread over seeds (training order, replay draws, sampling) is not measured; "
                    "the only uncertainty shown is the test-set bootstrap.")
     partial = [m for m, s in summary.items() if s["stages"] < len(tasks)]
@@ -614,6 +637,11 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
                 f"on the fixed test prompts.",
                 f"- CI test set: {LEVEL:.0%} paired percentile bootstrap over test prompts (the same resampled "
                 f"prompts for both methods). Covers which test prompts were drawn, with the checkpoints fixed.",
+                *([f"- † one seed: CI seeds is Δ ∓ t({noise['seeds'] - 1}) × σ, with σ the per-seed std of this "
+                   f"difference measured over {noise['seeds']} seeds of this preset with these settings ("
+                   f"{noise['measured']}). It holds as far as this run's seed noise is the preset's."]
+                  if any(d.get("seeds_source") == "preset" for ref in refs for e in unc["deltas"][ref].values()
+                         for d in e.values()) else []),
                 "- resolved: every available interval excludes 0. 'test set only' = one seed, so seed noise, "
                 "often the larger, is not covered: a difference resolved only on the test set can still be noise. "
                 "Each interval is for one comparison (no multiple-comparison correction): among many rows, about "

@@ -12,6 +12,8 @@ Two sources of noise, two intervals; neither covers the other's:
     mean_std(xs)                          {"mean", "std", "n"}: std = sample std (n-1 denominator), None when n == 1
     t_quantile(df, level=0.95)            two-sided Student-t quantile, exact for integer df (t(0.975, 4) = 2.776)
     t_interval(xs, level=0.95)            (lo, hi) of the mean of xs, None when len(xs) < 2
+    known_std_interval(xs, std, n_ref)    (lo, hi) of the mean of xs with the seed std measured elsewhere (std over
+                                          n_ref seeds): what a run with one seed can say about seed noise
     paired_differences(a, b)              {seed: a[seed] - b[seed]} over the seeds both have
     bootstrap_indices(sizes, B, seed)     {task: int array [B, n_task]}: the shared resampled test indices
     bootstrap_acc_bwt(runs, idx)          {"acc": [B], "bwt": [B] or None}: ACC/BWT per resample, mean over seeds
@@ -87,6 +89,18 @@ def t_interval(xs, level: float = LEVEL):
     if len(xs) < 2:
         return None
     half = t_quantile(len(xs) - 1, level) * statistics.stdev(xs) / math.sqrt(len(xs))
+    m = statistics.fmean(xs)
+    return (m - half, m + half)
+
+
+def known_std_interval(xs, std: float, n_ref: int, level: float = LEVEL):
+    """(lo, hi) = mean -/+ t(df = n_ref-1) * std / sqrt(n), where std is a sample std measured on n_ref other seeds
+    of the same setting (a preset's noise table), not on xs: the interval a run with too few seeds of its own can
+    give for seed noise. It holds as far as that std holds for this run. None when xs is empty."""
+    xs = list(xs)
+    if not xs:
+        return None
+    half = t_quantile(n_ref - 1, level) * std / math.sqrt(len(xs))
     m = statistics.fmean(xs)
     return (m - half, m + half)
 

@@ -370,6 +370,42 @@ def test_one_seed_is_resolved_on_the_test_set_only_and_says_so():
     assert r["mean"] == pytest.approx(67 - 125 / 3) and r["test"][0] < r["mean"] < r["test"][1]
 
 
+def test_one_seed_takes_its_seed_interval_from_the_presets_measured_noise():
+    """With meta.seed_noise (run.py adds it for a preset used unchanged), a one-seed difference gets the seed
+    interval Δ ∓ t(n_ref - 1) × σ from the preset's measured per-seed std of that difference, marked †; a run with
+    two seeds keeps its own t-interval; a pair the preset did not measure stays 'test set only'."""
+    one = with_examples(RESULTS, spread=0.0)
+    for m in one["methods"].values():
+        del m["seeds"]["1"]
+    one["meta"]["seed_noise"] = {"seeds": 10, "measured": "a hand-made table",
+                                 "std": {"replay": {"acc": 1.5, "bwt": 1.0}, "opr-ru": {"acc": 2.0, "bwt": 3.0}},
+                                 "delta_std": {"replay": {"opr-ru": {"acc": 6.0, "bwt": 2.0}}}}
+    d = uncertainty(one)["deltas"]["replay"]["opr-ru"]
+    t9 = t_quantile(9)
+    assert t9 == pytest.approx(2.2622, abs=1e-4)
+    # ΔACC 12 (per seed 0), σ 6: 12 -/+ 13.57 straddles 0 -> not resolved, although the test set alone says yes
+    assert d["acc"]["seeds"] == pytest.approx((12 - t9 * 6, 12 + t9 * 6)) and d["acc"]["seeds_source"] == "preset"
+    assert d["acc"]["test"] == pytest.approx((12.0, 12.0)) and not d["acc"]["resolved"]
+    # ΔBWT 17.5, σ 2: 17.5 -/+ 4.52 -> resolved on both intervals
+    assert d["bwt"]["seeds"] == pytest.approx((17.5 - t9 * 2, 17.5 + t9 * 2)) and d["bwt"]["resolved"]
+    md = markdown_report(one)
+    row = next(line for line in md.splitlines() if line.startswith("| opr-ru ") and "+12.00" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3] == "[-1.57, +25.57]†" and cells[5] == "no" and cells[9] == "yes (preset's seed std)"
+    assert "† one seed: CI seeds is Δ ∓ t(9) × σ" in md and "a hand-made table" in md
+    assert "replay 1.50 / 1.00; opr-ru 2.00 / 3.00" in md  # the preset's std next to the one-seed table
+    assert "seed_noise" not in md  # not dumped with the other meta fields
+    # a method the preset did not measure against replay: no seed interval, as without the table
+    one["methods"]["sft"] = copy.deepcopy(one["methods"]["replay"])
+    assert uncertainty(one)["deltas"]["replay"]["sft"]["acc"]["seeds"] is None
+    # two seeds: the run's own interval, whatever the preset measured
+    two = with_examples(RESULTS, spread=0.0)
+    two["meta"]["seed_noise"] = one["meta"]["seed_noise"]
+    d2 = uncertainty(two)["deltas"]["replay"]["opr-ru"]["bwt"]
+    assert d2["seeds_source"] == "run" and d2["seeds"] == pytest.approx((17.25 - t_quantile(1) * 0.25,
+                                                                        17.25 + t_quantile(1) * 0.25))
+
+
 def test_unresolved_difference_is_marked_no():
     res = with_examples(RESULTS, spread=0.0)
     for s, run in res["methods"]["opr-ru"]["seeds"].items():  # ACC +-3 around replay's, different sign per seed

@@ -291,3 +291,22 @@ def test_keys_follow_what_a_setting_changes(setup):
     assert len(other) == len(auto)
     changed = [kind for k, kind in auto.items() if k not in other]
     assert changed and set(changed) == {"eval"} and len(changed) == sum(kind == "eval" for kind in auto.values())
+
+
+def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only():
+    """results.json carries the preset's measured seed noise (report.py's one-seed intervals) only for a run that
+    uses the preset as measured: other methods or the drift probe do not matter, any other setting does."""
+    from run import PRESETS, SEED_NOISE, preset_seed_noise
+    tiny = dict(PRESETS["tiny"])
+    assert preset_seed_noise("tiny", tiny, [0.5], custom=False) is SEED_NOISE["tiny"]
+    assert preset_seed_noise("tiny", dict(tiny, methods="sft,opr-ru", drift_limit=0), [0.5], False) is not None
+    for k, v in (("lr", 1e-3), ("epochs", "3"), ("n_test", 64), ("eval_repeats", 2), ("scoring", "paper")):
+        assert preset_seed_noise("tiny", dict(tiny, **{k: v}), [0.5], False) is None, k
+    assert preset_seed_noise("tiny", tiny, [0.2], False) is None and preset_seed_noise("tiny", tiny, [0.5, 0.2],
+                                                                                        False) is None
+    assert preset_seed_noise("tiny", tiny, [0.5], custom=True) is None  # --data, --model or --tasks
+    assert preset_seed_noise("smollm2", dict(PRESETS["smollm2"]), [0.2], False) is None  # not measured
+    # the table covers the default's methods, and every paired difference the report draws for them
+    assert set(SEED_NOISE["tiny"]["std"]) == set(PRESETS["tiny"]["methods"].split(","))
+    for ref in ("replay", "sft"):
+        assert set(SEED_NOISE["tiny"]["delta_std"][ref]) == set(SEED_NOISE["tiny"]["std"]) - {ref}

@@ -11,7 +11,7 @@ import pytest
 
 from data.diagnostics import COLLAPSE_RATE, diagnose, warnings
 from data.metrics import acc_bwt
-from data.stats import (bootstrap_acc_bwt, bootstrap_indices, excludes_zero, mean_std, noise_sources,
+from data.stats import (bootstrap_acc_bwt, bootstrap_indices, excludes_zero, known_std_interval, mean_std, noise_sources,
                         paired_differences, percentile_interval, t_interval, t_quantile)
 
 # two-sided 95% (= one-sided 0.975) Student-t quantiles, from any printed t table
@@ -45,6 +45,15 @@ def test_t_interval_by_hand():
     assert lo == pytest.approx(3 - 1.963243, abs=1e-5) and hi == pytest.approx(3 + 1.963243, abs=1e-5)
     assert t_interval([4.0]) is None
     assert t_interval([2.0, 2.0, 2.0]) == (2.0, 2.0)
+
+
+def test_known_std_interval_by_hand():
+    # one value -2.5, std 2.07 measured on 10 other seeds: -2.5 -/+ t(0.975, 9) * 2.07 = -2.5 -/+ 2.2622 * 2.07
+    lo, hi = known_std_interval([-2.5], 2.07, 10)
+    assert (lo, hi) == pytest.approx((-2.5 - 4.68275, -2.5 + 4.68275), abs=1e-4)
+    # four values: the mean's interval, half as wide
+    assert known_std_interval([1, 2, 3, 4], 2.0, 5) == pytest.approx((2.5 - 2.7764, 2.5 + 2.7764), abs=1e-4)
+    assert known_std_interval([], 1.0, 10) is None
 
 
 def test_paired_differences_and_their_interval_by_hand():
