@@ -21,4 +21,7 @@ def backends() -> dict:
 #    tiny base is byte-identical; a matmul over fewer rows can round differently, e.g. at SmolLM2 shapes)
 # 5: CPU sampling multiplies inputs of <= 4 rows by a weight's two halves in one bmm (model.transformer.Linear), not
 #    through F.linear's small-M path: decode steps of 1-4 live rows round differently (training does not change)
-NUMERICS = 5
+# 6: the chunked cross-entropy's grad_weight sums over the target rows only for weights of >= 2^20 elements
+#    (SmolLM2 and larger; kernels/cross_entropy.py GRAD_WEIGHT_TARGETS_MIN): their training rounds differently (the
+#    tiny base is unchanged: it builds byte-identical)
+NUMERICS = 6

@@ -26,6 +26,13 @@ import torch
 _CHUNK_BYTES = 128 * 2**20
 
 
+# grad_weight sums over the target rows only when the [V, H] weight has at least this many elements (SmolLM2:
+# 28M; the tiny base: 131k). Summed over every row with the ignored ones as zeros (below), the sum rounds as it did
+# before logits were formed for the target rows only, which keeps the tiny base and the default's tables as they
+# are; at a real vocabulary those zero rows are ~90 % of the loss's largest matmul (BENCHMARKS.md).
+GRAD_WEIGHT_TARGETS_MIN = 1 << 20
+
+
 def _chunk_rows(vocab_size: int) -> int:
     return max(1, _CHUNK_BYTES // (4 * vocab_size))
 
@@ -53,6 +60,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # CPU, and page-faulting it in made the logits matmul ~30% slower in our measurements.
         buf = torch.empty(min(chunk, n_tokens), vocab, dtype=acc, device=hidden.device)
         dense = None  # a chunk's grad_logits with the ignored rows as zeros, allocated when a chunk first needs it
+        sparse_gw = weight.numel() >= GRAD_WEIGHT_TARGETS_MIN  # grad_weight over the target rows only
         for start in range(0, n_tokens, chunk):
             end = min(start + chunk, n_tokens)
             labels_c = labels[start:end]
@@ -91,13 +99,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                     torch.mm(grad_logits, weight_acc, out=grad_hidden[start:end])
                 else:
                     grad_hidden[start:end].index_copy_(0, rows, torch.mm(grad_logits, weight_acc))
-            if grad_weight is not None:
-                # summed over every row of the chunk, the ignored ones as zero rows, as before this function
-                # skipped them: over the target rows alone the sum rounds differently, and with it every float of
-                # the tiny base and of the default's tables (a new base, which learned 2 tasks on fewer seeds)
-                if not every and dense is None:
+            if grad_weight is not None and (every or sparse_gw):
+                grad_weight.addmm_(grad_logits.T, h_t)
+            elif grad_weight is not None:
+                # small weights: summed over every row of the chunk, the ignored ones as zero rows, as before this
+                # function skipped them: over the target rows alone the sum rounds differently, and with it every
+                # float of the tiny base and of the default's tables (a new base, which learned 2 tasks on fewer
+                # seeds)
+                if dense is None:
                     dense = torch.empty_like(buf)
-                g = grad_logits if every else dense[: end - start].zero_().index_copy_(0, rows, grad_logits)
+                g = dense[: end - start].zero_().index_copy_(0, rows, grad_logits)
                 grad_weight.addmm_(g.T, h_c)
         ctx.save_for_backward(
             grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
