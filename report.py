@@ -639,7 +639,9 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
                 f"prompts for both methods). Covers which test prompts were drawn, with the checkpoints fixed.",
                 *([f"- † one seed: CI seeds is Δ ∓ t({noise['seeds'] - 1}) × σ, with σ the per-seed std of this "
                    f"difference measured over {noise['seeds']} seeds of this preset with these settings ("
-                   f"{noise['measured']}). It holds as far as this run's seed noise is the preset's."]
+                   f"{noise['measured']}). It holds as far as this run's seed noise is the preset's; a seed that was one of "
+                   f"those {noise['seeds']} (the default's seed 0 is) is not independent of σ, which the interval "
+                   f"ignores."]
                   if any(d.get("seeds_source") == "preset" for ref in refs for e in unc["deltas"][ref].values()
                          for d in e.values()) else []),
                 "- resolved: every available interval excludes 0. 'test set only' = one seed, so seed noise, "

@@ -133,6 +133,7 @@ PRESETS = {
 # another seed would move its numbers (report.py). Re-measure it when the benchmark, the base or the preset changes.
 SEED_NOISE = {
     "tiny": dict(seeds=10, measured="BENCHMARKS.md, the tiny preset's 10-seed noise table with OPR ties drawn per stage",
+                 setting=dict(benchmark=5, device="cpu", gpus=0, threads=1, engine="native"),
                  std={"sft": dict(acc=2.70, bwt=4.32), "replay": dict(acc=1.88, bwt=1.15),
                       "opr-ru": dict(acc=1.63, bwt=1.61), "opr-sc": dict(acc=4.77, bwt=5.32)},
                  delta_std={"replay": {"sft": dict(acc=3.09, bwt=4.26), "opr-ru": dict(acc=2.07, bwt=2.06),
@@ -268,6 +269,9 @@ class Pipeline:
             raise StepFailed(f"step {key} failed (exit {rc}): {last_error(tmp / 'log.txt')}; "
                              f"full log: {tmp / 'log.txt'}")
         fsync_tree(tmp)  # durable before the rename lists it: a power loss cannot leave a listed step truncated
+        with self.lock:  # a re-run (its directory was deleted, or it was stale): its old entry goes first, so that
+            if self.manifest.pop(key, None) is not None:  # a crash before the new one is written cannot leave
+                write_json(self.manifest_path, self.manifest)  # the new bytes listed under the old execution's id
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         fsync_dir(final.parent)
@@ -707,7 +711,8 @@ def main(argv=None):
 
     meta = dict(preset=preset, base=str(base), data=str(data_root), cfg=cfg,
                 numerics=numerics, train_sizes=train_sizes)
-    noise = preset_seed_noise(preset, cfg, rhos, custom=bool(args.data or args.model or args.tasks))
+    noise = preset_seed_noise(preset, cfg, rhos, custom=bool(args.data or args.model or args.tasks),
+                              numerics=numerics, engine=engine_name)
     if noise:
         meta["seed_noise"] = noise
     results = collect(pipe, runs, row0, tasks, meta, probes)
@@ -736,13 +741,20 @@ def main(argv=None):
     print(f"run.py: done in {time.time() - t0:.0f}s; report: {run_dir / 'report.md'}")
 
 
-def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool):
-    """SEED_NOISE[preset] when the run uses that preset as it is (its benchmark, task order and every setting that
-    changes results; the methods and the drift probe may differ), else None."""
-    if custom or preset not in SEED_NOISE or rhos != [float(PRESETS[preset]["rho"])]:
+def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool, numerics: dict, engine: str):
+    """SEED_NOISE[preset] when the run is the one it was measured on: the preset as it is (its benchmark version,
+    task order and every setting that changes results; the methods and the drift probe may differ), on the CPU with
+    the native engine and the pinned thread count. Else None."""
+    noise = SEED_NOISE.get(preset)
+    if noise is None or custom or rhos != [float(PRESETS[preset]["rho"])]:
+        return None
+    from data.embedded import VERSION
+    where = dict(benchmark=VERSION, device=numerics["device"], gpus=numerics["gpus"], threads=numerics["threads"],
+                 engine=engine)
+    if where != noise["setting"]:
         return None
     ignored = ("methods", "drift_limit", "rho")
-    return SEED_NOISE[preset] if all(cfg[k] == PRESETS[preset][k] for k in cfg if k not in ignored) else None
+    return noise if all(cfg[k] == PRESETS[preset][k] for k in cfg if k not in ignored) else None
 
 
 def pinned_threads(omp_env) -> int:

@@ -44,7 +44,7 @@ import tempfile
 import random
 from pathlib import Path
 
-from data.jsonl import fsync_tree
+from data.jsonl import fsync_dir, fsync_tree
 from data.tasks import TASK_ORDER, parse_tasks
 
 VERSION = 5  # bumped whenever the generated data changes: part of the cache directory names
@@ -308,6 +308,7 @@ def ensure_embedded(root=None, *, n_train: int = 128, n_eval: int = 32, n_test: 
         fsync_tree(tmp)
         try:
             os.rename(tmp, root)
+            fsync_dir(root.parent)
         except OSError:  # another process finished first: theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)
     return root

@@ -4,8 +4,10 @@ record, line and field.
 Every file the pipeline writes goes through `write_jsonl` (temporary file, fsync, then rename, then fsync of the
 directory), so neither a killed run nor a power loss leaves a half-written file under the final name.
 """
+import errno
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -121,10 +123,14 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
 
 
 def fsync_dir(path):
-    """Make a directory's entries (a rename into it, a new file) durable."""
+    """Make a directory's entries (a rename into it, a new file) durable. File systems that cannot fsync a
+    directory (some FUSE and network mounts: EINVAL, ENOTSUP, EBADF) are let be, as git and SQLite do."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(fd)
 
@@ -135,7 +141,7 @@ def fsync_tree(root):
     for d, _, files in os.walk(root):
         for name in files:
             p = os.path.join(d, name)
-            if os.path.islink(p):
+            if not stat.S_ISREG(os.lstat(p).st_mode):  # links are not followed; a FIFO would block the open
                 continue
             fd = os.open(p, os.O_RDONLY)
             try:
@@ -157,7 +163,6 @@ def write_text_atomic(path, text: str) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_dir(path.parent)
     except OSError as e:  # disk full, quota, ...: say which file (a write error carries no file name)
         os.unlink(tmp)
         if e.filename is None:
@@ -166,6 +171,7 @@ def write_text_atomic(path, text: str) -> Path:
     except BaseException:
         os.unlink(tmp)
         raise
+    fsync_dir(path.parent)  # after the try: the file is in place, a failure here must not unlink its temp name
     return path
 
 

@@ -27,7 +27,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from data.jsonl import fsync_tree
+from data.jsonl import fsync_dir, fsync_tree
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_DIR = Path(os.environ.get("OPR_CACHE", Path.home() / ".cache" / "opr"))
@@ -286,6 +286,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
             shutil.rmtree(old)
         else:
             os.replace(tmp, out_dir)
+        fsync_dir(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -295,18 +295,76 @@ def test_keys_follow_what_a_setting_changes(setup):
 
 def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only():
     """results.json carries the preset's measured seed noise (report.py's one-seed intervals) only for a run that
-    uses the preset as measured: other methods or the drift probe do not matter, any other setting does."""
+    is the one measured: other methods or the drift probe do not matter; any other setting, the device, GPUs, the
+    engine, the thread count or the benchmark version does."""
     from run import PRESETS, SEED_NOISE, preset_seed_noise
     tiny = dict(PRESETS["tiny"])
-    assert preset_seed_noise("tiny", tiny, [0.5], custom=False) is SEED_NOISE["tiny"]
-    assert preset_seed_noise("tiny", dict(tiny, methods="sft,opr-ru", drift_limit=0), [0.5], False) is not None
+    cpu = dict(device="cpu", gpus=0, threads=1, torch="t", code=6)
+
+    def noise(cfg=tiny, rhos=(0.5,), custom=False, engine="native", **numerics):
+        return preset_seed_noise("tiny", cfg, list(rhos), custom, dict(cpu, **numerics), engine)
+
+    assert noise() is SEED_NOISE["tiny"]
+    assert noise(dict(tiny, methods="sft,opr-ru", drift_limit=0)) is SEED_NOISE["tiny"]
     for k, v in (("lr", 1e-3), ("epochs", "3"), ("n_test", 64), ("eval_repeats", 2), ("scoring", "paper")):
-        assert preset_seed_noise("tiny", dict(tiny, **{k: v}), [0.5], False) is None, k
-    assert preset_seed_noise("tiny", tiny, [0.2], False) is None and preset_seed_noise("tiny", tiny, [0.5, 0.2],
-                                                                                        False) is None
-    assert preset_seed_noise("tiny", tiny, [0.5], custom=True) is None  # --data, --model or --tasks
-    assert preset_seed_noise("smollm2", dict(PRESETS["smollm2"]), [0.2], False) is None  # not measured
+        assert noise(dict(tiny, **{k: v})) is None, k
+    assert noise(rhos=(0.2,)) is None and noise(rhos=(0.5, 0.2)) is None
+    assert noise(custom=True) is None  # --data, --model or --tasks
+    assert noise(threads=2) is None and noise(device="NVIDIA H100", gpus=1) is None and noise(engine="vllm") is None
+    assert preset_seed_noise("smollm2", dict(PRESETS["smollm2"]), [0.2], False, cpu, "native") is None  # not measured
+    import data.embedded
+    assert SEED_NOISE["tiny"]["setting"]["benchmark"] == data.embedded.VERSION  # re-measure when the data changes
     # the table covers the default's methods, and every paired difference the report draws for them
     assert set(SEED_NOISE["tiny"]["std"]) == set(PRESETS["tiny"]["methods"].split(","))
     for ref in ("replay", "sft"):
         assert set(SEED_NOISE["tiny"]["delta_std"][ref]) == set(SEED_NOISE["tiny"]["std"]) - {ref}
+
+
+def test_a_crash_while_a_rerun_step_is_committed_leaves_its_readers_stale(tmp_path, monkeypatch):
+    """Between the rename of a re-run step's new output and the manifest entry that lists it, a killed driver must
+    not leave the new bytes under the old execution's id (its readers would look current)."""
+    import run
+    run_dir = tmp_path / "run"
+    (a, b, c, d), first, _ = _execute(run_dir)
+    shutil.rmtree(run_dir / "steps" / b)
+    real = run.write_json
+    calls = []
+
+    def dies_at_the_commit(path, obj):  # the first write (dropping b's old entry) goes through, the second dies
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(path, obj)
+
+    monkeypatch.setattr(run, "write_json", dies_at_the_commit)
+    with pytest.raises(KeyboardInterrupt):
+        _execute(run_dir)
+    monkeypatch.setattr(run, "write_json", real)
+    assert b not in json.loads((run_dir / "manifest.json").read_text())
+    _, out, _ = _execute(run_dir)
+    assert out[c].split("|", 1)[1] == out[b]  # c re-ran on the b that is on disk
+
+
+def test_a_directory_fsync_the_file_system_refuses_is_let_be(tmp_path, monkeypatch):
+    """Some FUSE / network mounts reject fsync on a directory (EINVAL): writes still succeed. Any other error is
+    raised as itself, after the file is in place (not masked by removing a temporary that was already renamed)."""
+    import errno
+    import stat as stat_mod
+    from data.jsonl import fsync_tree, write_json
+    real = os.fsync
+    refuse = {"errno": errno.EINVAL}
+
+    def fsync(fd):
+        if stat_mod.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(refuse["errno"], os.strerror(refuse["errno"]))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    write_json(tmp_path / "a.json", {"x": 1})
+    (tmp_path / "sub").mkdir()
+    os.mkfifo(tmp_path / "sub" / "fifo")  # not a regular file: skipped, not opened (an open would block)
+    fsync_tree(tmp_path)
+    refuse["errno"] = errno.EIO
+    with pytest.raises(OSError) as e:
+        write_json(tmp_path / "b.json", {"x": 2})
+    assert e.value.errno == errno.EIO and json.loads((tmp_path / "b.json").read_text()) == {"x": 2}
