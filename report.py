@@ -627,6 +627,8 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
                    f"length-capped responses): see 'Accuracy matrices and answers' below.")
 
     refs = [ref for ref, deltas in unc["deltas"].items() if deltas]
+    uses_preset_sigma = any(d.get("seeds_source") == "preset" for ref in refs
+                            for entry in unc["deltas"][ref].values() for d in entry.values())
     for ref in refs:
         out += ["", f"## Paired differences vs {ref}", "", delta_table(summary, unc, ref)]
     if refs:
@@ -641,9 +643,7 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
                    f"difference measured over {noise['seeds']} seeds of this preset with these settings ("
                    f"{noise['measured']}). It holds as far as this run's seed noise is the preset's; a seed that was one of "
                    f"those {noise['seeds']} (the default's seed 0 is) is not independent of σ, which the interval "
-                   f"ignores."]
-                  if any(d.get("seeds_source") == "preset" for ref in refs for e in unc["deltas"][ref].values()
-                         for d in e.values()) else []),
+                   f"ignores."] if uses_preset_sigma else []),
                 "- resolved: every available interval excludes 0. 'test set only' = one seed, so seed noise, "
                 "often the larger, is not covered: a difference resolved only on the test set can still be noise. "
                 "Each interval is for one comparison (no multiple-comparison correction): among many rows, about "

@@ -247,15 +247,19 @@ class Pipeline:
     def dir(self, key: str) -> Path:
         return self.run_dir / "steps" / key
 
-    def done(self, key: str, _memo=None) -> bool:
-        """Committed, its directory present, every input done, and each input the very execution it read."""
-        memo = {} if _memo is None else _memo
-        if key not in memo:
-            rec = self.manifest.get(key)
-            memo[key] = rec is not None and self.dir(key).is_dir() and all(
-                self.done(d, memo) and rec.get("inputs", {}).get(d) == self.manifest[d].get("id")
-                for d in self.steps[key]["deps"])
-        return memo[key]
+    def committed(self) -> set:
+        """The steps that are done: in the manifest, their directory present, every input done, and each input the
+        very execution the step read."""
+        memo = {}
+
+        def done(key):
+            if key not in memo:
+                rec = self.manifest.get(key)
+                memo[key] = rec is not None and self.dir(key).is_dir() and all(
+                    done(d) and rec.get("inputs", {}).get(d) == self.manifest[d].get("id")
+                    for d in self.steps[key]["deps"])
+            return memo[key]
+        return {k for k in self.steps if done(k)}
 
     def run_step(self, key: str):
         step, final = self.steps[key], self.dir(key)
@@ -360,8 +364,7 @@ class Pipeline:
         self.manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
 
     def execute(self):
-        memo = {}
-        committed = {k for k in self.steps if self.done(k, memo)}  # grows as steps finish
+        committed = self.committed()  # grows as steps finish
         todo = [k for k in self.steps if k not in committed]
         if self.use_zygote and todo:  # started by this (the main) thread: it dies with the driver
             self.zygote = Zygote(self.env, pass_fds=(self.lock_fd,))
@@ -697,10 +700,8 @@ def main(argv=None):
                     elif pipe.steps[dep]["kind"] == "replay":
                         found["buffers"].append((i, gold_nll_step(prev, dep, i)))
 
-    memo = {}
-    n_done = sum(pipe.done(k, memo) for k in pipe.steps)
     print(f"run.py: preset {preset}, base {base}, data {data_root}, tasks {','.join(tasks)}, methods "
-          f"{','.join(runs)}, seeds {seeds}; {len(pipe.steps)} steps ({n_done} "
+          f"{','.join(runs)}, seeds {seeds}; {len(pipe.steps)} steps ({len(pipe.committed())} "
           f"already done) in {run_dir}", flush=True)
     if args.dry_run:  # the cost planner: nothing runs and nothing is written
         return plan.print_plan(pipe.steps, runs, cfg, train_sets, tok, data_root, base, args)

@@ -8,10 +8,10 @@ were allocated. It includes the [V, H] weight gradient, which both variants must
     python bench/bench_loss_memory.py                 # loss: naive vs fused
     python bench/bench_loss_memory.py --target-share 0.1   # ... when 90% of the tokens are prompt (ignored)
     python bench/bench_loss_memory.py --tokens 1400 --vocab 49152 --hidden 576 --target-share 0.1   # SmolLM2
+    python bench/bench_loss_memory.py --attention     # varlen SDPA: 4-D + enable_gqa vs 3-D variants
 
 "fused-every-row" is the fused loss with its weight gradient summed over every row (the ignored ones as zeros), the
 path it keeps for small weights (the tiny base) and took for all before kernels.NUMERICS 6.
-    python bench/bench_loss_memory.py --attention     # varlen SDPA: 4-D + enable_gqa vs 3-D variants
 """
 
 import argparse

@@ -99,9 +99,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                     torch.mm(grad_logits, weight_acc, out=grad_hidden[start:end])
                 else:
                     grad_hidden[start:end].index_copy_(0, rows, torch.mm(grad_logits, weight_acc))
-            if grad_weight is not None and (every or sparse_gw):
+            if grad_weight is None:
+                continue
+            if every or sparse_gw:
                 grad_weight.addmm_(grad_logits.T, h_t)
-            elif grad_weight is not None:
+            else:
                 # small weights: summed over every row of the chunk, the ignored ones as zero rows, as before this
                 # function skipped them: over the target rows alone the sum rounds differently, and with it every
                 # float of the tiny base and of the default's tables (a new base, which learned 2 tasks on fewer

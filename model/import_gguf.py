@@ -27,7 +27,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from data.jsonl import fsync_dir, fsync_tree
+from model.checkpoint import replace_dir
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_DIR = Path(os.environ.get("OPR_CACHE", Path.home() / ".cache" / "opr"))
@@ -278,15 +278,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
         os.umask(umask)
         for path in (tmp, *tmp.iterdir()):  # mkdtemp makes 0700; give the checkpoint ordinary permissions
             path.chmod((0o755 if path.is_dir() else 0o644) & ~umask)
-        fsync_tree(tmp)  # durable before the rename publishes it
-        if out_dir.exists():  # overwrite: move the old one aside first, a rename cannot replace a non-empty dir
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, old / out_dir.name)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out_dir)
-        fsync_dir(out_dir.parent)
+        replace_dir(tmp, out_dir)  # durable; an old out_dir (--overwrite) is moved aside first, removed after
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
