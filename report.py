@@ -611,8 +611,8 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
                    f"these settings ({noise['seeds']} seeds, {noise['measured']}). Sample std over those seeds, "
                    f"ACC / BWT: " + "; ".join(f"{m} {v['acc']:.2f} / {v['bwt']:.2f}" for m, v in noise["std"].items()
                                                if m in summary) +
-                   ". Another seed (or another thread count) moves a one-seed number by about that much; the "
-                   "test-set bootstrap covers only a small part of it.")
+                   ". Another seed (or another thread count or CPU model) moves a one-seed number by about that "
+                   "much; the test-set bootstrap covers only a small part of it.")
     elif max(n_seeds) == 1:
         out.append("- One seed: the spread over seeds (training order, replay draws, sampling) is not measured; "
                    "the only uncertainty shown is the test-set bootstrap.")

@@ -44,7 +44,10 @@ stack to stderr (for a driver that seems stuck) and go on.
 
 Determinism: results are a function of the command, its inputs and its seeds. Every CPU step runs with the same
 pinned thread count (THREADS below, or --threads, or the caller's explicit OMP_NUM_THREADS), whatever --jobs or
-the machine's core count, and the tiny base is always built single-threaded.
+the machine's core count, and the tiny base is always built single-threaded with the CPU pins (kernels.CPU_PINS),
+so it is the same bytes on every x86-64 CPU with AVX2. The steps round as the CPU's own kernels do: on another
+CPU model a seed's table moves about as far as another seed moves it (the CPU model is part of every step's key).
+--portable runs the steps with the pins too: the same table on every such CPU, at ~1.5x the wall time.
 """
 import argparse
 import faulthandler
@@ -127,19 +130,20 @@ PRESETS = {
     "paper": PAPER,
 }
 # The seed noise measured for a preset with its settings as they are: 10 seeds of `python run.py --seeds 0,...,9`
-# (BENCHMARKS.md, "OPR's ties drawn anew at every stage"), sample std over seeds of each method's ACC / BWT and of
+# (BENCHMARKS.md, "The same base on every CPU"), sample std over seeds of each method's ACC / BWT and of
 # the per-seed paired difference against replay and sft. run.py puts it in results.json's meta when a run uses
 # the preset unchanged (any method subset, any seeds, drift on or off), so that a one-seed report can say how far
 # another seed would move its numbers (report.py). Re-measure it when the benchmark, the base or the preset changes.
 SEED_NOISE = {
-    "tiny": dict(seeds=10, measured="BENCHMARKS.md, the tiny preset's 10-seed noise table with OPR ties drawn per stage",
-                 setting=dict(benchmark=5, device="cpu", gpus=0, threads=1, engine="native"),
-                 std={"sft": dict(acc=2.70, bwt=4.32), "replay": dict(acc=1.88, bwt=1.15),
-                      "opr-ru": dict(acc=1.63, bwt=1.61), "opr-sc": dict(acc=4.77, bwt=5.32)},
-                 delta_std={"replay": {"sft": dict(acc=3.09, bwt=4.26), "opr-ru": dict(acc=2.07, bwt=2.06),
-                                       "opr-sc": dict(acc=5.61, bwt=5.86)},
-                            "sft": {"replay": dict(acc=3.09, bwt=4.26), "opr-ru": dict(acc=3.01, bwt=5.17),
-                                    "opr-sc": dict(acc=5.23, bwt=5.68)}}),
+    "tiny": dict(seeds=10, measured="BENCHMARKS.md, 'The same base on every CPU': 10 seeds on the base built with "
+                                    "the CPU pins",
+                 setting=dict(benchmark=5, code=7, device="cpu", gpus=0, threads=1, engine="native"),
+                 std={"sft": dict(acc=3.77, bwt=5.35), "replay": dict(acc=1.81, bwt=1.52),
+                      "opr-ru": dict(acc=3.59, bwt=3.08), "opr-sc": dict(acc=5.32, bwt=6.27)},
+                 delta_std={"replay": {"sft": dict(acc=4.93, bwt=5.97), "opr-ru": dict(acc=4.57, bwt=3.41),
+                                       "opr-sc": dict(acc=6.00, bwt=6.62)},
+                            "sft": {"replay": dict(acc=4.93, bwt=5.97), "opr-ru": dict(acc=4.18, bwt=6.35),
+                                    "opr-sc": dict(acc=6.83, bwt=9.60)}}),
 }
 # ------------------------------------------------------------------------------------------------------------------
 
@@ -203,6 +207,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int_at_least(1),
                    help=f"CPU threads per step (default: $OMP_NUM_THREADS if set, else {THREADS}); part of every "
                         f"step's key, since it changes float results")
+    p.add_argument("--portable", action="store_true",
+                   help="run every CPU step with ATen's AVX2 kernels and MKL's reproducible branch (kernels.CPU_PINS): "
+                        "the same results on every x86-64 CPU with AVX2, Intel or AMD, at ~1.5x the wall time; "
+                        "without it a step's results depend on the CPU model (part of its key)")
     p.add_argument("--out", help="run directory (default: runs/<preset>); an earlier run directory is resumed, "
                                  "any other non-empty directory is refused")
     p.add_argument("--overwrite", action="store_true", help="use --out even if it holds files run.py did not write")
@@ -511,15 +519,16 @@ def main(argv=None):
     gpus = args.gpus
     threads = args.threads or pinned_threads(os.environ.get("OMP_NUM_THREADS"))
     jobs = 1 if gpus else (args.jobs or max(1, (os.cpu_count() or 2) // threads))  # GPU steps share the devices
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    import kernels
+    cpu_env, cpu = kernels.cpu_numerics(args.portable)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **cpu_env)
     if args.debug:
         env["OPR_DEBUG"] = "1"  # steps show tracebacks too
     import torch
     # everything besides the settings that changes float results: part of every step's key and of results.json
-    import kernels
     numerics = dict(threads=threads, torch=torch.__version__, gpus=gpus, code=kernels.NUMERICS,
                     device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                    cpu=torch.backends.cpu.get_cpu_capability(), kernels=kernels.backends())  # (the ISA: AVX2, ...)
+                    cpu=cpu, kernels=kernels.backends())
     pipe = Pipeline(run_dir, jobs, env, args.quiet, numerics)
     from model.sampling import resolve_engine
     engine_name = resolve_engine(args.engine)  # "auto" resolved here, so the keys say which engine sampled
@@ -750,8 +759,10 @@ def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool, numerics
     if noise is None or custom or rhos != [float(PRESETS[preset]["rho"])]:
         return None
     from data.embedded import VERSION
-    where = dict(benchmark=VERSION, device=numerics["device"], gpus=numerics["gpus"], threads=numerics["threads"],
-                 engine=engine)
+    # code: kernels.NUMERICS, which names the base's build too. Not the CPU or --portable: another CPU's rounding
+    # moves a seed's numbers as another seed does, and the spread over seeds is what this says
+    where = dict(benchmark=VERSION, code=numerics["code"], device=numerics["device"], gpus=numerics["gpus"],
+                 threads=numerics["threads"], engine=engine)
     if where != noise["setting"]:
         return None
     ignored = ("methods", "drift_limit", "rho")

@@ -1,9 +1,13 @@
-"""One public function per kernel; each picks a GPU library when present, pure torch otherwise."""
+"""One public function per kernel; each picks a GPU library when present, pure torch otherwise. And what float
+results depend on besides the code: NUMERICS, the CPU (cpu_numerics)."""
+import os
+import platform
+from pathlib import Path
 
 from kernels.attention import varlen_attention
 from kernels.cross_entropy import fused_linear_cross_entropy
 
-__all__ = ["varlen_attention", "fused_linear_cross_entropy", "NUMERICS", "backends"]
+__all__ = ["varlen_attention", "fused_linear_cross_entropy", "NUMERICS", "backends", "cpu_numerics", "CPU_PINS"]
 
 
 def backends() -> dict:
@@ -24,4 +28,53 @@ def backends() -> dict:
 # 6: the chunked cross-entropy's grad_weight sums over the target rows only for weights of >= 2^20 elements
 #    (SmolLM2 and larger; kernels/cross_entropy.py GRAD_WEIGHT_TARGETS_MIN): their training rounds differently (the
 #    tiny base is unchanged: it builds byte-identical)
-NUMERICS = 6
+# 7: the tiny base is built with CPU_PINS (model/base.py): the same bytes on every x86-64 CPU with AVX2
+NUMERICS = 7
+
+# On the CPU, float results depend on the instructions the kernels run, and those follow the CPU: ATen picks its
+# AVX2 or AVX-512 code by the CPU's flags, MKL's GEMMs pick code per vendor and model. So the same command on two
+# machines (an Intel laptop, an AMD server) rounds differently, and this benchmark's training amplifies any rounding
+# into a different checkpoint (BENCHMARKS.md). These pins make both the same on every x86-64 CPU with AVX2 and FMA:
+# ATen's AVX2 kernels, and MKL's conditional numerical reproducibility on its COMPATIBLE branch, the one MKL
+# documents as giving the same results on Intel and non-Intel CPUs at a fixed thread count (run.py and the base
+# build pin that too). Read once per process, so they go into the environment of the processes that compute.
+# Cost on the 2-core AMD EPYC here: MKL's GEMMs ~2.2x slower, the default run.py 1.46x (BENCHMARKS.md). The tiny
+# base is always built with them; run.py --portable runs every step with them too.
+CPU_PINS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
+
+
+def cpu_flags() -> set:
+    """The CPU's feature flags from /proc/cpuinfo (Linux); empty where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_model() -> str:
+    """Vendor and model name of the CPU, as /proc/cpuinfo gives them (else the platform's own words)."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return " ".join(fields[k] for k in ("vendor_id", "model name") if fields.get(k)) or platform.processor() or \
+        platform.machine()
+
+
+def cpu_numerics(portable: bool) -> tuple[dict, dict]:
+    """(environment for the processes that compute, what their float results depend on about the CPU).
+    portable on an x86-64 CPU with AVX2 and FMA: CPU_PINS, and the results depend on nothing else about the CPU.
+    Otherwise (not asked, or a CPU that cannot run the pins) on its model. A caller's own ATEN_CPU_CAPABILITY or
+    MKL_CBWR is kept, and said."""
+    own = {k: os.environ[k] for k in CPU_PINS if os.environ.get(k)}
+    if portable and {"avx2", "fma"} <= cpu_flags():
+        env = {**CPU_PINS, **own}
+        return env, {"pins": env}
+    import torch
+    return own, {"pins": own, "model": cpu_model(), "isa": torch.backends.cpu.get_cpu_capability()}

@@ -413,3 +413,53 @@ def test_chunked_kl_equals_naive_kl_and_its_gradients(direction):
     for g, r in zip(grads, ref_grads):
         assert torch.allclose(g, r, rtol=1e-4, atol=1e-5)  # the kernel accumulates in fp32
     assert chunked_kl(th, tw, th, tw, direction).abs() < 1e-9  # a model against itself: 0
+
+
+# ---- the CPU's part in float results (kernels.cpu_numerics, CPU_PINS) ---------------------------------------------
+
+def test_cpu_numerics_pins_only_where_the_cpu_can_run_them_and_keeps_the_callers_own(monkeypatch):
+    import kernels
+    for k in kernels.CPU_PINS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"sse2", "avx2", "fma"})
+    env, key = kernels.cpu_numerics(portable=True)
+    assert env == kernels.CPU_PINS == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
+    assert key == {"pins": kernels.CPU_PINS}  # nothing about the CPU itself: any such CPU computes the same bytes
+    env, key = kernels.cpu_numerics(portable=False)  # not asked: the CPU's own kernels, so its model is in the key
+    assert env == {} and key["pins"] == {} and key["model"] == kernels.cpu_model() and key["isa"]
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"sse2", "avx"})  # no AVX2 (or not x86): cannot be pinned
+    env, key = kernels.cpu_numerics(portable=True)
+    assert env == {} and "model" in key
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setenv("MKL_CBWR", "AVX2")  # the caller's own choice stays, and is said
+    env, key = kernels.cpu_numerics(portable=True)
+    assert env == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"} and key == {"pins": env}
+    env, key = kernels.cpu_numerics(portable=False)
+    assert env == {"MKL_CBWR": "AVX2"} and key["pins"] == env
+
+
+def test_cpu_pins_reach_the_kernels():
+    """A process started with CPU_PINS computes other bytes than one on the CPU's own kernels (the pins are read,
+    by ATen and by MKL), and the same bytes every time. That another CPU computes those same bytes is MKL's and
+    ATen's contract (one ISA, MKL's COMPATIBLE branch at a fixed thread count); this machine cannot show it."""
+    import kernels
+    import torch
+    if not ({"avx2", "fma"} <= kernels.cpu_flags() and torch.backends.mkl.is_available()):
+        pytest.skip("needs an x86-64 CPU with AVX2 and a torch built with MKL")
+    code = ("import hashlib, torch; torch.manual_seed(0); a, w = torch.randn(64, 128), torch.randn(384, 128);"
+            "x = torch.randn(300, 1000);"
+            "print(hashlib.sha256(torch.nn.functional.linear(a, w).numpy().tobytes()).hexdigest(),"
+            " hashlib.sha256(x.softmax(-1).numpy().tobytes()).hexdigest())")
+    env = {k: v for k, v in os.environ.items() if k not in kernels.CPU_PINS}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+    def digests(extra):
+        p = subprocess.run([sys.executable, "-c", code], env=dict(env, **extra), capture_output=True, text=True,
+                           check=True)
+        return p.stdout.split()
+
+    native, pinned = digests({}), digests(kernels.CPU_PINS)
+    assert pinned == digests(kernels.CPU_PINS)
+    assert native[0] != pinned[0]  # the GEMM: MKL's reproducible COMPATIBLE branch, not this CPU's fastest code
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+        assert native[1] != pinned[1]  # the softmax: ATen's AVX2 kernel, not this CPU's AVX-512 one

@@ -5,7 +5,8 @@
   thread setting, writes a byte-identical results.json.
 - Content keys: editing one answer of a data file in place (same path) re-runs exactly the steps that read it and
   the steps downstream of them; nothing else.
-- The numerics (thread count) and the content of every file a step reads are part of its key (unit level).
+- The numerics (thread count, CPU model or --portable's pins) and the content of every file a step reads are part
+  of its key (unit level); the tiny base is built with one thread and the CPU pins whoever builds it.
 
 The end-to-end runs use a tiny untrained Llama, 2 tasks x 8 training examples, methods sft, replay and opr-ru
 (about half a minute each on 2 CPU cores).
@@ -74,8 +75,9 @@ def test_results_identical_across_jobs_and_cores(setup, run_one_core):
     assert meta["numerics"]["threads"] == 1  # the pinned default, not cores // jobs
     from kernels import NUMERICS
     assert meta["numerics"]["code"] == NUMERICS  # a kernel change that moves float results is a new key
-    import torch
-    assert meta["numerics"]["cpu"] == torch.backends.cpu.get_cpu_capability()  # another ISA rounds differently
+    from kernels import cpu_model
+    import torch  # another CPU model or instruction set rounds differently (no --portable here)
+    assert meta["numerics"]["cpu"] == dict(pins={}, model=cpu_model(), isa=torch.backends.cpu.get_cpu_capability())
     # the kernels the steps use (defaults follow what is installed; KERNELS_*_BACKEND forces one): on a CPU, these
     assert meta["numerics"]["kernels"] == {"attention": ["sdpa", False], "cross_entropy": ["chunked", False]}
 
@@ -291,6 +293,10 @@ def test_keys_follow_what_a_setting_changes(setup):
     assert len(other) == len(auto)
     changed = [kind for k, kind in auto.items() if k not in other]
     assert changed and set(changed) == {"eval"} and len(changed) == sum(kind == "eval" for kind in auto.values())
+    import kernels
+    if {"avx2", "fma"} <= kernels.cpu_flags():  # --portable: other numerics (the CPU pins), so every key is new
+        portable = keys("--portable")
+        assert len(portable) == len(auto) and not set(portable) & set(auto)
 
 
 def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only():
@@ -299,7 +305,8 @@ def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only():
     engine, the thread count or the benchmark version does."""
     from run import PRESETS, SEED_NOISE, preset_seed_noise
     tiny = dict(PRESETS["tiny"])
-    cpu = dict(device="cpu", gpus=0, threads=1, torch="t", code=6)
+    from kernels import NUMERICS
+    cpu = dict(device="cpu", gpus=0, threads=1, torch="t", code=NUMERICS)
 
     def noise(cfg=tiny, rhos=(0.5,), custom=False, engine="native", **numerics):
         return preset_seed_noise("tiny", cfg, list(rhos), custom, dict(cpu, **numerics), engine)
@@ -311,9 +318,12 @@ def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only():
     assert noise(rhos=(0.2,)) is None and noise(rhos=(0.5, 0.2)) is None
     assert noise(custom=True) is None  # --data, --model or --tasks
     assert noise(threads=2) is None and noise(device="NVIDIA H100", gpus=1) is None and noise(engine="vllm") is None
+    assert noise(code=NUMERICS - 1) is None  # other kernels or another base build: measured on neither
+    assert noise(cpu=dict(pins={}, model="another CPU")) is SEED_NOISE["tiny"]  # its rounding: like another seed
     assert preset_seed_noise("smollm2", dict(PRESETS["smollm2"]), [0.2], False, cpu, "native") is None  # not measured
     import data.embedded
     assert SEED_NOISE["tiny"]["setting"]["benchmark"] == data.embedded.VERSION  # re-measure when the data changes
+    assert SEED_NOISE["tiny"]["setting"]["code"] == NUMERICS  # ... or the kernels or the base's build
     # the table covers the default's methods, and every paired difference the report draws for them
     assert set(SEED_NOISE["tiny"]["std"]) == set(PRESETS["tiny"]["methods"].split(","))
     for ref in ("replay", "sft"):
@@ -368,3 +378,31 @@ def test_a_directory_fsync_the_file_system_refuses_is_let_be(tmp_path, monkeypat
     with pytest.raises(OSError) as e:
         write_json(tmp_path / "b.json", {"x": 2})
     assert e.value.errno == errno.EIO and json.loads((tmp_path / "b.json").read_text()) == {"x": 2}
+
+
+def test_the_tiny_base_is_built_with_the_cpu_pins_and_one_thread_whoever_builds_it(tmp_path, monkeypatch):
+    """The base every chain starts from: its training runs with one thread and kernels.CPU_PINS whatever the
+    caller's environment, so every x86-64 CPU with AVX2 builds the same bytes; its cache name follows the pins."""
+    import kernels
+    import model.base as base
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    for k in kernels.CPU_PINS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_run(cmd, check, env):
+        seen.update(env)
+        raise Stop
+    monkeypatch.setattr(base.subprocess, "run", fake_run)
+    with pytest.raises(Stop):
+        base.build_tiny(tmp_path / "tiny")
+    assert {k: seen[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", *kernels.CPU_PINS)} == dict(
+        OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **kernels.CPU_PINS)
+    assert not (tmp_path / "tiny").exists()  # nothing half-built is left under the cache name
+    pinned = base.tiny_recipe_hash()
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx"})  # a CPU without AVX2: its own build, its own name
+    assert base.tiny_recipe_hash() != pinned
