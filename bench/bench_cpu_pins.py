@@ -29,7 +29,7 @@ torch.manual_seed(0)
 gemms = {"tiny gate/up, 864 rows": (torch.randn(864, 128), torch.randn(384, 128)),
          "tiny down, 864 rows": (torch.randn(864, 384), torch.randn(128, 384)),
          "SmolLM2 gate/up, 512 rows": (torch.randn(512, 576), torch.randn(1536, 576))}
-x = torch.randn(864, 1024)
+x = torch.randn(64, 1024)
 q = torch.randn(1, 4, 51, 32, requires_grad=True)
 
 

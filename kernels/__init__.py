@@ -38,8 +38,8 @@ NUMERICS = 7
 # ATen's AVX2 kernels, and MKL's conditional numerical reproducibility on its COMPATIBLE branch, the one MKL
 # documents as giving the same results on Intel and non-Intel CPUs at a fixed thread count (run.py and the base
 # build pin that too). Read once per process, so they go into the environment of the processes that compute.
-# Cost on the 2-core AMD EPYC here: MKL's GEMMs ~2.2x slower, the default run.py 1.46x (BENCHMARKS.md). The tiny
-# base is always built with them; run.py --portable runs every step with them too.
+# Cost on the 2-core AMD EPYC here: MKL's GEMMs ~2.3x slower, the tiny base's build 1.65x, run.py --portable 1.48x
+# the default's wall time (BENCHMARKS.md). The tiny base is always built with them; --portable runs every step so.
 CPU_PINS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
 
 
