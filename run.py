@@ -137,7 +137,8 @@ PRESETS = {
 SEED_NOISE = {
     "tiny": dict(seeds=10, measured="BENCHMARKS.md, 'The same base on every CPU': 10 seeds on the base built with "
                                     "the CPU pins",
-                 setting=dict(benchmark=5, code=7, device="cpu", gpus=0, threads=1, engine="native"),
+                 setting=dict(benchmark=5, code=7, device="cpu", gpus=0, threads=1, engine="native",
+                              base="2775249b67b4b1c43a7770ca35862ecb032b5f12aa055a25f6c6425d3cd59a55"),
                  std={"sft": dict(acc=3.77, bwt=5.35), "replay": dict(acc=1.81, bwt=1.52),
                       "opr-ru": dict(acc=3.59, bwt=3.08), "opr-sc": dict(acc=5.32, bwt=6.27)},
                  delta_std={"replay": {"sft": dict(acc=4.93, bwt=5.97), "opr-ru": dict(acc=4.57, bwt=3.41),
@@ -521,17 +522,23 @@ def main(argv=None):
     jobs = 1 if gpus else (args.jobs or max(1, (os.cpu_count() or 2) // threads))  # GPU steps share the devices
     import kernels
     cpu_env, cpu = kernels.cpu_numerics(args.portable)
+    if args.portable and "model" in cpu:
+        print(f"run.py: --portable: this CPU cannot run the pins ({kernels.cpu_model()}: no AVX2), or "
+              f"{'/'.join(kernels.PORTABLE)} are set otherwise; the steps follow this CPU", file=sys.stderr)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **cpu_env)
+    if not gpus:  # a CPU run: its steps on the CPU also where there is a GPU
+        env.update(CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="")
     if args.debug:
         env["OPR_DEBUG"] = "1"  # steps show tracebacks too
     import torch
     # everything besides the settings that changes float results: part of every step's key and of results.json
     numerics = dict(threads=threads, torch=torch.__version__, gpus=gpus, code=kernels.NUMERICS,
-                    device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                    device=torch.cuda.get_device_name(0) if gpus and torch.cuda.is_available() else "cpu",
                     cpu=cpu, kernels=kernels.backends())
     pipe = Pipeline(run_dir, jobs, env, args.quiet, numerics)
     from model.sampling import resolve_engine
-    engine_name = resolve_engine(args.engine)  # "auto" resolved here, so the keys say which engine sampled
+    # "auto" resolved here, so the keys say which engine sampled (vLLM needs GPUs: a CPU run samples natively)
+    engine_name = resolve_engine(args.engine) if gpus or args.engine != "auto" else "native"
     pipe.use_zygote &= gpus == 0 and engine_name != "vllm"  # CUDA and vLLM start in processes of their own
     base_files = [base]  # the base checkpoint: every chain starts from it, and gold replay uses its tokenizer
 
@@ -721,8 +728,10 @@ def main(argv=None):
 
     meta = dict(preset=preset, base=str(base), data=str(data_root), cfg=cfg,
                 numerics=numerics, train_sizes=train_sizes)
+    weights = base / "model.safetensors"
     noise = preset_seed_noise(preset, cfg, rhos, custom=bool(args.data or args.model or args.tasks),
-                              numerics=numerics, engine=engine_name)
+                              numerics=numerics, engine=engine_name,
+                              base_sha=pipe.digests.file(weights) if weights.exists() else None)
     if noise:
         meta["seed_noise"] = noise
     results = collect(pipe, runs, row0, tasks, meta, probes)
@@ -751,10 +760,12 @@ def main(argv=None):
     print(f"run.py: done in {time.time() - t0:.0f}s; report: {run_dir / 'report.md'}")
 
 
-def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool, numerics: dict, engine: str):
+def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool, numerics: dict, engine: str,
+                      base_sha: str | None):
     """SEED_NOISE[preset] when the run is the one it was measured on: the preset as it is (its benchmark version,
     task order and every setting that changes results; the methods and the drift probe may differ), on the CPU with
-    the native engine and the pinned thread count. Else None."""
+    the native engine and the pinned thread count, from the same base (base_sha: its weights' sha256; a CPU that
+    builds another base has another testbed, whose noise was not measured). Else None."""
     noise = SEED_NOISE.get(preset)
     if noise is None or custom or rhos != [float(PRESETS[preset]["rho"])]:
         return None
@@ -762,7 +773,7 @@ def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool, numerics
     # code: kernels.NUMERICS, which names the base's build too. Not the CPU or --portable: another CPU's rounding
     # moves a seed's numbers as another seed does, and the spread over seeds is what this says
     where = dict(benchmark=VERSION, code=numerics["code"], device=numerics["device"], gpus=numerics["gpus"],
-                 threads=numerics["threads"], engine=engine)
+                 threads=numerics["threads"], engine=engine, base=base_sha)
     if where != noise["setting"]:
         return None
     ignored = ("methods", "drift_limit", "rho")

@@ -40,7 +40,8 @@ NUMERICS = 7
 # build pin that too). Read once per process, so they go into the environment of the processes that compute.
 # Cost on the 2-core AMD EPYC here: MKL's GEMMs ~2.3x slower, the tiny base's build 1.65x, run.py --portable 1.48x
 # the default's wall time (BENCHMARKS.md). The tiny base is always built with them; --portable runs every step so.
-CPU_PINS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
+CPU_PINS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
+PORTABLE = {"ATEN_CPU_CAPABILITY": ("avx2", "default"), "MKL_CBWR": ("COMPATIBLE",)}  # settings no CPU changes
 
 
 def cpu_flags() -> set:
@@ -63,18 +64,18 @@ def cpu_model() -> str:
             fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return " ".join(fields[k] for k in ("vendor_id", "model name") if fields.get(k)) or platform.processor() or \
-        platform.machine()
+    keys = ("vendor_id", "model name", "cpu family", "model", "CPU implementer", "CPU part")  # (x86; ARM)
+    return " ".join(f"{k}={fields[k]}" for k in keys if fields.get(k)) or platform.processor() or platform.machine()
 
 
 def cpu_numerics(portable: bool) -> tuple[dict, dict]:
     """(environment for the processes that compute, what their float results depend on about the CPU).
     portable on an x86-64 CPU with AVX2 and FMA: CPU_PINS, and the results depend on nothing else about the CPU.
-    Otherwise (not asked, or a CPU that cannot run the pins) on its model. A caller's own ATEN_CPU_CAPABILITY or
-    MKL_CBWR is kept, and said."""
+    Otherwise (not asked, or a CPU that cannot run the pins) on its model. A caller's own setting of a pin is kept
+    and said; the key leaves the CPU out only if the settings are still ones no CPU changes (PORTABLE)."""
     own = {k: os.environ[k] for k in CPU_PINS if os.environ.get(k)}
-    if portable and {"avx2", "fma"} <= cpu_flags():
-        env = {**CPU_PINS, **own}
+    env = {**CPU_PINS, **own} if portable and {"avx2", "fma"} <= cpu_flags() else own
+    if all(env.get(k, "").split(",")[0].strip().lower() in [v.lower() for v in ok] for k, ok in PORTABLE.items()):
         return env, {"pins": env}
-    import torch
-    return own, {"pins": own, "model": cpu_model(), "isa": torch.backends.cpu.get_cpu_capability()}
+    import torch  # the CPU's own kernels (or a caller's setting that still follows the CPU, e.g. MKL_CBWR=AUTO)
+    return env, {"pins": env, "model": cpu_model(), "isa": torch.backends.cpu.get_cpu_capability()}

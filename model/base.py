@@ -7,10 +7,11 @@
 
 The cache lives in $OPR_CACHE (default ~/.cache/opr). A build is written to a temporary directory and renamed,
 so an interrupted build is redone, never half-used. The tiny base is built the same way on every machine and from
-every caller: its training runs with BUILD_THREADS CPU threads whatever the caller's OMP_NUM_THREADS, and on an
-x86-64 CPU with AVX2 with kernels.CPU_PINS (ATen's AVX2 kernels, MKL's reproducible branch) whatever the CPU (float
-results depend on both), and its cache directory is named by a hash of its recipe, so a changed recipe is a new
-build, never a stale one. Every user of the default thus starts from the same bytes.
+every caller: its training runs on the CPU (also where there is a GPU) with BUILD_THREADS threads whatever the
+caller's OMP_NUM_THREADS, and on an x86-64 CPU with AVX2 with kernels.CPU_PINS (ATen's AVX2 kernels, MKL's
+reproducible branch) whatever the CPU (float results depend on both), and its cache directory is named by a hash of
+its recipe (torch version included), so a changed recipe is a new build, never a stale one. Every user of the
+default with the same torch thus starts from the same bytes.
 """
 import hashlib
 import json
@@ -57,7 +58,7 @@ def tiny_recipe_hash() -> str:
     from data.embedded import VERSION  # the tokenizer is trained on the embedded benchmark's vocabulary
     from kernels import NUMERICS, cpu_numerics  # a kernel change that moves float results builds another base
     recipe = dict(model=TINY, tune=TINY_TUNE, threads=BUILD_THREADS, version=2, benchmark=VERSION, numerics=NUMERICS,
-                  cpu=cpu_numerics(portable=True)[1])
+                  cpu=cpu_numerics(portable=True)[1], torch=torch.__version__)  # (another torch: other kernels)
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -128,7 +129,8 @@ def build_tiny(out: Path):
                "--micro-tokens", "4096", "--save-every", "0", "--seed", str(t["seed"])]
         # a world of its own, even when called from rank 0 of a torchrun job
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        env.update(OMP_NUM_THREADS=str(BUILD_THREADS), MKL_NUM_THREADS=str(BUILD_THREADS), **cpu_numerics(True)[0])
+        env.update(OMP_NUM_THREADS=str(BUILD_THREADS), MKL_NUM_THREADS=str(BUILD_THREADS), **cpu_numerics(True)[0],
+                   CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="")  # on the CPU, also on a machine with a GPU
         subprocess.run(cmd, check=True, env=env)
         replace_dir(work / "tuned", out)
     finally:

@@ -423,7 +423,7 @@ def test_cpu_numerics_pins_only_where_the_cpu_can_run_them_and_keeps_the_callers
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"sse2", "avx2", "fma"})
     env, key = kernels.cpu_numerics(portable=True)
-    assert env == kernels.CPU_PINS == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
+    assert env == kernels.CPU_PINS and env["ATEN_CPU_CAPABILITY"] == "avx2" and env["MKL_CBWR"] == "COMPATIBLE"
     assert key == {"pins": kernels.CPU_PINS}  # nothing about the CPU itself: any such CPU computes the same bytes
     env, key = kernels.cpu_numerics(portable=False)  # not asked: the CPU's own kernels, so its model is in the key
     assert env == {} and key["pins"] == {} and key["model"] == kernels.cpu_model() and key["isa"]
@@ -431,11 +431,15 @@ def test_cpu_numerics_pins_only_where_the_cpu_can_run_them_and_keeps_the_callers
     env, key = kernels.cpu_numerics(portable=True)
     assert env == {} and "model" in key
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma"})
-    monkeypatch.setenv("MKL_CBWR", "AVX2")  # the caller's own choice stays, and is said
-    env, key = kernels.cpu_numerics(portable=True)
-    assert env == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"} and key == {"pins": env}
+    monkeypatch.setenv("MKL_CBWR", "AVX2")  # the caller's own choice stays, and is said; it follows the CPU
+    env, key = kernels.cpu_numerics(portable=True)  # (MKL takes AUTO for AVX2 on a non-Intel CPU), so the model too
+    assert env == dict(kernels.CPU_PINS, MKL_CBWR="AVX2") and key["pins"] == env and key["model"]
     env, key = kernels.cpu_numerics(portable=False)
-    assert env == {"MKL_CBWR": "AVX2"} and key["pins"] == env
+    assert env == {"MKL_CBWR": "AVX2"} and key["pins"] == env and key["model"]
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE,STRICT")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")  # the caller's own settings that no CPU changes either
+    env, key = kernels.cpu_numerics(portable=False)
+    assert env == {"MKL_CBWR": "COMPATIBLE,STRICT", "ATEN_CPU_CAPABILITY": "default"} and key == {"pins": env}
 
 
 def test_cpu_pins_reach_the_kernels():
@@ -460,6 +464,9 @@ def test_cpu_pins_reach_the_kernels():
 
     native, pinned = digests({}), digests(kernels.CPU_PINS)
     assert pinned == digests(kernels.CPU_PINS)
+    if torch.__version__ == "2.13.0+cpu":  # the README's torch: the bytes every x86-64 CPU with AVX2 must compute
+        # (measured on an AMD EPYC; a CPU that computes others breaks the pins' promise, and this test says so)
+        assert [d[:16] for d in pinned] == ["cc456918247f3dbc", "641556035b530e56"]
     assert native[0] != pinned[0]  # the GEMM: MKL's reproducible COMPATIBLE branch, not this CPU's fastest code
     if torch.backends.cpu.get_cpu_capability() != "AVX2":
         assert native[1] != pinned[1]  # the softmax: ATen's AVX2 kernel, not this CPU's AVX-512 one

@@ -51,7 +51,8 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("keys")
     write_random_tiny(root / "base")
     write_benchmark(root / "data", n_train=8, n_eval=2, n_test=8, tasks=TASKS)
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    from kernels import CPU_PINS  # a caller with no thread or CPU setting
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", *CPU_PINS)}
     env["OPR_CACHE"] = str(root / "cache")
     return dict(root=root, base=root / "base", data=root / "data", env=env)
 
@@ -308,8 +309,10 @@ def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only():
     from kernels import NUMERICS
     cpu = dict(device="cpu", gpus=0, threads=1, torch="t", code=NUMERICS)
 
-    def noise(cfg=tiny, rhos=(0.5,), custom=False, engine="native", **numerics):
-        return preset_seed_noise("tiny", cfg, list(rhos), custom, dict(cpu, **numerics), engine)
+    measured_base = SEED_NOISE["tiny"]["setting"]["base"]
+
+    def noise(cfg=tiny, rhos=(0.5,), custom=False, engine="native", base_sha=measured_base, **numerics):
+        return preset_seed_noise("tiny", cfg, list(rhos), custom, dict(cpu, **numerics), engine, base_sha)
 
     assert noise() is SEED_NOISE["tiny"]
     assert noise(dict(tiny, methods="sft,opr-ru", drift_limit=0)) is SEED_NOISE["tiny"]
@@ -319,8 +322,10 @@ def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only():
     assert noise(custom=True) is None  # --data, --model or --tasks
     assert noise(threads=2) is None and noise(device="NVIDIA H100", gpus=1) is None and noise(engine="vllm") is None
     assert noise(code=NUMERICS - 1) is None  # other kernels or another base build: measured on neither
+    assert noise(base_sha="0" * 64) is None and noise(base_sha=None) is None  # another base: another testbed
     assert noise(cpu=dict(pins={}, model="another CPU")) is SEED_NOISE["tiny"]  # its rounding: like another seed
-    assert preset_seed_noise("smollm2", dict(PRESETS["smollm2"]), [0.2], False, cpu, "native") is None  # not measured
+    assert preset_seed_noise("smollm2", dict(PRESETS["smollm2"]), [0.2], False, cpu, "native",
+                             measured_base) is None  # not measured
     import data.embedded
     assert SEED_NOISE["tiny"]["setting"]["benchmark"] == data.embedded.VERSION  # re-measure when the data changes
     assert SEED_NOISE["tiny"]["setting"]["code"] == NUMERICS  # ... or the kernels or the base's build
@@ -400,8 +405,8 @@ def test_the_tiny_base_is_built_with_the_cpu_pins_and_one_thread_whoever_builds_
     monkeypatch.setattr(base.subprocess, "run", fake_run)
     with pytest.raises(Stop):
         base.build_tiny(tmp_path / "tiny")
-    assert {k: seen[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", *kernels.CPU_PINS)} == dict(
-        OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **kernels.CPU_PINS)
+    assert {k: seen[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", *kernels.CPU_PINS)} \
+        == dict(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **kernels.CPU_PINS)  # on the CPU
     assert not (tmp_path / "tiny").exists()  # nothing half-built is left under the cache name
     pinned = base.tiny_recipe_hash()
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx"})  # a CPU without AVX2: its own build, its own name
