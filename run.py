@@ -31,7 +31,7 @@ and recorded in manifest.json when it succeeds (on CPU a fork of one zygote proc
 scripts once, data/zygote.py; OPR_NO_ZYGOTE=1 for a fresh interpreter per step: same results). A step's key hashes
 everything that changes its numbers: its settings, the keys of the steps it reads, the content of the files it reads
 (data files, the base checkpoint; digests cached by size and mtime) and the numerics (CPU threads per step, torch
-version, kernels.NUMERICS). Identical work (e.g. stage 1 of every method) runs once, re-running the same command
+version, kernels.NUMERICS, the CPU's model or --portable's pins). Identical work (e.g. stage 1 of every method) runs once, re-running the same command
 continues where it stopped (killing it anywhere loses at most the steps in progress), an edited data file
 re-runs exactly the steps that read it, and a step directory deleted by hand re-runs with every step that read it
 (manifest.json records which execution of each input a step read: a re-run may differ in its bytes on a GPU). A
@@ -770,8 +770,8 @@ def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool, numerics
     if noise is None or custom or rhos != [float(PRESETS[preset]["rho"])]:
         return None
     from data.embedded import VERSION
-    # code: kernels.NUMERICS, which names the base's build too. Not the CPU or --portable: another CPU's rounding
-    # moves a seed's numbers as another seed does, and the spread over seeds is what this says
+    # code: the steps' kernels (kernels.NUMERICS); base: the base's bytes. Not the CPU or --portable: another CPU's
+    # rounding moves a seed's numbers as another seed does, and the spread over seeds is what this says
     where = dict(benchmark=VERSION, code=numerics["code"], device=numerics["device"], gpus=numerics["gpus"],
                  threads=numerics["threads"], engine=engine, base=base_sha)
     if where != noise["setting"]:

@@ -18,7 +18,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CONFIGS = {"the CPU's own": {}, "ATen AVX2": {"ATEN_CPU_CAPABILITY": "avx2"}, "MKL COMPATIBLE": {"MKL_CBWR": "COMPATIBLE"}}
 
 CHILD = r"""
 import hashlib, json, statistics, sys, time
@@ -72,8 +71,10 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     from kernels import CPU_PINS, cpu_model
-    configs = dict(CONFIGS, **{"both (CPU_PINS)": CPU_PINS})
-    base = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
+    one = {k: CPU_PINS[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
+    configs = {"the CPU's own": {}, "ATen AVX2": {"ATEN_CPU_CAPABILITY": one["ATEN_CPU_CAPABILITY"]},
+               "MKL COMPATIBLE": {"MKL_CBWR": one["MKL_CBWR"]}, "both (CPU_PINS)": CPU_PINS}
+    base = {k: v for k, v in os.environ.items() if k not in CPU_PINS}
     base.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     rows = {}
     for name, extra in configs.items():

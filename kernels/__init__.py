@@ -1,5 +1,6 @@
 """One public function per kernel; each picks a GPU library when present, pure torch otherwise. And what float
 results depend on besides the code: NUMERICS, the CPU (cpu_numerics)."""
+import functools
 import os
 import platform
 from pathlib import Path
@@ -41,22 +42,12 @@ NUMERICS = 7
 # Cost on the 2-core AMD EPYC here: MKL's GEMMs ~2.3x slower, the tiny base's build 1.65x, run.py --portable 1.48x
 # the default's wall time (BENCHMARKS.md). The tiny base is always built with them; --portable runs every step so.
 CPU_PINS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
-PORTABLE = {"ATEN_CPU_CAPABILITY": ("avx2", "default"), "MKL_CBWR": ("COMPATIBLE",)}  # settings no CPU changes
+PORTABLE = {"ATEN_CPU_CAPABILITY": ("avx2", "default"), "MKL_CBWR": ("compatible",)}  # (lower case) no CPU changes
 
 
-def cpu_flags() -> set:
-    """The CPU's feature flags from /proc/cpuinfo (Linux); empty where there is none."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def cpu_model() -> str:
-    """Vendor and model name of the CPU, as /proc/cpuinfo gives them (else the platform's own words)."""
+@functools.lru_cache(maxsize=1)
+def _cpuinfo() -> dict:
+    """The first CPU's fields in /proc/cpuinfo (Linux); empty where there is none."""
     fields = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -64,7 +55,18 @@ def cpu_model() -> str:
             fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    return fields
+
+
+def cpu_flags() -> set:
+    """The CPU's feature flags (empty where /proc/cpuinfo has none)."""
+    return set(_cpuinfo().get("flags", "").split())
+
+
+def cpu_model() -> str:
+    """Vendor, model name and numbers of the CPU, as /proc/cpuinfo gives them (else the platform's own words)."""
     keys = ("vendor_id", "model name", "cpu family", "model", "CPU implementer", "CPU part")  # (x86; ARM)
+    fields = _cpuinfo()
     return " ".join(f"{k}={fields[k]}" for k in keys if fields.get(k)) or platform.processor() or platform.machine()
 
 
@@ -75,7 +77,7 @@ def cpu_numerics(portable: bool) -> tuple[dict, dict]:
     and said; the key leaves the CPU out only if the settings are still ones no CPU changes (PORTABLE)."""
     own = {k: os.environ[k] for k in CPU_PINS if os.environ.get(k)}
     env = {**CPU_PINS, **own} if portable and {"avx2", "fma"} <= cpu_flags() else own
-    if all(env.get(k, "").split(",")[0].strip().lower() in [v.lower() for v in ok] for k, ok in PORTABLE.items()):
+    if all(env.get(k, "").split(",")[0].strip().lower() in ok for k, ok in PORTABLE.items()):  # ("COMPATIBLE,STRICT")
         return env, {"pins": env}
     import torch  # the CPU's own kernels (or a caller's setting that still follows the CPU, e.g. MKL_CBWR=AUTO)
     return env, {"pins": env, "model": cpu_model(), "isa": torch.backends.cpu.get_cpu_capability()}
