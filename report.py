@@ -30,7 +30,8 @@ results.json (written by run.py's collect; JSON):
                                                             # (to EXAMPLE_MEAN_TOL, checked)
            "diagnostics": [{task: diag}, ...],              # optional, per stage: data.diagnostics.diagnose of
                                                             # that evaluation's predictions (label distribution,
-                                                            # collapse flag, empty / length-capped rates)
+                                                            # collapse flag, off-format answers, empty /
+                                                            # length-capped rates)
            # optional, run.py's mechanism probes (drift.py, score.py / buffer_nll.py, rollout.py, train.py):
            "drift": [{"stage": i, "tasks": {task: {"n", "mean_seq_kl", "median_seq_kl", "kl_per_token",
                       "mean_tokens", "gold_nll_cur", "gold_nll_ref"}}, "all": {same}}],  # stages i >= 2: KL of
@@ -523,8 +524,8 @@ def protocol_line(meta: dict) -> str:
 
 def _diag_cell(diags: list) -> str:
     """One evaluation's answers, over the seeds that have it: the most frequent predicted label and its share
-    (classification tasks; shares averaged over seeds), the empty and length-capped shares when not 0; '!' when a
-    seed's evaluation is flagged."""
+    (classification tasks; shares averaged over seeds), the off-format (not a letter alone), empty and
+    length-capped shares when not 0; '!' when a seed's evaluation is flagged."""
     parts = []
     if "labels" in diags[0]:
         pooled = {}
@@ -535,6 +536,9 @@ def _diag_cell(diags: list) -> str:
         if pooled:
             top = min(pooled.items(), key=lambda kv: (-kv[1], kv[0]))
             parts.append(f"{top[0]} {top[1]:.0%}")
+    off = statistics.fmean(d.get("off_format", 0.0) for d in diags)  # results.json of earlier code lack it
+    if off:
+        parts.append(f"off-format {off:.0%}")
     empty = statistics.fmean(d["empty"] for d in diags)
     capped = statistics.fmean(d["length_capped"] for d in diags)
     if empty:
@@ -669,16 +673,20 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
         out += [f"### {m}", "", matrix_table(tasks, s), ""]
         diag = diagnostics_table(tasks, results["methods"][m], s["stages"])
         if diag:
-            out += ["Answers: most frequent predicted label and its share (classification tasks), share of empty "
-                    "and of length-capped responses when not 0; '!' = flagged.", "", diag, ""]
+            out += ["Answers: most frequent predicted label and its share (classification tasks: the first "
+                    "character of the answer, the one the lenient and paper rules compare), share of off-format "
+                    "answers (not a letter alone), of empty and of length-capped responses when not 0; "
+                    "'!' = flagged.", "", diag, ""]
         out += [f"- {line}" for line in flags if line.startswith(f"WARNING {m}, ")]
         if any(line.startswith(f"WARNING {m}, ") for line in flags):
             out.append("")
     if any(r.get("diagnostics") for e in results["methods"].values() for r in e["seeds"].values()):
-        from data.diagnostics import COLLAPSE_RATE, EMPTY_WARN, LENGTH_WARN
+        from data.diagnostics import COLLAPSE_RATE, EMPTY_WARN, LENGTH_WARN, OFF_FORMAT_WARN
         out += [f"Flags: a classification task's predictions collapsed = one label >= {COLLAPSE_RATE:.0%} of the "
-                f"answers while the gold majority class is < {COLLAPSE_RATE:.0%}; empty >= {EMPTY_WARN:.0%}; "
-                f"length-capped (stopped at max-new-tokens) >= {LENGTH_WARN:.0%}.", ""]
+                f"answers while the gold majority class is < {COLLAPSE_RATE:.0%}; off-format >= "
+                f"{OFF_FORMAT_WARN:.0%} (answers such as 'Anna sah ...' or 'A5' instead of a letter: a first-character "
+                f"rule still scores them, and the warning says how much of the score that is); empty >= "
+                f"{EMPTY_WARN:.0%}; length-capped (stopped at max-new-tokens) >= {LENGTH_WARN:.0%}.", ""]
     out += [*mechanism_section(results), ""]
     if figures:
         out += ["## Figures", ""]

@@ -743,8 +743,8 @@ def main(argv=None):
     print(report.format_table(results, summary, unc))
     flagged = report.warning_lines(results)
     if flagged:  # each one is in report.md next to its matrix; the terminal gets a count and the first few
-        print(f"run.py: {len(flagged)} evaluation(s) flagged for degenerate answers (collapsed to one label, empty or "
-              f"length-capped); all in {run_dir / 'report.md'}, the first:")
+        print(f"run.py: {len(flagged)} evaluation(s) flagged for degenerate answers (collapsed to one label, "
+              f"off-format, empty or length-capped); all in {run_dir / 'report.md'}, the first:")
         for line in flagged[:3]:
             print(f"  {line}")
     # what each kind of step cost (summed step seconds, a step counted in the run that executed it): timing.json,

@@ -7,15 +7,24 @@ with one warning line per flagged (method, stage, task).
 
     diagnose(task, records) -> {"n", "empty", "length_capped", "mean_tokens",                      # every task
                                 "labels", "gold_labels", "top_label", "top_rate", "gold_majority_rate",
-                                "collapsed"}                                                        # classification
+                                "collapsed", "off_format", "off_format_hits", "off_format_example"}  # classification
     warnings(diag) -> ["predictions collapsed to 'C' (95% of answers; gold majority 46%)", ...]
 
 Rates are fractions in [0, 1] of all responses (examples x repeats). A label is data.metrics.answer_letter of the
 response, the character the lenient metric compares ("" for an empty response), whatever --scoring the evaluation
 used: the diagnostics describe what the model answered, not how it was scored. A task's predictions have
-COLLAPSED when one non-empty label is at least COLLAPSE_RATE of all responses while that label is below
-COLLAPSE_RATE of the gold answers (a test set that is itself 95% "A" may rightly be answered "A"; answering it "C"
-throughout is a collapse).
+COLLAPSED when one label, answered as a letter alone (below), is at least COLLAPSE_RATE of all responses while
+that label is below COLLAPSE_RATE of the gold answers (a test set that is itself 95% "A" may rightly be answered "A";
+answering it "C" throughout is a collapse; answering it "Anna sah ..." throughout is off-format, not a collapse to
+"A"). top_label / top_rate are that most frequent letter answer and its share of all responses.
+
+A first-character rule (the lenient and the paper conventions) reads any text as a label: a model that forgot a
+letter task and answers it "Anna sah Bücher in Bern ." scores as if it had answered "A". So each classification task
+also reports its OFF-FORMAT answers: non-empty responses that are not a letter alone (the answer character, as
+answer_letter reads it, must be a letter followed by nothing or by a character that is neither a letter nor a digit:
+"B", "B.", "Answer: B\nBecause ..." are letters, right or wrong; "Anna ...", "AC", "A5", "(A)" are not),
+the share of all responses that are off-format yet scored (the record's "score" > 0: accuracy that is the first
+character's accident), and the most frequent off-format response.
 """
 from collections import Counter
 
@@ -26,6 +35,8 @@ from data.tasks import get_task
 COLLAPSE_RATE = 0.9    # one label takes >= 90% of the responses (and not >= 90% of the gold answers)
 EMPTY_WARN = 0.2       # >= 20% of the responses are empty (all whitespace)
 LENGTH_WARN = 0.2      # >= 20% of the responses stopped at the max-new-tokens cap (finish_reason "length")
+OFF_FORMAT_WARN = 0.2  # >= 20% of the responses are not a letter alone (classification tasks)
+EXAMPLE_CHARS = 40     # the off-format example is cut to this many characters
 # -----------------------------------------------------------------------------------------------------------------
 CLASSIFICATION_METRICS = ("letter_accuracy",)  # tasks whose answer is a label (C-STANCE, FOMC, ScienceQA)
 
@@ -39,10 +50,19 @@ def _ranked(counter: Counter, n: int) -> dict:
     return {k: c / n for k, c in sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))}
 
 
+def is_letter_answer(text: str) -> bool:
+    """Whether a response is a letter alone: its answer character (answer_letter) is a letter that does not start
+    a longer word or token ("B", "B. against", "Answer: B\n..." yes; "Bern", "BC", "B2", "(B)" no)."""
+    t = text.strip()
+    if t.startswith("Answer:"):
+        t = t[len("Answer:"):].strip()
+    return t[:1].isalpha() and (len(t) == 1 or not t[1].isalnum())
+
+
 def diagnose(task: str, records: list) -> dict:
     """Diagnostics of one task in one evaluation from its prediction records (dicts with prediction, gold,
-    finish_reason, num_tokens). Classification tasks add the predicted and gold label distributions and the
-    collapse flag (module docstring)."""
+    finish_reason, num_tokens, and score for classification tasks). Classification tasks add the predicted and gold
+    label distributions, the collapse flag and the off-format answers (module docstring)."""
     n = len(records)
     if n == 0:
         raise ValueError(f"diagnose: no predictions for task {task!r}")
@@ -55,11 +75,17 @@ def diagnose(task: str, records: list) -> dict:
     if is_classification(task):
         pred = Counter(answer_letter(r["prediction"]) for r in records)
         gold = Counter(answer_letter(r["gold"]) for r in records)
-        top, top_n = min(((k, c) for k, c in pred.items() if k), key=lambda kc: (-kc[1], kc[0]), default=("", 0))
+        letters = Counter(answer_letter(r["prediction"]) for r in records if is_letter_answer(r["prediction"]))
+        top, top_n = min(letters.items(), key=lambda kc: (-kc[1], kc[0]), default=("", 0))
         gold_major = max(gold.values()) / n
+        off = [r for r in records if r["prediction"].strip() and not is_letter_answer(r["prediction"])]
+        example = min(Counter(r["prediction"].strip()[:EXAMPLE_CHARS] for r in off).items(),
+                      key=lambda kc: (-kc[1], kc[0]), default=("", 0))[0]
         out.update(labels=_ranked(pred, n), gold_labels=_ranked(gold, n), top_label=top, top_rate=top_n / n,
                    gold_majority_rate=gold_major,
-                   collapsed=bool(top) and top_n / n >= COLLAPSE_RATE and gold[top] / n < COLLAPSE_RATE)
+                   collapsed=bool(top) and top_n / n >= COLLAPSE_RATE and gold[top] / n < COLLAPSE_RATE,
+                   off_format=len(off) / n, off_format_hits=sum(r["score"] > 0 for r in off) / n,
+                   off_format_example=example)
     return out
 
 
@@ -69,6 +95,11 @@ def warnings(diag: dict) -> list:
     if diag.get("collapsed"):
         out.append(f"predictions collapsed to {diag['top_label']!r} ({diag['top_rate']:.0%} of answers; gold "
                    f"majority class {diag['gold_majority_rate']:.0%})")
+    if diag.get("off_format", 0.0) >= OFF_FORMAT_WARN:
+        hits = diag["off_format_hits"]
+        out.append(f"{diag['off_format']:.0%} of answers are not a letter (most often "
+                   f"{diag['off_format_example']!r})" + (f", {hits:.0%} of answers score by their first character "
+                                                         f"alone" if hits else ""))
     if diag["empty"] >= EMPTY_WARN:
         out.append(f"{diag['empty']:.0%} empty responses")
     if diag["length_capped"] >= LENGTH_WARN:

@@ -12,6 +12,7 @@ import pytest
 
 import report
 from data.diagnostics import diagnose
+from data.metrics import letter_accuracy
 from data.stats import t_quantile
 from report import (FIGURES, format_table, markdown_report, mean_loss_curves, summarize, uncertainty,
                     warning_lines, write_report)
@@ -424,13 +425,15 @@ def test_unresolved_difference_is_marked_no():
 
 
 def predictions(preds, golds, finish="stop"):
-    return [{"prediction": p, "gold": g, "finish_reason": finish, "num_tokens": 2} for p, g in zip(preds, golds)]
+    return [{"prediction": p, "gold": g, "finish_reason": finish, "num_tokens": 2, "score": letter_accuracy(p, g)}
+            for p, g in zip(preds, golds)]
 
 
 def with_diagnostics(results):
     """Diagnostics for every evaluation; replay's seed-0 stage-2 evaluation answers 'C' to all C-STANCE prompts
-    (gold: half A, half B) and hits the length cap on all FOMC prompts; opr-ru's seed-1 stage-3 evaluation answers
-    nothing to C-STANCE, stopped by the cap."""
+    (gold: half A, half B) and hits the length cap on all FOMC prompts; replay's seed-1 stage-3 evaluation answers
+    FOMC in German sentences (off-format; the gold-A half scores by the first character); opr-ru's seed-1 stage-3
+    evaluation answers nothing to C-STANCE, stopped by the cap."""
     out = copy.deepcopy(results)
     golds = ["A", "B"] * 10
     for m, e in out["methods"].items():
@@ -444,6 +447,8 @@ def with_diagnostics(results):
                         stage[t] = diagnose(t, predictions(["C"] * 20, golds))
                     elif (m, s, i, t) == ("replay", "0", 1, "FOMC"):
                         stage[t] = diagnose(t, predictions(golds, golds, finish="length"))
+                    elif (m, s, i, t) == ("replay", "1", 2, "FOMC"):
+                        stage[t] = diagnose(t, predictions(["Anna sah Bücher in Bern ."] * 20, golds))
                     elif (m, s, i, t) == ("opr-ru", "1", 2, "C-STANCE"):
                         stage[t] = diagnose(t, predictions([""] * 20, golds, finish="length"))
                     else:
@@ -467,15 +472,29 @@ def test_diagnostics_and_warnings_in_the_report(tmp_path):
     assert "| 2: FOMC | C 50% ! | A 50%, capped 50% ! | - |" in replay
     assert "| 1: C-STANCE | A 50% | - | - |" in replay
     assert "Gold labels' majority class: C-STANCE 'A' 50%, FOMC 'A' 50%." in replay
-    assert "3 evaluation(s) flagged for degenerate answers" in md
+    assert "4 evaluation(s) flagged for degenerate answers" in md
+    # stage 3's FOMC pools seed 0 (A 50%, in format) with seed 1 (German: 'A' 100%, all off-format)
+    assert "| 3: MeetingBank | A 50% | A 75%, off-format 50% ! | ok |" in replay
+    assert lines[2] == ("WARNING replay, after stage 3 (MeetingBank), task FOMC: seed 1: 100% of answers are not a "
+                        "letter (most often 'Anna sah Bücher in Bern .'), 50% of answers score by their first "
+                        "character alone")
     # empty answers are not a label: the cell pools seed 0 (A 50%, B 50%) with seed 1 (all empty, all capped)
     opr = md[md.index("### opr-ru"):]
     assert "| 3: MeetingBank | A 25%, empty 50%, capped 50% ! | A 50% | ok |" in opr
-    assert opr.count("WARNING") == 1 and lines[2] == (
+    assert opr.count("WARNING") == 1 and lines[3] == (
         "WARNING opr-ru, after stage 3 (MeetingBank), task C-STANCE: seed 1: 100% empty responses, 100% of "
         "responses hit the max-new-tokens cap")
-    # MeetingBank is not a classification task: no label, nothing to show but 'ok'
-    assert "| 3: MeetingBank | A 50% | A 50% | ok |" in replay
+    # MeetingBank is not a classification task: no label, nothing to show but 'ok' (the last cells of both rows above)
+    # a results.json written before the off-format numbers existed reads as it did
+    for e in res["methods"].values():
+        for run in e["seeds"].values():
+            for stage in run["diagnostics"]:
+                for d in stage.values():
+                    for k in ("off_format", "off_format_hits", "off_format_example"):
+                        d.pop(k, None)
+    old = write_report(res, tmp_path).read_text()
+    assert not re.search(r"off-format \d", old) and "are not a letter" not in old
+    assert "| 3: MeetingBank | A 50% | A 75% | ok |" in old
 
 
 def test_where_the_seed_noise_comes_from():

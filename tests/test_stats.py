@@ -9,8 +9,8 @@ import statistics
 import numpy as np
 import pytest
 
-from data.diagnostics import COLLAPSE_RATE, diagnose, warnings
-from data.metrics import acc_bwt
+from data.diagnostics import COLLAPSE_RATE, OFF_FORMAT_WARN, diagnose, is_letter_answer, warnings
+from data.metrics import acc_bwt, letter_accuracy
 from data.stats import (bootstrap_acc_bwt, bootstrap_indices, excludes_zero, known_std_interval, mean_std, noise_sources,
                         paired_differences, percentile_interval, t_interval, t_quantile)
 
@@ -142,7 +142,9 @@ def test_percentile_interval_by_hand():
 
 
 def rec(prediction, gold, finish="stop", tokens=3):
-    return {"prediction": prediction, "gold": gold, "finish_reason": finish, "num_tokens": tokens}
+    """A prediction record as evaluate.py writes it, scored by the lenient first-character rule."""
+    return {"prediction": prediction, "gold": gold, "finish_reason": finish, "num_tokens": tokens,
+            "score": letter_accuracy(prediction, gold)}
 
 
 def test_noise_sources_by_hand():
@@ -225,6 +227,44 @@ def test_collapse_needs_a_balanced_gold_and_a_real_label():
     e = diagnose("FOMC", [rec("  ", g) for g in "ABCA"])
     assert e["labels"] == {"": 1.0} and e["top_label"] == "" and e["collapsed"] is False and e["empty"] == 1.0
     assert warnings(e) == ["100% empty responses"]
+
+
+def test_letter_alone():
+    for text in ["B", " B ", "B.", "B. against", "B)", "B\n", "Answer: B", "Answer: B\nBecause it is.", "C,", "D"]:
+        assert is_letter_answer(text), text
+    for text in ["Bern", "Anna sah Bücher", "BC", "B2", "Acouncil BIRD", "AAAA", "(B)", "5", ".", "", "Answer:"]:
+        assert not is_letter_answer(text), text
+
+
+def test_off_format_answers_and_their_first_character_hits():
+    # a forgotten letter task answered in German (the shape the tiny default's sft gives after 20Minuten): 10 gold
+    # A, 6 B, 4 C; 8 answers "Anna sah ..." (4 of them on gold-A prompts: scored 100 by the first character), 2
+    # "Bern" (gold C: 0), 1 "A5" on a gold A (scored), 6 bare letters (3 right), 3 empty
+    golds = ["A"] * 10 + ["B"] * 6 + ["C"] * 4
+    preds = (["Anna sah Bücher in Bern ."] * 4 + ["A5", "A", "B", "", "", ""]
+             + ["Anna sah Bücher in Bern ."] * 4 + ["B.", "C"]
+             + ["Bern", "Bern", "C", "A"])
+    d = diagnose("C-STANCE", [rec(p, g) for p, g in zip(preds, golds)])
+    assert d["off_format"] == 11 / 20 and d["off_format_hits"] == 5 / 20
+    assert d["off_format_example"] == "Anna sah Bücher in Bern ."
+    assert sum(r["score"] for r in map(rec, preds, golds)) / 20 == 40.0  # 8 hits: 5 of them off-format
+    assert warnings(d) == ["55% of answers are not a letter (most often 'Anna sah Bücher in Bern .'), 25% "
+                           "of answers score by their first character alone"]
+    # off-format answers that never score (TRACE's whole-string rule, or wrong first characters): no hits clause
+    below = [rec(p, g) for p, g in zip(["Bern"] * 4 + ["A"] * 16, ["A"] * 20)]
+    assert diagnose("FOMC", below)["off_format"] == 0.2 == OFF_FORMAT_WARN
+    assert warnings(diagnose("FOMC", below)) == ["20% of answers are not a letter (most often 'Bern')"]
+    assert warnings(diagnose("FOMC", below[1:] + [rec("A", "A")])) == []  # 15%: below the threshold
+    # a letter is in format, right or wrong: "D" to every prompt is a collapse, not off-format
+    dd = diagnose("ScienceQA", [rec("D", g) for g in "ABCABC"])
+    assert dd["off_format"] == 0.0 and dd["off_format_example"] == "" and dd["collapsed"] is True
+    assert warnings(dd) == ["predictions collapsed to 'D' (100% of answers; gold majority class 33%)"]
+    # German answers throughout read 'A' or 'B' by their first character: off-format, not a collapse to 'A'
+    g = diagnose("FOMC", [rec("Anna sah Bücher", "A")] * 19 + [rec("B", "B")])
+    assert g["labels"] == {"A": 0.95, "B": 0.05} and g["top_label"] == "B" and g["top_rate"] == 0.05
+    assert g["collapsed"] is False and g["off_format"] == 0.95 and g["off_format_hits"] == 0.95
+    # not a classification task: no off-format numbers
+    assert "off_format" not in diagnose("NumGLUE-cm", [rec("Anna 12", "12")])
 
 
 def test_empty_and_length_capped_rates_on_every_task():
