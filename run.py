@@ -137,7 +137,7 @@ PRESETS = {
 SEED_NOISE = {
     "tiny": dict(seeds=10, measured="BENCHMARKS.md, 'The same base on every CPU': 10 seeds on the base built with "
                                     "the CPU pins",
-                 setting=dict(benchmark=5, code=7, device="cpu", gpus=0, threads=1, engine="native",
+                 setting=dict(benchmark=5, code=7, rules=1, device="cpu", gpus=0, threads=1, engine="native",
                               base="2775249b67b4b1c43a7770ca35862ecb032b5f12aa055a25f6c6425d3cd59a55"),
                  std={"sft": dict(acc=3.77, bwt=5.35), "replay": dict(acc=1.81, bwt=1.52),
                       "opr-ru": dict(acc=3.59, bwt=3.08), "opr-sc": dict(acc=5.32, bwt=6.27)},
@@ -770,10 +770,11 @@ def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool, numerics
     if noise is None or custom or rhos != [float(PRESETS[preset]["rho"])]:
         return None
     from data.embedded import VERSION
-    # code: the steps' kernels (kernels.NUMERICS); base: the base's bytes. Not the CPU or --portable: another CPU's
-    # rounding moves a seed's numbers as another seed does, and the spread over seeds is what this says
-    where = dict(benchmark=VERSION, code=numerics["code"], device=numerics["device"], gpus=numerics["gpus"],
-                 threads=numerics["threads"], engine=engine, base=base_sha)
+    # code: the steps' kernels (kernels.NUMERICS); rules: the scoring rules (data.metrics.RULES; scores feed the
+    # metrics and OPR-RU's buffers); base: the base's bytes. Not the CPU or --portable: another CPU's rounding moves
+    # a seed's numbers as another seed does, and the spread over seeds is what this says
+    where = dict(benchmark=VERSION, code=numerics["code"], rules=metrics.RULES, device=numerics["device"],
+                 gpus=numerics["gpus"], threads=numerics["threads"], engine=engine, base=base_sha)
     if where != noise["setting"]:
         return None
     ignored = ("methods", "drift_limit", "rho")

@@ -300,10 +300,10 @@ def test_keys_follow_what_a_setting_changes(setup):
         assert len(portable) == len(auto) and not set(portable) & set(auto)
 
 
-def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only():
+def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only(monkeypatch):
     """results.json carries the preset's measured seed noise (report.py's one-seed intervals) only for a run that
     is the one measured: other methods or the drift probe do not matter; any other setting, the device, GPUs, the
-    engine, the thread count or the benchmark version does."""
+    engine, the thread count, the benchmark version or the scoring rules do."""
     from run import PRESETS, SEED_NOISE, preset_seed_noise
     tiny = dict(PRESETS["tiny"])
     from kernels import NUMERICS
@@ -322,6 +322,10 @@ def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only():
     assert noise(custom=True) is None  # --data, --model or --tasks
     assert noise(threads=2) is None and noise(device="NVIDIA H100", gpus=1) is None and noise(engine="vllm") is None
     assert noise(code=NUMERICS - 1) is None  # other kernels or another base build: measured on neither
+    import data.metrics
+    monkeypatch.setattr(data.metrics, "RULES", data.metrics.RULES + 1)
+    assert noise() is None  # other scoring rules: other scores, other OPR-RU buffers
+    monkeypatch.undo()
     assert noise(base_sha="0" * 64) is None and noise(base_sha=None) is None  # another base: another testbed
     assert noise(cpu=dict(pins={}, model="another CPU")) is SEED_NOISE["tiny"]  # its rounding: like another seed
     assert preset_seed_noise("smollm2", dict(PRESETS["smollm2"]), [0.2], False, cpu, "native",
@@ -329,6 +333,7 @@ def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only():
     import data.embedded
     assert SEED_NOISE["tiny"]["setting"]["benchmark"] == data.embedded.VERSION  # re-measure when the data changes
     assert SEED_NOISE["tiny"]["setting"]["code"] == NUMERICS  # ... or the kernels or the base's build
+    assert SEED_NOISE["tiny"]["setting"]["rules"] == data.metrics.RULES  # ... or the scoring rules
     # the table covers the default's methods, and every paired difference the report draws for them
     assert set(SEED_NOISE["tiny"]["std"]) == set(PRESETS["tiny"]["methods"].split(","))
     for ref in ("replay", "sft"):
