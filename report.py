@@ -627,8 +627,8 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
     if REFERENCE not in summary:
         out.append(f"- No '{REFERENCE}' method, so no per-task comparison against it.")
     if flags:
-        out.append(f"- {len(flags)} evaluation(s) flagged for degenerate answers (collapse to one label, empty or "
-                   f"length-capped responses): see 'Accuracy matrices and answers' below.")
+        out.append(f"- {len(flags)} evaluation(s) flagged for degenerate answers (collapse to one label, off-format "
+                   f"answers, empty or length-capped responses): see 'Accuracy matrices and answers' below.")
 
     refs = [ref for ref, deltas in unc["deltas"].items() if deltas]
     uses_preset_sigma = any(d.get("seeds_source") == "preset" for ref in refs
