@@ -866,7 +866,9 @@ def read_eval(eval_dir: Path, test_idx: dict):
     test_idx ({task: [idx]}) is filled by the first evaluation and checked against by the others."""
     scores = json.loads((eval_dir / "scores.json").read_text())["scores"]
     by_task = {}
-    for r in read_records(eval_dir / "predictions.jsonl", required=("task", "prediction", "gold", "finish_reason")):
+    for r in read_records(eval_dir / "predictions.jsonl",
+                          required=("task", "idx", "prediction", "gold", "finish_reason", "num_tokens", "score"),
+                          types={"idx": int, "num_tokens": int, "score": (int, float)}):
         by_task.setdefault(r["task"], []).append(r)
     per_example, diagnostics = {}, {}
     for t in scores:

@@ -70,8 +70,8 @@ def read_text(path) -> str:
 def read_records(path, required=("prompt",), types=None, any_of=(), locate=False) -> list:
     """Records of a JSON list file or a JSON Lines file (whichever the text is: a list starts with '[').
 
-    Each record must be an object holding every `required` field as a string (or the type in `types`), and at
-    least one of the `any_of` fields as a string when given. Every problem raises ValueError naming the file,
+    Each record must be an object holding every `required` field as a string (or the type, or tuple of types, in
+    `types`), and at least one of the `any_of` fields as a string when given. Every problem raises ValueError naming the file,
     the record number (0-based; blank JSONL lines are skipped), the line for JSON Lines, and the field.
     With locate=True, returns (where, record) pairs, where = "<file>: record i[ (line n)]", for later errors.
     """
@@ -112,8 +112,9 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
                 raise InputError(f"{path}: record {i}{where}: missing field {field!r}")
             want = types.get(field, str)
             if not isinstance(r[field], want):
-                name = "string" if want is str else getattr(want, "__name__", str(want))
-                raise InputError(f"{path}: record {i}{where}: field {field!r} must be a {name}, "
+                name = "a string" if want is str else " or ".join(t.__name__ for t in (
+                    want if isinstance(want, tuple) else (want,)))
+                raise InputError(f"{path}: record {i}{where}: field {field!r} must be {name}, "
                                  f"got {type(r[field]).__name__}")
         if any_of and not any(isinstance(r.get(f), str) for f in any_of):
             raise InputError(f"{path}: record {i}{where}: needs a string field {' or '.join(map(repr, any_of))}")

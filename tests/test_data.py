@@ -83,6 +83,17 @@ def _err(tmp_path, text, split="train"):
     return msg
 
 
+def test_read_records_field_types(tmp_path):
+    from data.jsonl import read_records
+    p = tmp_path / "predictions.jsonl"
+    p.write_text('{"idx": 0, "score": 100.0}\n{"idx": 1, "score": 0}\n{"idx": 2, "score": "0"}\n')
+    types = {"idx": int, "score": (int, float)}
+    with pytest.raises(ValueError, match=r"record 2 \(line 3\): field 'score' must be int or float, got str"):
+        read_records(p, required=("idx", "score"), types=types)
+    p.write_text('{"idx": 0, "score": 100.0}\n{"idx": 1, "score": 0}\n')
+    assert [r["score"] for r in read_records(p, required=("idx", "score"), types=types)] == [100.0, 0]
+
+
 def test_loader_errors_name_file_record_field(tmp_path):
     good = {"prompt": "p", "answer": "A"}
     # malformed JSON in the third record of a list
