@@ -682,10 +682,11 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
             out.append("")
     if any(r.get("diagnostics") for e in results["methods"].values() for r in e["seeds"].values()):
         from data.diagnostics import COLLAPSE_RATE, EMPTY_WARN, LENGTH_WARN, OFF_FORMAT_WARN
-        out += [f"Flags: a classification task's predictions collapsed = one label >= {COLLAPSE_RATE:.0%} of the "
-                f"answers while the gold majority class is < {COLLAPSE_RATE:.0%}; off-format >= "
-                f"{OFF_FORMAT_WARN:.0%} (answers such as 'Anna sah ...' or 'A5' instead of a letter: a first-character "
-                f"rule still scores them, and the warning says how much of the score that is); empty >= "
+        out += [f"Flags: a classification task's predictions collapsed = one label, answered as a letter alone, is "
+                f">= {COLLAPSE_RATE:.0%} of all answers while that label is < {COLLAPSE_RATE:.0%} of the gold answers; "
+                f"off-format >= {OFF_FORMAT_WARN:.0%} (non-empty answers such as 'Anna sah ...', 'A bill ...' or 'A5' "
+                f"instead of a letter: a first-character rule reads them as the letter they start with, and the "
+                f"warning says how much of the score that is); empty >= "
                 f"{EMPTY_WARN:.0%}; length-capped (stopped at max-new-tokens) >= {LENGTH_WARN:.0%}.", ""]
     out += [*mechanism_section(results), ""]
     if figures:

@@ -115,8 +115,9 @@ PRESETS = {
     # v5. The task table's epochs and rho 0.5 instead of 3 epochs and rho 0.2 cut the seed std of replay's and
     # opr-ru's BWT ~3x, to 1.2 and 1.9 over 10 seeds (ACC std stays 1.9-3.9) on the base built before the CPU
     # pins: the arithmetic tasks are learned on almost every seed and the larger buffer keeps them. On today's base,
-    # over 20 seeds: BWT std 1.95 (replay) and 2.59 (opr-ru), ACC std 2.1-5.1 (SEED_NOISE below). Sized for <= 10 minutes on 2 cores with a fresh cache at
-    # the speed of the last rounds' machines, not of the slowest one measured; see BENCHMARKS.md)
+    # over 20 seeds: BWT std 1.95 (replay) and 2.59 (opr-ru), ACC std 2.1-5.1 (SEED_NOISE below). Sized for <= 10
+    # minutes on 2 cores with a fresh cache at the speed of the last rounds' machines, not of the slowest one
+    # measured; see BENCHMARKS.md)
     "tiny": dict(PAPER, rho=0.5, lr=5e-4, global_batch=4, max_len=512, micro_tokens=4096, max_new_tokens=32,
                  sdft_max_new_tokens=32, n_train=256, n_test=128, epochs=None, first_epochs=12, eval_repeats=1,
                  drift_limit=16, scoring="lenient",

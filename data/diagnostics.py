@@ -8,11 +8,13 @@ with one warning line per flagged (method, stage, task).
     diagnose(task, records) -> {"n", "empty", "length_capped", "mean_tokens",                      # every task
                                 "labels", "gold_labels", "top_label", "top_rate", "gold_majority_rate",
                                 "collapsed", "off_format", "off_format_hits", "off_format_example"}  # classification
-    warnings(diag) -> ["predictions collapsed to 'C' (95% of answers; gold majority 46%)", ...]
+    warnings(diag) -> ["predictions collapsed to 'C' (95% of answers, 20% of the gold answers; gold majority class
+                        46%)", ...]
 
 Rates are fractions in [0, 1] of all responses (examples x repeats). A label is data.metrics.answer_letter of the
 response, the character the lenient metric compares ("" for an empty response), whatever --scoring the evaluation
-used: the diagnostics describe what the model answered, not how it was scored. A task's predictions have
+used: the labels describe what the model answered, not how it was scored (only off_format_hits, below, reads the
+record's score). A task's predictions have
 COLLAPSED when one label, answered as a letter alone (below), is at least COLLAPSE_RATE of all responses while
 that label is below COLLAPSE_RATE of the gold answers (a test set that is itself 95% "A" may rightly be answered "A";
 answering it "C" throughout is a collapse; answering it "Anna sah ..." throughout is off-format, not a collapse to
@@ -20,22 +22,25 @@ answering it "C" throughout is a collapse; answering it "Anna sah ..." throughou
 
 A first-character rule (the lenient and the paper conventions) reads any text as a label: a model that forgot a
 letter task and answers it "Anna sah Bücher in Bern ." scores as if it had answered "A". So each classification task
-also reports its OFF-FORMAT answers: non-empty responses that are not a letter alone (the answer character, as
-answer_letter reads it, must be a letter followed by nothing or by a character that is neither a letter nor a digit:
-"B", "B.", "Answer: B\nBecause ..." are letters, right or wrong; "Anna ...", "AC", "A5", "(A)" are not),
-the share of all responses that are off-format yet scored (the record's "score" > 0: accuracy that is the first
-character's accident), and the most frequent off-format response.
+also reports its OFF-FORMAT answers: non-empty responses that are not a letter alone (is_letter_answer: after an
+optional "Answer:", an upper-case letter that is followed, on its line, by nothing, by punctuation, or by a space and
+then no word of two or more letters: "B", "B.", "B. against", "B (against)", "Answer: B\nBecause ..." are letters,
+right or wrong; "Anna ...", "AC", "A5", "(A)", "A bill for ...", "I think ...", "x = 1" are not; where the task's
+gold answers are a letter and a sentence, as the embedded ScienceQA's "C because rain is wet", a letter and a
+sentence is a letter too, so there "A bill for ..." reads as "A": its shape is the gold answers'), the share of all
+responses that are off-format yet scored (the record's "score" > 0: accuracy that is the first character's accident),
+and the most frequent off-format response (its first EXAMPLE_CHARS characters).
 """
 from collections import Counter
 
-from data.metrics import answer_letter
+from data.metrics import answer_letter, answer_text
 from data.tasks import get_task
 
 # ---- thresholds of the warnings --------------------------------------------------------------------------------
 COLLAPSE_RATE = 0.9    # one label takes >= 90% of the responses (and not >= 90% of the gold answers)
 EMPTY_WARN = 0.2       # >= 20% of the responses are empty (all whitespace)
 LENGTH_WARN = 0.2      # >= 20% of the responses stopped at the max-new-tokens cap (finish_reason "length")
-OFF_FORMAT_WARN = 0.2  # >= 20% of the responses are not a letter alone (classification tasks)
+OFF_FORMAT_WARN = 0.2  # >= 20% of the responses are non-empty and not a letter alone (classification tasks)
 EXAMPLE_CHARS = 40     # the off-format example is cut to this many characters
 # -----------------------------------------------------------------------------------------------------------------
 CLASSIFICATION_METRICS = ("letter_accuracy",)  # tasks whose answer is a label (C-STANCE, FOMC, ScienceQA)
@@ -50,13 +55,28 @@ def _ranked(counter: Counter, n: int) -> dict:
     return {k: c / n for k, c in sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))}
 
 
-def is_letter_answer(text: str) -> bool:
-    """Whether a response is a letter alone: its answer character (answer_letter) is a letter that does not start
-    a longer word or token ("B", "B. against", "Answer: B\n..." yes; "Bern", "BC", "B2", "(B)" no)."""
-    t = text.strip()
-    if t.startswith("Answer:"):
-        t = t[len("Answer:"):].strip()
-    return t[:1].isalpha() and (len(t) == 1 or not t[1].isalnum())
+def is_letter_answer(text: str, sentences: bool = False) -> bool:
+    """Whether a response is a letter alone: its answer character (answer_letter) is an upper-case letter (the
+    labels' case) that starts neither a longer token nor a sentence ("B", "B. against", "B (against)",
+    "Answer: B\nBecause ..." yes; "Bern", "BC", "B2", "(B)", "A bill for ...", "I think ...", "x = 1" no). With
+    sentences=True (a task whose gold answers are themselves a letter and a sentence, such as the embedded
+    ScienceQA's "C because rain is wet"), a letter followed by a sentence on its line is a letter too."""
+    t = answer_text(text)
+    if not (t[:1].isalpha() and t[:1].isupper()):
+        return False
+    line = t[1:].split("\n", 1)[0]          # what follows the letter on its line
+    if line[:1].isalnum():                   # "Bern", "BC", "B2"
+        return False
+    words = line.split()
+    if line[:1].isspace() and words and words[0][:2].isalpha():  # "A bill ...", "I think ...", "C because ..."
+        return sentences
+    return True
+
+
+def letter_then_sentence(text: str) -> bool:
+    """A letter followed on its line by a space and a word ("C because rain is wet"): the shape that
+    is_letter_answer accepts only with sentences=True."""
+    return is_letter_answer(text, sentences=True) and not is_letter_answer(text)
 
 
 def diagnose(task: str, records: list) -> dict:
@@ -75,10 +95,12 @@ def diagnose(task: str, records: list) -> dict:
     if is_classification(task):
         pred = Counter(answer_letter(r["prediction"]) for r in records)
         gold = Counter(answer_letter(r["gold"]) for r in records)
-        letters = Counter(answer_letter(r["prediction"]) for r in records if is_letter_answer(r["prediction"]))
+        sentences = any(letter_then_sentence(r["gold"]) for r in records)  # the gold answers explain themselves
+        letters = Counter(answer_letter(r["prediction"]) for r in records
+                          if is_letter_answer(r["prediction"], sentences))
         top, top_n = min(letters.items(), key=lambda kc: (-kc[1], kc[0]), default=("", 0))
         gold_major = max(gold.values()) / n
-        off = [r for r in records if r["prediction"].strip() and not is_letter_answer(r["prediction"])]
+        off = [r for r in records if r["prediction"].strip() and not is_letter_answer(r["prediction"], sentences)]
         example = min(Counter(r["prediction"].strip()[:EXAMPLE_CHARS] for r in off).items(),
                       key=lambda kc: (-kc[1], kc[0]), default=("", 0))[0]
         out.update(labels=_ranked(pred, n), gold_labels=_ranked(gold, n), top_label=top, top_rate=top_n / n,
@@ -93,12 +115,14 @@ def warnings(diag: dict) -> list:
     """The reasons (strings) to distrust one (stage, task) score; empty when nothing is flagged."""
     out = []
     if diag.get("collapsed"):
-        out.append(f"predictions collapsed to {diag['top_label']!r} ({diag['top_rate']:.0%} of answers; gold "
-                   f"majority class {diag['gold_majority_rate']:.0%})")
+        gold = diag["gold_labels"].get(diag["top_label"], 0.0)
+        out.append(f"predictions collapsed to {diag['top_label']!r} ({diag['top_rate']:.0%} of answers, {gold:.0%} "
+                   f"of the gold answers; gold majority class {diag['gold_majority_rate']:.0%})")
     if diag.get("off_format", 0.0) >= OFF_FORMAT_WARN:
         hits = diag["off_format_hits"]
+        share = f"{hits:.0%}" if hits >= 0.01 else f"{hits:.1%}"  # 1 of 300 reads 0.3%, not 0%
         out.append(f"{diag['off_format']:.0%} of answers are not a letter (most often "
-                   f"{diag['off_format_example']!r})" + (f", {hits:.0%} of answers score by their first character "
+                   f"{diag['off_format_example']!r})" + (f", {share} of answers score by their first character "
                                                          f"alone" if hits else ""))
     if diag["empty"] >= EMPTY_WARN:
         out.append(f"{diag['empty']:.0%} empty responses")

@@ -47,13 +47,17 @@ RULES = 1
 # Classification: C-STANCE, FOMC, ScienceQA
 
 
-def answer_letter(text: str) -> str:
-    """The answer character: the first non-space character after "Answer:" when the text starts with it
-    (TRACE's ScienceQA answers read "Answer: A\\nBecause ..."), else the first non-space character."""
+def answer_text(text: str) -> str:
+    """The response stripped, and without a leading "Answer:" (TRACE's ScienceQA answers read
+    "Answer: A\\nBecause ...")."""
     t = text.strip()
-    if t.startswith("Answer:"):
-        t = t[len("Answer:"):].strip()
-    return t[:1]
+    return t[len("Answer:"):].strip() if t.startswith("Answer:") else t
+
+
+def answer_letter(text: str) -> str:
+    """The answer character: the first non-space character of answer_text (after "Answer:" when the text starts
+    with it)."""
+    return answer_text(text)[:1]
 
 
 def letter_accuracy(prediction: str, gold: str, prompt: str = "") -> float:

@@ -461,7 +461,7 @@ def test_diagnostics_and_warnings_in_the_report(tmp_path):
     res = with_diagnostics(RESULTS)
     lines = warning_lines(res)
     assert lines[:2] == ["WARNING replay, after stage 2 (FOMC), task C-STANCE: seed 0: predictions collapsed to 'C' "
-                         "(100% of answers; gold majority class 50%)",
+                         "(100% of answers, 0% of the gold answers; gold majority class 50%)",
                          "WARNING replay, after stage 2 (FOMC), task FOMC: seed 0: 100% of responses hit the "
                          "max-new-tokens cap"]
     md = write_report(res, tmp_path).read_text()

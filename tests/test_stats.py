@@ -206,7 +206,7 @@ def test_collapsed_classification_task_is_flagged():
     assert d["n"] == 20 and d["top_label"] == "C" and d["top_rate"] == 0.95 and d["gold_majority_rate"] == 0.5
     assert d["labels"] == {"C": 0.95, "B": 0.05} and d["gold_labels"] == {"A": 0.5, "B": 0.3, "C": 0.2}
     assert d["collapsed"] is True
-    assert warnings(d) == ["predictions collapsed to 'C' (95% of answers; gold majority class 50%)"]
+    assert warnings(d) == ["predictions collapsed to 'C' (95% of answers, 20% of the gold answers; gold majority class 50%)"]
 
 
 def test_collapse_needs_a_balanced_gold_and_a_real_label():
@@ -232,8 +232,16 @@ def test_collapse_needs_a_balanced_gold_and_a_real_label():
 def test_letter_alone():
     for text in ["B", " B ", "B.", "B. against", "B)", "B\n", "Answer: B", "Answer: B\nBecause it is.", "C,", "D"]:
         assert is_letter_answer(text), text
-    for text in ["Bern", "Anna sah Bücher", "BC", "B2", "Acouncil BIRD", "AAAA", "(B)", "5", ".", "", "Answer:"]:
+    for text in ["B (against)", "B - against", "A 5", "C\nright", "Ä"]:  # no word after a space: a letter
+        assert is_letter_answer(text), text
+    for text in ["Bern", "Anna sah Bücher", "BC", "B2", "Acouncil BIRD", "AAAA", "(B)", "5", ".", "", "Answer:",
+                 "A bill for an ordinance", "I think it is B", "B against", "x = 1", "b", "Answer: A council"]:
         assert not is_letter_answer(text), text
+    # a task whose gold answers are a letter and a sentence ("C because rain is wet") accepts that shape
+    for text in ["C because rain is wet", "A bill for an ordinance", "B. against"]:
+        assert is_letter_answer(text, sentences=True), text
+    for text in ["Bern", "(B)", "x = 1", "A5 because"]:
+        assert not is_letter_answer(text, sentences=True), text
 
 
 def test_off_format_answers_and_their_first_character_hits():
@@ -255,14 +263,31 @@ def test_off_format_answers_and_their_first_character_hits():
     assert diagnose("FOMC", below)["off_format"] == 0.2 == OFF_FORMAT_WARN
     assert warnings(diagnose("FOMC", below)) == ["20% of answers are not a letter (most often 'Bern')"]
     assert warnings(diagnose("FOMC", below[1:] + [rec("A", "A")])) == []  # 15%: below the threshold
+    # a share of hits that rounds to 0% still reads as a share: 1 of 300 answers
+    few = diagnose("FOMC", [rec("Bern", "B")] + [rec("Bern", "A")] * 99 + [rec("A", "A")] * 200)
+    assert few["off_format_hits"] == 1 / 300 and warnings(few) == [
+        "33% of answers are not a letter (most often 'Bern'), 0.3% of answers score by their first character alone"]
     # a letter is in format, right or wrong: "D" to every prompt is a collapse, not off-format
     dd = diagnose("ScienceQA", [rec("D", g) for g in "ABCABC"])
     assert dd["off_format"] == 0.0 and dd["off_format_example"] == "" and dd["collapsed"] is True
-    assert warnings(dd) == ["predictions collapsed to 'D' (100% of answers; gold majority class 33%)"]
+    assert warnings(dd) == ["predictions collapsed to 'D' (100% of answers, 0% of the gold answers; gold "
+                            "majority class 33%)"]
     # German answers throughout read 'A' or 'B' by their first character: off-format, not a collapse to 'A'
     g = diagnose("FOMC", [rec("Anna sah Bücher", "A")] * 19 + [rec("B", "B")])
     assert g["labels"] == {"A": 0.95, "B": 0.05} and g["top_label"] == "B" and g["top_rate"] == 0.05
     assert g["collapsed"] is False and g["off_format"] == 0.95 and g["off_format_hits"] == 0.95
+    # nor is an English sentence that opens with a one-letter word ('A bill ...', the shape of MeetingBank's answers)
+    bill = diagnose("C-STANCE", [rec("A bill for an ordinance", "A")] * 10 + [rec("I think so", "B")] * 10)
+    assert bill["off_format"] == 1.0 and bill["top_label"] == "" and bill["collapsed"] is False
+    # the gold answers' shape decides whether a letter and a sentence is in format: the embedded ScienceQA's gold
+    # answers read "C because rain is wet", so "B because snow is cold" is a letter there (and "A bill ..." reads as
+    # an 'A'); FOMC's are letters alone, so an FOMC answer in ScienceQA's shape is off-format (scored by its 'A')
+    sq = diagnose("ScienceQA", [rec("B because snow is cold", "B because snow is cold"),
+                                rec("A bill for an ordinance", "C because rain is wet"), rec("Bern", "A because x")])
+    assert sq["off_format"] == 1 / 3 and sq["off_format_example"] == "Bern" and sq["labels"] == {
+        "A": 1 / 3, "B": 2 / 3} and sq["top_label"] == "A" and sq["top_rate"] == 1 / 3
+    fomc = diagnose("FOMC", [rec("A because rain is wet", "A")] * 3 + [rec("B", "B")])
+    assert fomc["off_format"] == 0.75 == fomc["off_format_hits"] and fomc["top_label"] == "B"
     # not a classification task: no off-format numbers
     assert "off_format" not in diagnose("NumGLUE-cm", [rec("Anna 12", "12")])
 
