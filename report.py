@@ -685,8 +685,9 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
         out += [f"Flags: a classification task's predictions collapsed = one label, answered as a letter alone, is "
                 f">= {COLLAPSE_RATE:.0%} of all answers while that label is < {COLLAPSE_RATE:.0%} of the gold answers; "
                 f"off-format >= {OFF_FORMAT_WARN:.0%} (non-empty answers such as 'Anna sah ...', 'A bill ...' or 'A5' "
-                f"instead of a letter: a first-character rule reads them as the letter they start with, and the "
-                f"warning says how much of the score that is); empty >= "
+                f"instead of a letter, unless the task's gold answers are themselves a letter and a sentence: a "
+                f"first-character rule reads them as the letter they start with, and the warning says how much of the "
+                f"score that is); empty >= "
                 f"{EMPTY_WARN:.0%}; length-capped (stopped at max-new-tokens) >= {LENGTH_WARN:.0%}.", ""]
     out += [*mechanism_section(results), ""]
     if figures:

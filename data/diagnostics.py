@@ -2,8 +2,8 @@
 
 A score alone cannot tell "forgot the task" from "answers the majority class to everything" or "runs into the
 token cap". run.py computes these numbers from each evaluation's predictions.jsonl (fields prediction, gold,
-finish_reason, num_tokens), stores them in results.json, and report.py prints them next to the accuracy matrix
-with one warning line per flagged (method, stage, task).
+finish_reason, num_tokens, score), stores them in results.json, and report.py prints them next to the accuracy
+matrix with one warning line per flagged (method, stage, task).
 
     diagnose(task, records) -> {"n", "empty", "length_capped", "mean_tokens",                      # every task
                                 "labels", "gold_labels", "top_label", "top_rate", "gold_majority_rate",
@@ -22,21 +22,23 @@ answering it "C" throughout is a collapse; answering it "Anna sah ..." throughou
 
 A first-character rule (the lenient and the paper conventions) reads any text as a label: a model that forgot a
 letter task and answers it "Anna sah Bücher in Bern ." scores as if it had answered "A". So each classification task
-also reports its OFF-FORMAT answers: non-empty responses that are not a letter alone (is_letter_answer: after an
-optional "Answer:", an upper-case letter that is followed, on its line, by nothing, by punctuation, or by a space and
-then no word of two or more letters: "B", "B.", "B. against", "B (against)", "Answer: B\nBecause ..." are letters,
-right or wrong; "Anna ...", "AC", "A5", "(A)", "A bill for ...", "I think ...", "x = 1" are not; where the task's
-gold answers are a letter and a sentence, as the embedded ScienceQA's "C because rain is wet", a letter and a
-sentence is a letter too, so there "A bill for ..." reads as "A": its shape is the gold answers'), the share of all
-responses that are off-format yet scored (the record's "score" > 0: accuracy that is the first character's accident),
-and the most frequent off-format response (its first EXAMPLE_CHARS characters).
+also reports its OFF-FORMAT answers: non-empty responses that are not a letter alone (answer_shape: after an
+optional "Answer:", an upper-case letter A-Z followed, on its line, by nothing, by punctuation, or by a space and then
+no word: "B", "B.", "B. against", "B (against)", "Answer: B\nBecause ..." are letters, right or wrong; "Anna ...",
+"AC", "A5", "(A)", "A bill for ...", "I think ...", "x = 1" are not; where the task's gold answers are a letter and a
+sentence, as the embedded ScienceQA's "C because rain is wet", a gold letter and a sentence is a letter too, so there
+"A bill for ..." reads as "A": its shape is the gold answers'), the share of all responses that are off-format yet
+scored (the record's "score" > 0: accuracy that is the first character's accident), and the most frequent off-format
+response (its first EXAMPLE_CHARS characters).
 """
+import string
 from collections import Counter
 
 from data.metrics import answer_letter, answer_text
 from data.tasks import get_task
 
 # ---- thresholds of the warnings --------------------------------------------------------------------------------
+LABELS = string.ascii_uppercase  # the letters a label can be (TRACE's and the embedded tasks' are A-D)
 COLLAPSE_RATE = 0.9    # one label takes >= 90% of the responses (and not >= 90% of the gold answers)
 EMPTY_WARN = 0.2       # >= 20% of the responses are empty (all whitespace)
 LENGTH_WARN = 0.2      # >= 20% of the responses stopped at the max-new-tokens cap (finish_reason "length")
@@ -55,28 +57,30 @@ def _ranked(counter: Counter, n: int) -> dict:
     return {k: c / n for k, c in sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))}
 
 
-def is_letter_answer(text: str, sentences: bool = False) -> bool:
-    """Whether a response is a letter alone: its answer character (answer_letter) is an upper-case letter (the
-    labels' case) that starts neither a longer token nor a sentence ("B", "B. against", "B (against)",
-    "Answer: B\nBecause ..." yes; "Bern", "BC", "B2", "(B)", "A bill for ...", "I think ...", "x = 1" no). With
-    sentences=True (a task whose gold answers are themselves a letter and a sentence, such as the embedded
-    ScienceQA's "C because rain is wet"), a letter followed by a sentence on its line is a letter too."""
+def answer_shape(text: str) -> str:
+    """The shape of a response to a letter task, after an optional "Answer:" (answer_text):
+    "letter"   a label letter (LABELS) followed, on its line, by nothing, by punctuation, or by a space and then no
+               word ("B", "B.", "B. against", "B (against)", "A 5", "Answer: B\nBecause ...");
+    "sentence" a label letter followed on its line by a space and a word, a token that is one letter or starts with
+               two ("A bill for ...", "I think ...", "C because rain is wet", "A B");
+    "other"    anything else ("", "Bern", "BC", "B2", "(B)", "x = 1", "b", "Ä")."""
     t = answer_text(text)
-    if not (t[:1].isalpha() and t[:1].isupper()):
-        return False
-    line = t[1:].split("\n", 1)[0]          # what follows the letter on its line
-    if line[:1].isalnum():                   # "Bern", "BC", "B2"
-        return False
+    if not t or t[0] not in LABELS:
+        return "other"
+    line = t[1:].splitlines()[0] if t[1:] else ""  # what follows the letter on its line
+    if line[:1].isalnum():                          # "Bern", "BC", "B2"
+        return "other"
     words = line.split()
-    if line[:1].isspace() and words and words[0][:2].isalpha():  # "A bill ...", "I think ...", "C because ..."
-        return sentences
-    return True
+    return "sentence" if line[:1].isspace() and words and words[0][:2].isalpha() else "letter"
 
 
-def letter_then_sentence(text: str) -> bool:
-    """A letter followed on its line by a space and a word ("C because rain is wet"): the shape that
-    is_letter_answer accepts only with sentences=True."""
-    return is_letter_answer(text, sentences=True) and not is_letter_answer(text)
+def is_letter_answer(text: str, sentences: str = "") -> bool:
+    """Whether a response is in a letter task's format: a letter alone (answer_shape "letter"), or a letter and a
+    sentence when that letter is in `sentences`, the letters whose gold answers on this task are themselves a
+    letter and a sentence (the embedded ScienceQA's "C because rain is wet": there "A bill for ..." reads as "A",
+    "I think ..." does not)."""
+    shape = answer_shape(text)
+    return shape == "letter" or (shape == "sentence" and answer_text(text)[0] in sentences)
 
 
 def diagnose(task: str, records: list) -> dict:
@@ -95,7 +99,8 @@ def diagnose(task: str, records: list) -> dict:
     if is_classification(task):
         pred = Counter(answer_letter(r["prediction"]) for r in records)
         gold = Counter(answer_letter(r["gold"]) for r in records)
-        sentences = any(letter_then_sentence(r["gold"]) for r in records)  # the gold answers explain themselves
+        sentences = "".join(sorted({answer_letter(r["gold"]) for r in records  # gold answers that explain
+                                    if answer_shape(r["gold"]) == "sentence"}))
         letters = Counter(answer_letter(r["prediction"]) for r in records
                           if is_letter_answer(r["prediction"], sentences))
         top, top_n = min(letters.items(), key=lambda kc: (-kc[1], kc[0]), default=("", 0))

@@ -71,8 +71,8 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
     """Records of a JSON list file or a JSON Lines file (whichever the text is: a list starts with '[').
 
     Each record must be an object holding every `required` field as a string (or the type, or tuple of types, in
-    `types`), and at least one of the `any_of` fields as a string when given. Every problem raises ValueError naming the file,
-    the record number (0-based; blank JSONL lines are skipped), the line for JSON Lines, and the field.
+    `types`), and at least one of the `any_of` fields as a string when given. Every problem raises ValueError naming
+    the file, the record number (0-based; blank JSONL lines are skipped), the line for JSON Lines, and the field.
     With locate=True, returns (where, record) pairs, where = "<file>: record i[ (line n)]", for later errors.
     """
     path = Path(path)

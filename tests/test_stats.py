@@ -9,7 +9,7 @@ import statistics
 import numpy as np
 import pytest
 
-from data.diagnostics import COLLAPSE_RATE, OFF_FORMAT_WARN, diagnose, is_letter_answer, warnings
+from data.diagnostics import COLLAPSE_RATE, OFF_FORMAT_WARN, answer_shape, diagnose, is_letter_answer, warnings
 from data.metrics import acc_bwt, letter_accuracy
 from data.stats import (bootstrap_acc_bwt, bootstrap_indices, excludes_zero, known_std_interval, mean_std, noise_sources,
                         paired_differences, percentile_interval, t_interval, t_quantile)
@@ -206,7 +206,8 @@ def test_collapsed_classification_task_is_flagged():
     assert d["n"] == 20 and d["top_label"] == "C" and d["top_rate"] == 0.95 and d["gold_majority_rate"] == 0.5
     assert d["labels"] == {"C": 0.95, "B": 0.05} and d["gold_labels"] == {"A": 0.5, "B": 0.3, "C": 0.2}
     assert d["collapsed"] is True
-    assert warnings(d) == ["predictions collapsed to 'C' (95% of answers, 20% of the gold answers; gold majority class 50%)"]
+    assert warnings(d) == ["predictions collapsed to 'C' (95% of answers, 20% of the gold answers; gold majority "
+                           "class 50%)"]
 
 
 def test_collapse_needs_a_balanced_gold_and_a_real_label():
@@ -232,16 +233,19 @@ def test_collapse_needs_a_balanced_gold_and_a_real_label():
 def test_letter_alone():
     for text in ["B", " B ", "B.", "B. against", "B)", "B\n", "Answer: B", "Answer: B\nBecause it is.", "C,", "D"]:
         assert is_letter_answer(text), text
-    for text in ["B (against)", "B - against", "A 5", "C\nright", "Ä"]:  # no word after a space: a letter
+    for text in ["B (against)", "B - against", "A 5", "C\nright", "C\r\nright", "A\u2028bill"]:  # no word after a space
         assert is_letter_answer(text), text
     for text in ["Bern", "Anna sah Bücher", "BC", "B2", "Acouncil BIRD", "AAAA", "(B)", "5", ".", "", "Answer:",
-                 "A bill for an ordinance", "I think it is B", "B against", "x = 1", "b", "Answer: A council"]:
+                 "A bill for an ordinance", "I think it is B", "B against", "x = 1", "b", "Answer: A council", "Ä",
+                 "A B", "C I think"]:
         assert not is_letter_answer(text), text
-    # a task whose gold answers are a letter and a sentence ("C because rain is wet") accepts that shape
+    assert [answer_shape(t) for t in ["B. against", "A bill", "Bern", ""]] == ["letter", "sentence", "other", "other"]
+    # a task whose gold answers are a letter and a sentence ("C because rain is wet") accepts that shape for its
+    # gold letters
     for text in ["C because rain is wet", "A bill for an ordinance", "B. against"]:
-        assert is_letter_answer(text, sentences=True), text
-    for text in ["Bern", "(B)", "x = 1", "A5 because"]:
-        assert not is_letter_answer(text, sentences=True), text
+        assert is_letter_answer(text, sentences="ABC"), text
+    for text in ["Bern", "(B)", "x = 1", "A5 because", "I think it is hot", "D because"]:
+        assert not is_letter_answer(text, sentences="ABC"), text
 
 
 def test_off_format_answers_and_their_first_character_hits():
@@ -283,9 +287,10 @@ def test_off_format_answers_and_their_first_character_hits():
     # answers read "C because rain is wet", so "B because snow is cold" is a letter there (and "A bill ..." reads as
     # an 'A'); FOMC's are letters alone, so an FOMC answer in ScienceQA's shape is off-format (scored by its 'A')
     sq = diagnose("ScienceQA", [rec("B because snow is cold", "B because snow is cold"),
-                                rec("A bill for an ordinance", "C because rain is wet"), rec("Bern", "A because x")])
-    assert sq["off_format"] == 1 / 3 and sq["off_format_example"] == "Bern" and sq["labels"] == {
-        "A": 1 / 3, "B": 2 / 3} and sq["top_label"] == "A" and sq["top_rate"] == 1 / 3
+                                rec("A bill for an ordinance", "C because rain is wet"), rec("Bern", "A because x"),
+                                rec("I think so", "A because x")])  # 'I' is no gold letter: off-format
+    assert sq["off_format"] == 2 / 4 and sq["off_format_example"] == "Bern" and sq["labels"] == {
+        "B": 2 / 4, "A": 1 / 4, "I": 1 / 4} and sq["top_label"] == "A" and sq["top_rate"] == 1 / 4
     fomc = diagnose("FOMC", [rec("A because rain is wet", "A")] * 3 + [rec("B", "B")])
     assert fomc["off_format"] == 0.75 == fomc["off_format_hits"] and fomc["top_label"] == "B"
     # not a classification task: no off-format numbers
