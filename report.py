@@ -687,7 +687,8 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
                 f"off-format >= {OFF_FORMAT_WARN:.0%} (non-empty answers such as 'Anna sah ...', 'A bill ...' or 'A5' "
                 f"instead of a letter, unless the task's gold answers are themselves a letter and a sentence: a "
                 f"first-character rule reads them as the letter they start with, and the warning says how much of the "
-                f"score that is); empty >= "
+                f"score that is, and how much chance would give: the hits expected if those answers' first characters "
+                f"were unrelated to their gold labels); empty >= "
                 f"{EMPTY_WARN:.0%}; length-capped (stopped at max-new-tokens) >= {LENGTH_WARN:.0%}.", ""]
     out += [*mechanism_section(results), ""]
     if figures:

@@ -7,7 +7,8 @@ matrix with one warning line per flagged (method, stage, task).
 
     diagnose(task, records) -> {"n", "empty", "length_capped", "mean_tokens",                      # every task
                                 "labels", "gold_labels", "top_label", "top_rate", "gold_majority_rate",
-                                "collapsed", "off_format", "off_format_hits", "off_format_example"}  # classification
+                                "collapsed", "off_format", "off_format_hits", "off_format_chance",
+                                "off_format_example"}                                                # classification
     warnings(diag) -> ["predictions collapsed to 'C' (95% of answers, 20% of the gold answers; gold majority class
                         46%)", ...]
 
@@ -28,8 +29,11 @@ no word: "B", "B.", "B. against", "B (against)", "Answer: B\nBecause ..." are le
 "AC", "A5", "(A)", "A bill for ...", "I think ...", "x = 1" are not; where the task's gold answers are a letter and a
 sentence, as the embedded ScienceQA's "C because rain is wet", a gold letter and a sentence is a letter too, so there
 "A bill for ..." reads as "A": its shape is the gold answers'), the share of all responses that are off-format yet
-scored (the record's "score" > 0: accuracy that is the first character's accident), and the most frequent off-format
-response (its first EXAMPLE_CHARS characters).
+scored (the record's "score" > 0: accuracy only a first-character rule gives), the share of all responses such hits
+would be if the off-format answers' first characters were unrelated to their gold labels (off_format_chance: the sum
+over letters of the two letter counts among them, over their number; hits near it are chance, as "Anna ..." read as
+"A"; hits above it mean the first character carries some of the answer, as "Ccouncil ..." to a gold "C"), and the
+most frequent off-format response (its first EXAMPLE_CHARS characters).
 """
 import string
 from collections import Counter
@@ -108,12 +112,18 @@ def diagnose(task: str, records: list) -> dict:
         off = [r for r in records if r["prediction"].strip() and not is_letter_answer(r["prediction"], sentences)]
         example = min(Counter(r["prediction"].strip()[:EXAMPLE_CHARS] for r in off).items(),
                       key=lambda kc: (-kc[1], kc[0]), default=("", 0))[0]
+        first, gold_off = (Counter(answer_letter(r[k]) for r in off) for k in ("prediction", "gold"))
+        chance = sum(first[c] * gold_off[c] for c in first) / len(off) / n if off else 0.0
         out.update(labels=_ranked(pred, n), gold_labels=_ranked(gold, n), top_label=top, top_rate=top_n / n,
                    gold_majority_rate=gold_major,
                    collapsed=bool(top) and top_n / n >= COLLAPSE_RATE and gold[top] / n < COLLAPSE_RATE,
                    off_format=len(off) / n, off_format_hits=sum(r["score"] > 0 for r in off) / n,
-                   off_format_example=example)
+                   off_format_chance=chance, off_format_example=example)
     return out
+
+
+def _share(rate: float) -> str:
+    return f"{rate:.0%}" if rate >= 0.01 or rate == 0 else f"{rate:.1%}"  # 1 of 300 reads 0.3%, not 0%
 
 
 def warnings(diag: dict) -> list:
@@ -124,11 +134,10 @@ def warnings(diag: dict) -> list:
         out.append(f"predictions collapsed to {diag['top_label']!r} ({diag['top_rate']:.0%} of answers, {gold:.0%} "
                    f"of the gold answers; gold majority class {diag['gold_majority_rate']:.0%})")
     if diag.get("off_format", 0.0) >= OFF_FORMAT_WARN:
-        hits = diag["off_format_hits"]
-        share = f"{hits:.0%}" if hits >= 0.01 else f"{hits:.1%}"  # 1 of 300 reads 0.3%, not 0%
-        out.append(f"{diag['off_format']:.0%} of answers are not a letter (most often "
-                   f"{diag['off_format_example']!r})" + (f", {share} of answers score by their first character "
-                                                         f"alone" if hits else ""))
+        hits, chance = diag["off_format_hits"], diag.get("off_format_chance")  # results.json of earlier code lack it
+        out.append(f"{diag['off_format']:.0%} of answers are not a letter (most often {diag['off_format_example']!r})"
+                   + (f", {_share(hits)} of answers score by their first character alone" if hits else "")
+                   + (f" (chance {_share(chance)})" if hits and chance is not None else ""))
     if diag["empty"] >= EMPTY_WARN:
         out.append(f"{diag['empty']:.0%} empty responses")
     if diag["length_capped"] >= LENGTH_WARN:

@@ -477,7 +477,7 @@ def test_diagnostics_and_warnings_in_the_report(tmp_path):
     assert "| 3: MeetingBank | A 50% | A 75%, off-format 50% ! | ok |" in replay
     assert lines[2] == ("WARNING replay, after stage 3 (MeetingBank), task FOMC: seed 1: 100% of answers are not a "
                         "letter (most often 'Anna sah Bücher in Bern .'), 50% of answers score by their first "
-                        "character alone")
+                        "character alone (chance 50%)")
     # empty answers are not a label: the cell pools seed 0 (A 50%, B 50%) with seed 1 (all empty, all capped)
     opr = md[md.index("### opr-ru"):]
     assert "| 3: MeetingBank | A 25%, empty 50%, capped 50% ! | A 50% | ok |" in opr
@@ -485,7 +485,14 @@ def test_diagnostics_and_warnings_in_the_report(tmp_path):
         "WARNING opr-ru, after stage 3 (MeetingBank), task C-STANCE: seed 1: 100% empty responses, 100% of "
         "responses hit the max-new-tokens cap")
     # MeetingBank is not a classification task: no label, nothing to show but 'ok' (the last cells of both rows above)
-    # a results.json written before the off-format numbers existed reads as it did
+    # a results.json written before the chance existed: the hits without it; before the off-format numbers: as it did
+    for e in res["methods"].values():
+        for run in e["seeds"].values():
+            for stage in run["diagnostics"]:
+                for d in stage.values():
+                    d.pop("off_format_chance", None)
+    mid = write_report(res, tmp_path).read_text()
+    assert "50% of answers score by their first character alone\n" in mid and "(chance" not in mid
     for e in res["methods"].values():
         for run in e["seeds"].values():
             for stage in run["diagnostics"]:

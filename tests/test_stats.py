@@ -260,8 +260,17 @@ def test_off_format_answers_and_their_first_character_hits():
     assert d["off_format"] == 11 / 20 and d["off_format_hits"] == 5 / 20
     assert d["off_format_example"] == "Anna sah Bücher in Bern ."
     assert sum(r["score"] for r in map(rec, preds, golds)) / 20 == 40.0  # 8 hits: 5 of them off-format
+    # chance: first letters of the 11 off-format answers A 9, B 2; their gold letters A 5, B 4, C 2: (9*5 + 2*4) / 11
+    # hits expected if the two were unrelated, 4.8 of 20 answers: the German answers' hits are chance
+    assert d["off_format_chance"] == pytest.approx(53 / 11 / 20)
     assert warnings(d) == ["55% of answers are not a letter (most often 'Anna sah Bücher in Bern .'), 25% "
-                           "of answers score by their first character alone"]
+                           "of answers score by their first character alone (chance 24%)"]
+    # the right letter glued to other text ("Ccouncil" to a gold C, "council" to the others): hits above chance
+    cc = diagnose("FOMC", [rec("Ccouncil of school" if g == "C" else "council rejects", g) for g in "ABC" * 4])
+    assert cc["off_format"] == 1.0 and cc["off_format_hits"] == 4 / 12
+    assert cc["off_format_chance"] == pytest.approx(4 * 4 / 12 / 12)  # first C 4, c 8; gold A 4, B 4, C 4
+    assert warnings(cc) == ["100% of answers are not a letter (most often 'council rejects'), 33% of answers score "
+                            "by their first character alone (chance 11%)"]
     # off-format answers that never score (TRACE's whole-string rule, or wrong first characters): no hits clause
     below = [rec(p, g) for p, g in zip(["Bern"] * 4 + ["A"] * 16, ["A"] * 20)]
     assert diagnose("FOMC", below)["off_format"] == 0.2 == OFF_FORMAT_WARN
@@ -270,7 +279,8 @@ def test_off_format_answers_and_their_first_character_hits():
     # a share of hits that rounds to 0% still reads as a share: 1 of 300 answers
     few = diagnose("FOMC", [rec("Bern", "B")] + [rec("Bern", "A")] * 99 + [rec("A", "A")] * 200)
     assert few["off_format_hits"] == 1 / 300 and warnings(few) == [
-        "33% of answers are not a letter (most often 'Bern'), 0.3% of answers score by their first character alone"]
+        "33% of answers are not a letter (most often 'Bern'), 0.3% of answers score by their first character alone "
+        "(chance 0.3%)"]
     # a letter is in format, right or wrong: "D" to every prompt is a collapse, not off-format
     dd = diagnose("ScienceQA", [rec("D", g) for g in "ABCABC"])
     assert dd["off_format"] == 0.0 and dd["off_format_example"] == "" and dd["collapsed"] is True
@@ -292,7 +302,8 @@ def test_off_format_answers_and_their_first_character_hits():
     assert sq["off_format"] == 2 / 4 and sq["off_format_example"] == "Bern" and sq["labels"] == {
         "B": 2 / 4, "A": 1 / 4, "I": 1 / 4} and sq["top_label"] == "A" and sq["top_rate"] == 1 / 4
     fomc = diagnose("FOMC", [rec("A because rain is wet", "A")] * 3 + [rec("B", "B")])
-    assert fomc["off_format"] == 0.75 == fomc["off_format_hits"] and fomc["top_label"] == "B"
+    assert fomc["off_format"] == 0.75 == fomc["off_format_hits"] == fomc["off_format_chance"]
+    assert fomc["top_label"] == "B"
     # not a classification task: no off-format numbers
     assert "off_format" not in diagnose("NumGLUE-cm", [rec("Anna 12", "12")])
 
