@@ -56,9 +56,18 @@ def is_classification(task: str) -> bool:
     return get_task(task).metric in CLASSIFICATION_METRICS
 
 
+def _by_count(kc: tuple) -> tuple:
+    return -kc[1], kc[0]  # most frequent first, ties by key
+
+
 def _ranked(counter: Counter, n: int) -> dict:
     """{label: rate}, most frequent first (ties by label), so the JSON reads as a distribution."""
-    return {k: c / n for k, c in sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))}
+    return {k: c / n for k, c in sorted(counter.items(), key=_by_count)}
+
+
+def _mode(counter: Counter) -> tuple:
+    """(key, count) of the most frequent key (ties: the smallest); ("", 0) when the counter is empty."""
+    return min(counter.items(), key=_by_count, default=("", 0))
 
 
 def answer_shape(text: str) -> str:
@@ -78,13 +87,13 @@ def answer_shape(text: str) -> str:
     return "sentence" if line[:1].isspace() and words and words[0][:2].isalpha() else "letter"
 
 
-def is_letter_answer(text: str, sentences: str = "") -> bool:
+def is_letter_answer(text: str, sentences=frozenset()) -> bool:
     """Whether a response is in a letter task's format: a letter alone (answer_shape "letter"), or a letter and a
     sentence when that letter is in `sentences`, the letters whose gold answers on this task are themselves a
     letter and a sentence (the embedded ScienceQA's "C because rain is wet": there "A bill for ..." reads as "A",
     "I think ..." does not)."""
     shape = answer_shape(text)
-    return shape == "letter" or (shape == "sentence" and answer_text(text)[0] in sentences)
+    return shape == "letter" or (shape == "sentence" and answer_letter(text) in sentences)
 
 
 def diagnose(task: str, records: list) -> dict:
@@ -103,15 +112,12 @@ def diagnose(task: str, records: list) -> dict:
     if is_classification(task):
         pred = Counter(answer_letter(r["prediction"]) for r in records)
         gold = Counter(answer_letter(r["gold"]) for r in records)
-        sentences = "".join(sorted({answer_letter(r["gold"]) for r in records  # gold answers that explain
-                                    if answer_shape(r["gold"]) == "sentence"}))
-        letters = Counter(answer_letter(r["prediction"]) for r in records
-                          if is_letter_answer(r["prediction"], sentences))
-        top, top_n = min(letters.items(), key=lambda kc: (-kc[1], kc[0]), default=("", 0))
+        sentences = {answer_letter(r["gold"]) for r in records if answer_shape(r["gold"]) == "sentence"}
+        in_format = [is_letter_answer(r["prediction"], sentences) for r in records]
+        top, top_n = _mode(Counter(answer_letter(r["prediction"]) for r, ok in zip(records, in_format) if ok))
         gold_major = max(gold.values()) / n
-        off = [r for r in records if r["prediction"].strip() and not is_letter_answer(r["prediction"], sentences)]
-        example = min(Counter(r["prediction"].strip()[:EXAMPLE_CHARS] for r in off).items(),
-                      key=lambda kc: (-kc[1], kc[0]), default=("", 0))[0]
+        off = [r for r, ok in zip(records, in_format) if not ok and r["prediction"].strip()]
+        example = _mode(Counter(r["prediction"].strip()[:EXAMPLE_CHARS] for r in off))[0]
         first, gold_off = (Counter(answer_letter(r[k]) for r in off) for k in ("prediction", "gold"))
         chance = sum(first[c] * gold_off[c] for c in first) / len(off) / n if off else 0.0
         out.update(labels=_ranked(pred, n), gold_labels=_ranked(gold, n), top_label=top, top_rate=top_n / n,

@@ -486,19 +486,15 @@ def test_diagnostics_and_warnings_in_the_report(tmp_path):
         "responses hit the max-new-tokens cap")
     # MeetingBank is not a classification task: no label, nothing to show but 'ok' (the last cells of both rows above)
     # a results.json written before the chance existed: the hits without it; before the off-format numbers: as it did
-    for e in res["methods"].values():
-        for run in e["seeds"].values():
-            for stage in run["diagnostics"]:
-                for d in stage.values():
-                    d.pop("off_format_chance", None)
+    def drop(*keys):  # from every stored diagnosis
+        for d in (d for e in res["methods"].values() for run in e["seeds"].values()
+                  for stage in run["diagnostics"] for d in stage.values()):
+            for k in keys:
+                d.pop(k, None)
+    drop("off_format_chance")
     mid = write_report(res, tmp_path).read_text()
     assert "50% of answers score by their first character alone\n" in mid and "(chance" not in mid
-    for e in res["methods"].values():
-        for run in e["seeds"].values():
-            for stage in run["diagnostics"]:
-                for d in stage.values():
-                    for k in ("off_format", "off_format_hits", "off_format_example"):
-                        d.pop(k, None)
+    drop("off_format", "off_format_hits", "off_format_example")
     old = write_report(res, tmp_path).read_text()
     assert not re.search(r"off-format \d", old) and "are not a letter" not in old
     assert "| 3: MeetingBank | A 50% | A 75% | ok |" in old
