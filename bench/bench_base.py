@@ -54,11 +54,11 @@ def main():
             p.error("--n-examples/--epochs build a base of their own: give --out DIR")
         ckpt = Path(args.out)
         if not (ckpt / "config.json").exists():
-            base.TINY_TUNE = dict(base.TINY_TUNE, **{k: v for k, v in (("n_examples", args.n_examples),
-                                                                        ("epochs", args.epochs)) if v is not None})
+            tune = dict(base.TINY_TUNE, n_examples=args.n_examples or base.TINY_TUNE["n_examples"],
+                        epochs=args.epochs or base.TINY_TUNE["epochs"])
             t0 = time.perf_counter()
-            base.build_tiny(ckpt)
-            print(f"built {ckpt} with {base.TINY_TUNE} in {time.perf_counter() - t0:.1f} s")
+            base.build_tiny(ckpt, tune)
+            print(f"built {ckpt} with {tune} in {time.perf_counter() - t0:.1f} s")
     tok = ChatTokenizer.from_dir(ckpt)
     rng = random.Random("embedded/mixture/bench_base")
     examples = [_mixture_example(rng) for _ in range(args.n_prompts)]

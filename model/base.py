@@ -108,8 +108,10 @@ def write_random_tiny(out: Path, seed: int = 0):
     shutil.rmtree(src)
 
 
-def build_tiny(out: Path):
-    """Random tiny Llama -> instruction-tuned with train.py on the general mixture -> cached at `out`."""
+def build_tiny(out: Path, tune: dict = TINY_TUNE):
+    """Random tiny Llama -> instruction-tuned with train.py on the general mixture (`tune`: its size and
+    hyperparameters; ensure_base's cache name hashes TINY_TUNE, so another `tune` belongs in a directory of its own)
+    -> written at `out`."""
     from data.embedded import general_mixture
     from data.jsonl import write_jsonl
     from kernels import cpu_numerics
@@ -120,13 +122,13 @@ def build_tiny(out: Path):
     print(f"building the tiny base model in {out} (first use only)", flush=True)
     try:
         write_random_tiny(work / "random")
-        t = TINY_TUNE
-        mix = [{"prompt": r["prompt"], "response": r["answer"]} for r in general_mixture(t["n_examples"], t["seed"])]
+        mix = [{"prompt": r["prompt"], "response": r["answer"]}
+               for r in general_mixture(tune["n_examples"], tune["seed"])]
         write_jsonl(work / "mixture.jsonl", mix)
         cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), "--model", str(work / "random"),
-               "--data", str(work / "mixture.jsonl"), "--out", str(work / "tuned"), "--epochs", str(t["epochs"]),
-               "--lr", str(t["lr"]), "--global-batch", str(t["global_batch"]), "--max-len", "512",
-               "--micro-tokens", "4096", "--save-every", "0", "--seed", str(t["seed"])]
+               "--data", str(work / "mixture.jsonl"), "--out", str(work / "tuned"), "--epochs", str(tune["epochs"]),
+               "--lr", str(tune["lr"]), "--global-batch", str(tune["global_batch"]), "--max-len", "512",
+               "--micro-tokens", "4096", "--save-every", "0", "--seed", str(tune["seed"])]
         # a world of its own, even when called from rank 0 of a torchrun job
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         env.update(OMP_NUM_THREADS=str(BUILD_THREADS), MKL_NUM_THREADS=str(BUILD_THREADS), **cpu_numerics(True)[0],
