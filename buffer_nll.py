@@ -36,6 +36,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    from kernels import retain_freed_memory
+    retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     import torch
 
     from data.jsonl import check_output, read_records, write_json

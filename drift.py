@@ -79,6 +79,8 @@ def summarize(rows: list[dict]) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    from kernels import retain_freed_memory
+    retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     import torch
 
     from data.embedded import ensure_embedded

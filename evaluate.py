@@ -78,6 +78,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    from kernels import retain_freed_memory
+    retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     from tqdm import tqdm
 
     from data.embedded import ensure_embedded

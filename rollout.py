@@ -108,6 +108,8 @@ def logprob_check(ckpt, prompts, outs, k: int, seed: int) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    from kernels import retain_freed_memory
+    retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     from data.embedded import ensure_embedded
     from data.jsonl import check_output, write_json, write_jsonl
     from data.tasks import parse_tasks

@@ -53,6 +53,7 @@ from tqdm import tqdm
 from data.cli import InputError, Parser, UserError, float_in, int_at_least, main_cli
 from data.jsonl import check_output, read_records
 from data.packing import IGNORE, Example, collate, pack, plan_steps, tokenize_sft
+import kernels
 from kernels import attention, cross_entropy
 from model.checkpoint import load_config, load_into, replace_dir, save_checkpoint
 from model.tokenizer import ChatTokenizer
@@ -350,6 +351,7 @@ def load_state(model, opt, sched, workdir: Path, plan_id: str, teacher=None) -> 
 
 def main(argv=None):
     args = parse_args(argv)
+    kernels.retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     rank, world, device = setup_distributed()
     compute_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)

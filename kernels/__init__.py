@@ -1,5 +1,7 @@
-"""One public function per kernel; each picks a GPU library when present, pure torch otherwise. And what float
-results depend on besides the code: NUMERICS, the CPU (cpu_numerics)."""
+"""One public function per kernel; each picks a GPU library when present, pure torch otherwise. What float results
+depend on besides the code: NUMERICS, the CPU (cpu_numerics). And how a computing process takes its memory
+(retain_freed_memory)."""
+import ctypes
 import functools
 import os
 import platform
@@ -8,7 +10,8 @@ from pathlib import Path
 from kernels.attention import varlen_attention
 from kernels.cross_entropy import fused_linear_cross_entropy
 
-__all__ = ["varlen_attention", "fused_linear_cross_entropy", "NUMERICS", "backends", "cpu_numerics", "CPU_PINS"]
+__all__ = ["varlen_attention", "fused_linear_cross_entropy", "NUMERICS", "backends", "cpu_numerics", "CPU_PINS",
+           "retain_freed_memory"]
 
 
 def backends() -> dict:
@@ -81,3 +84,31 @@ def cpu_numerics(portable: bool) -> tuple[dict, dict]:
         return env, {"pins": env}
     import torch  # the CPU's own kernels (or a caller's setting that still follows the CPU, e.g. MKL_CBWR=AUTO)
     return env, {"pins": env, "model": cpu_model(), "isa": torch.backends.cpu.get_cpu_capability()}
+
+
+# glibc's malloc gives every block above its mmap threshold (128 KiB, rising to at most 32 MiB) its own mmap and
+# unmaps it when freed, so every training step and decode step gets its large tensors (activations, the lm_head's
+# and the embedding's gradients, logits) in fresh pages, which the kernel faults in and zeroes 4 KiB at a time
+# (~3.4 us a page on this VM; BENCHMARKS.md has what it costs a step). Floats do not change: PyTorch aligns every
+# tensor to 64 bytes either way. The price: the heap keeps its peak, plus what aligned blocks fragment (+1-5 % of
+# SmolLM2's training peak).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def retain_freed_memory() -> bool:
+    """A process that computes on the CPU: keep freed memory for the next allocation instead of returning it to the
+    OS (glibc: no mmap per large block, no trimming of the heap's top). Its memory stays at its peak until it exits,
+    which is what a step does. Not where CUDA is (host memory there is loading and staging, to be given back), nor
+    over a caller's own malloc settings in the environment. Returns whether it took effect (False on other C
+    libraries)."""
+    import torch
+    callers = any(k in os.environ for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"))
+    if torch.cuda.is_available() or callers or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))

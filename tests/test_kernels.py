@@ -470,3 +470,40 @@ def test_cpu_pins_reach_the_kernels():
     assert native[0] != pinned[0]  # the GEMM: MKL's reproducible COMPATIBLE branch, not this CPU's fastest code
     if torch.backends.cpu.get_cpu_capability() != "AVX2":
         assert native[1] != pinned[1]  # the softmax: ATen's AVX2 kernel, not this CPU's AVX-512 one
+
+
+RETAIN_CHILD = """
+import os, resource, sys
+import torch
+import kernels
+took = kernels.retain_freed_memory() if sys.argv[1] == "retain" else False
+def faults_of_one_round():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.ones(16 * 2**20)  # 64 MiB: above glibc's largest mmap threshold
+    del x
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+# the first rounds may grow the heap: an aligned block does not fit the freed one until free neighbours merge
+rounds = [faults_of_one_round() for _ in range(32)]
+print(took, sum(rounds[-8:]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+@pytest.mark.parametrize("mode", ["retain", "default", "caller"])
+def test_retain_freed_memory_reuses_pages_and_keeps_a_callers_malloc_settings(mode):
+    """After retain_freed_memory, a 64 MiB tensor allocated and freed again and again reuses the same pages (no page
+    faults once the heap has grown); without it, or when the caller set glibc's malloc in the environment, each one
+    gets fresh pages (16,384 faults of 4 KiB)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES"):
+        env.pop(k, None)
+    if mode == "caller":
+        env["MALLOC_TRIM_THRESHOLD_"] = "131072"  # glibc's default: the process keeps its mmaps per block
+    out = subprocess.run([sys.executable, "-c", RETAIN_CHILD, "retain" if mode != "default" else "no"], env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    took, faults = out[0] == "True", int(out[1])
+    assert took == (mode == "retain")
+    if took:
+        assert faults < 100
+    else:
+        assert faults >= 8 * 16384 * 0.9
