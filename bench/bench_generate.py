@@ -128,6 +128,8 @@ def main():
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    from kernels import retain_freed_memory
+    retain_freed_memory()  # as evaluate.py and rollout.py do (both engines run in this process)
     import transformers
 
     roof_before = machine_rooflines()  # measured again at the end: the higher of the two counts (load only lowers it)
