@@ -93,6 +93,7 @@ def cpu_numerics(portable: bool) -> tuple[dict, dict]:
 # tensor to 64 bytes either way. The price: the heap keeps its peak, plus what aligned blocks fragment (+1-5 % of
 # SmolLM2's training peak).
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")  # a caller's own settings
 
 
 def retain_freed_memory() -> bool:
@@ -102,8 +103,8 @@ def retain_freed_memory() -> bool:
     over a caller's own malloc settings in the environment. Returns whether it took effect (False on other C
     libraries)."""
     import torch
-    callers = any(k in os.environ for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"))
-    if torch.cuda.is_available() or callers or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+    callers = any(k in os.environ for k in MALLOC_ENV) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
+    if torch.cuda.is_available() or callers:
         return False
     try:
         libc = ctypes.CDLL(None)

@@ -494,9 +494,9 @@ def test_retain_freed_memory_reuses_pages_and_keeps_a_callers_malloc_settings(mo
     """After retain_freed_memory, a 64 MiB tensor allocated and freed again and again reuses the same pages (no page
     faults once the heap has grown); without it, or when the caller set glibc's malloc in the environment, each one
     gets fresh pages (16,384 faults of 4 KiB)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES"):
-        env.pop(k, None)
+    import kernels
+    env = {k: v for k, v in os.environ.items() if k not in (*kernels.MALLOC_ENV, "GLIBC_TUNABLES")}
+    env["PYTHONPATH"] = str(REPO)
     if mode == "caller":
         env["MALLOC_TRIM_THRESHOLD_"] = "131072"  # glibc's default: the process keeps its mmaps per block
     out = subprocess.run([sys.executable, "-c", RETAIN_CHILD, "retain" if mode != "default" else "no"], env=env,
