@@ -65,6 +65,39 @@ def test_varlen_sdpa_matches_naive_forward_and_backward(sdpa_backend, n_heads_q,
         torch.testing.assert_close(g.double(), r, rtol=0, atol=1e-5, msg=f"grad of {name}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_cpu_attention_node_is_bit_identical_to_the_sdpa_loop(sdpa_backend, dtype):
+    """On the CPU the document loop runs as one autograd node calling the flash kernel directly; its output and
+    gradients must be the bytes of SDPA called per document under autograd (what the loop did before, and what the
+    tiny base and the default's tables were built with)."""
+    torch.manual_seed(2)
+    lengths = [5, 1, 17, 2, 33, 9]
+    cu = cu_seqlens_of(lengths)
+    T, D = sum(lengths), 16
+
+    def leaves():
+        g = torch.Generator().manual_seed(3)
+        return [torch.randn(T, h, D, generator=g).to(dtype).requires_grad_() for h in (4, 2, 2)]
+
+    q, k, v = leaves()
+    out = varlen_attention(q, k, v, cu, max(lengths))
+    assert type(out.grad_fn).__name__ == "_CpuFlashLoopBackward"  # the node under test, not the loop it replaces
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+
+    rq, rk, rv = leaves()
+    bounds = cu.tolist()
+    ref = torch.cat([F.scaled_dot_product_attention(*(x[None, s:e].transpose(1, 2) for x in (rq, rk, rv)),
+                                                    is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+                     for s, e in zip(bounds[:-1], bounds[1:])])
+    ref_grads = torch.autograd.grad(ref, (rq, rk, rv), grad_out)
+    assert torch.equal(out, ref)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert torch.equal(g, r), f"grad of {name}"
+    with torch.no_grad():  # evaluation: the same output, no graph
+        assert torch.equal(varlen_attention(q, k, v, cu, max(lengths)), ref)
+
+
 def test_varlen_attention_never_crosses_documents(sdpa_backend):
     torch.manual_seed(1)
     lengths = [6, 7, 4]
