@@ -108,7 +108,7 @@ def run_loss(args) -> None:
 def run_attention(args) -> None:
     """Why kernels/attention.py feeds SDPA 4-D per-document tensors with enable_gqa: on CPU those take the flash
     kernel; 3-D ones (with or without the kv heads repeated by hand) take the math path."""
-    from kernels.attention import _sdpa
+    from kernels.attention import _sdpa, _sdpa_loop
     torch.manual_seed(0)
 
     def attend_3d(q, k, v, cu, repeat):
@@ -123,13 +123,6 @@ def run_attention(args) -> None:
                         .transpose(0, 1))
         return torch.cat(outs)
 
-    def attend_4d_loop(q, k, v, cu):
-        # the per-document SDPA loop under autograd (kernels/attention.py before it became one autograd node)
-        bounds = cu.tolist()
-        return torch.cat([F.scaled_dot_product_attention(*(x[None, s:e].transpose(1, 2) for x in (q, k, v)),
-                                                         is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-                          for s, e in zip(bounds[:-1], bounds[1:])])
-
     def attend_padded(q, k, v, cu):
         # one SDPA call: every document right-padded to the longest, [n_docs, H, L, D], is_causal. Exact for the
         # real positions (a query sees only earlier keys, never the padding after it); the padded rows are dropped
@@ -143,7 +136,7 @@ def run_attention(args) -> None:
 
     variants = {"3-D, kv repeated (before)": lambda *a: attend_3d(*a, repeat=True),
                 "3-D, enable_gqa": lambda *a: attend_3d(*a, repeat=False),
-                "4-D, enable_gqa, autograd loop": attend_4d_loop,
+                "4-D, enable_gqa, autograd loop": lambda q, k, v, cu: _sdpa_loop(q, k, v, cu.tolist()),  # before
                 "4-D, one autograd node (kernels/attention.py)": lambda q, k, v, cu: _sdpa(q, k, v, cu, None),
                 "one call, documents padded": attend_padded}
     print(f"\nvarlen SDPA fwd+bwd per packed micro-batch, CPU fp32, {torch.get_num_threads()} thread(s), median of "

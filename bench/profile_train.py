@@ -52,7 +52,7 @@ def main(argv=None):
 
     import kernels
     from bench.bench_train import model_dir, records
-    from data.packing import collate, tokenize_sft
+    from data.packing import IGNORE, collate, tokenize_sft
     from model.tokenizer import ChatTokenizer
     from train import build_model
 
@@ -71,7 +71,7 @@ def main(argv=None):
     def step(batch):
         ids, pos, tgt, cu, max_len = batch
         nll = model(ids, pos, labels=tgt, cu_seqlens=cu, max_seqlen=max_len)
-        (nll / max(int((tgt != -100).sum()), 1)).backward()
+        (nll / max(int((tgt != IGNORE).sum()), 1)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

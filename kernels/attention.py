@@ -61,12 +61,17 @@ def _sdpa(q, k, v, cu_seqlens, max_seqlen):
     bounds = cu_seqlens.tolist()
     if _cpu_flash_takes(q, k, v, bounds):
         return _CpuFlashLoop.apply(q, k, v, bounds)
+    return _sdpa_loop(q, k, v, bounds)
+
+
+def _sdpa_loop(q, k, v, bounds):
+    """SDPA per document under autograd (off the CPU; on it, _CpuFlashLoop gives the same bytes faster)."""
     gqa = q.shape[1] != k.shape[1]  # SDPA's grouping is flash-attn's: q head h uses kv head h // (Hq // Hkv)
     out = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         # [L, H, D] -> [1, H, L, D]: 4-D inputs take the CPU flash kernel, GQA included (3-D ones, or kv heads
         # repeated by hand, were ~1.9x slower per document, forward + backward: bench_loss_memory --attention)
-        qd, kd, vd = (x[None, start:end].transpose(1, 2) for x in (q, k, v))
+        qd, kd, vd = (_doc(x, start, end) for x in (q, k, v))
         out.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa)[0].transpose(0, 1))
     return torch.cat(out, dim=0)
 
