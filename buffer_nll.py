@@ -16,7 +16,7 @@ buffer (Vanilla Replay) has no log-probs, so this script computes them:
 """
 from pathlib import Path
 
-from data.cli import Parser, int_at_least, main_cli
+from pipeline.cli import Parser, int_at_least, main_cli
 
 # ---- defaults (each has a flag below) ----------------------------------------------------------------------------
 MAX_LEN = 2048   # pairs longer than this are dropped, as in training

@@ -29,7 +29,8 @@ import statistics
 import time
 from pathlib import Path
 
-from data.cli import InputError, Parser, float_in, int_at_least, main_cli, task_names
+from data.tasks import task_names
+from pipeline.cli import InputError, Parser, float_in, int_at_least, main_cli
 
 # ---- defaults (each has a flag below) ----------------------------------------------------------------------------
 LIMIT = 32             # test prompts per task: a few dozen keep the step cheap next to training

@@ -27,7 +27,8 @@ import statistics
 import time
 from pathlib import Path
 
-from data.cli import Parser, UserError, float_in, int_at_least, main_cli, task_names
+from data.tasks import task_names
+from pipeline.cli import Parser, UserError, float_in, int_at_least, main_cli
 
 # ---- defaults: the paper's evaluation setup (each has a flag below) ---------------------------------------------
 TEMPERATURE = 0.1      # as for rollouts: near-greedy

@@ -28,7 +28,7 @@ results.json (written by run.py's collect; JSON):
                                                             # (order of test_idx) its score averaged over eval
                                                             # repeats; the mean of a list is the matrix entry
                                                             # (to EXAMPLE_MEAN_TOL, checked)
-           "diagnostics": [{task: diag}, ...],              # optional, per stage: data.diagnostics.diagnose of
+           "diagnostics": [{task: diag}, ...],              # optional, per stage: reporting.diagnostics.diagnose of
                                                             # that evaluation's predictions (label distribution,
                                                             # collapse flag, off-format answers, empty /
                                                             # length-capped rates)
@@ -50,7 +50,7 @@ Sections of the report and the functions that make them:
     uncertainty(results)      95% intervals: per method (test-set bootstrap) and paired differences vs REFERENCES
                               per seed (t-interval over seeds, test-set bootstrap), with a "resolved" verdict
     noise_numbers(results)    where the seed spread of ACC and BWT comes from: each task's share, and the part more
-                              test prompts would remove (data.stats.noise_sources); noise_tables(...) shows it
+                              test prompts would remove (reporting.stats.noise_sources); noise_tables(...) shows it
     format_table(results)     the main table (Markdown; readable in a terminal), printed by run.py at the end
     delta_table(...)          paired differences against one reference method
     diagnostics_table(...)    degenerate answers next to each accuracy matrix; warning_lines(...) flags them
@@ -58,7 +58,7 @@ Sections of the report and the functions that make them:
     write_report(results, out_dir) -> out_dir/report.md, plus the figures next to it
 
 ACC and BWT come from data.metrics.acc_bwt, FWT / per-task forgetting / TRACE's OP and 1/N BWT from
-data.metrics.cl_metrics (FWT needs row0 and next_task), once per seed; statistics and intervals come from data.stats
+data.metrics.cl_metrics (FWT needs row0 and next_task), once per seed; statistics and intervals come from reporting.stats
 (its docstring says which noise each interval covers). "std" is the sample std over seeds (n-1). A method may have
 fewer stages than there are tasks (a run in progress): its ACC/BWT then cover the stages it has, and the tasks it
 has not reached show as "-".
@@ -79,9 +79,9 @@ from pathlib import Path
 
 import numpy as np
 
-from data.diagnostics import warnings as diagnostic_warnings
+from reporting.diagnostics import warnings as diagnostic_warnings
 from data.metrics import acc_bwt, cl_metrics
-from data.stats import (BOOTSTRAP_B, BOOTSTRAP_SEED, LEVEL, bootstrap_acc_bwt, bootstrap_indices, excludes_zero,
+from reporting.stats import (BOOTSTRAP_B, BOOTSTRAP_SEED, LEVEL, bootstrap_acc_bwt, bootstrap_indices, excludes_zero,
                         known_std_interval, mean_std, noise_sources, paired_differences, pearson,
                         percentile_interval, spearman, t_interval)
 
@@ -241,7 +241,7 @@ def _interval(xs):
 
 
 def uncertainty(results, summary=None, B: int = BOOTSTRAP_B, seed: int = BOOTSTRAP_SEED) -> dict:
-    """95% intervals for every method and every paired difference (data.stats says which noise each covers):
+    """95% intervals for every method and every paired difference (reporting.stats says which noise each covers):
 
     {"bootstrap": {"B", "seed", "sizes": {task: n}} or None,   # None: results.json has no per-example scores
      "methods": {m: {"acc_test": (lo, hi) | None, "bwt_test": (lo, hi) | None}},
@@ -339,7 +339,7 @@ def _noise_of(parts: list, n: int) -> dict:
 
 
 def noise_numbers(results, summary=None) -> dict:
-    """Where the seed spread of ACC and BWT comes from (data.stats.noise_sources): {label: {"acc": ..., "bwt": ...
+    """Where the seed spread of ACC and BWT comes from (reporting.stats.noise_sources): {label: {"acc": ..., "bwt": ...
     or None}}. One label per method with >= NOISE_MIN_SEEDS seeds, then "m − ref" for each paired difference against
     REFERENCES with as many paired seeds and stages (the spread that sets the width of its seed interval). ACC from
     the final row, BWT from final minus own-stage score of every task but the last, each with its per-example
@@ -681,7 +681,7 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
         if any(line.startswith(f"WARNING {m}, ") for line in flags):
             out.append("")
     if any(r.get("diagnostics") for e in results["methods"].values() for r in e["seeds"].values()):
-        from data.diagnostics import COLLAPSE_RATE, EMPTY_WARN, LENGTH_WARN, OFF_FORMAT_WARN
+        from reporting.diagnostics import COLLAPSE_RATE, EMPTY_WARN, LENGTH_WARN, OFF_FORMAT_WARN
         out += [f"Flags: a classification task's predictions collapsed = one label, answered as a letter alone, is "
                 f">= {COLLAPSE_RATE:.0%} of all answers while that label is < {COLLAPSE_RATE:.0%} of the gold answers; "
                 f"off-format >= {OFF_FORMAT_WARN:.0%} (non-empty answers such as 'Anna sah ...', 'A bill ...' or 'A5' "

@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from data.cli import Parser, UserError, float_in, int_at_least, main_cli, task_names
+from data.tasks import task_names
+from pipeline.cli import Parser, UserError, float_in, int_at_least, main_cli
 
 # ---- defaults: the paper's rollout setup (each has a flag below) -----------------------------------------------
 TEMPERATURE = 0.1      # near-greedy, so a rollout is the model's own most likely answer

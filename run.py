@@ -28,7 +28,7 @@ checkpoint that built it (score.py for OPR, buffer_nll.py for gold replay).
 
 Every step runs as a process of its own writing into a temporary directory that is renamed into runs/NAME/steps/
 and recorded in manifest.json when it succeeds (on CPU a fork of one zygote process that imported torch and the
-scripts once, data/zygote.py; OPR_NO_ZYGOTE=1 for a fresh interpreter per step: same results). A step's key hashes
+scripts once, pipeline/zygote.py; OPR_NO_ZYGOTE=1 for a fresh interpreter per step: same results). A step's key hashes
 everything that changes its numbers: its settings, the keys of the steps it reads, the content of the files it reads
 (data files, the base checkpoint; digests cached by size and mtime) and the numerics (CPU threads per step, torch
 version, kernels.NUMERICS, the CPU's model or --portable's pins). Identical work (e.g. stage 1 of every method) runs once, re-running the same command
@@ -51,37 +51,27 @@ CPU model a seed's table moves about as far as another seed moves it (the CPU mo
 """
 import argparse
 import faulthandler
-import fcntl
-import hashlib
 import json
 import os
-import re
-import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
-
-from tqdm import tqdm
 
 import drift
 import plan
 import rollout
 import train
 
-from data.cli import InputError, Parser, UserError, comma_list, float_in, int_at_least, main_cli, task_names
-from data.diagnostics import diagnose
 from data import metrics
-from data.digest import Digests
-from data.zygote import SCRIPTS, Zygote, die_with_parent
-from data.jsonl import check_output, fsync_dir, fsync_tree, read_records, write_json, write_jsonl
+from data.jsonl import check_output, read_records, write_json, write_jsonl
 from data.replay import replay_budget, replay_counts, select
-from data.tasks import get_task, parse_tasks
+from data.tasks import get_task, parse_tasks, task_names
 from data.trace import filter_overlong, load_task, task_file
 from model.tokenizer import ChatTokenizer
+from pipeline.cli import InputError, Parser, UserError, comma_list, float_in, int_at_least, main_cli
+from pipeline.steps import Pipeline
+from reporting.diagnostics import diagnose
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("sft", "replay", "opr-ru", "opr-sc", "opr-low", "opr-random", "mtl", "sdft", "sft-kl")
@@ -225,261 +215,6 @@ def parse_args(argv=None):
                                                           "method, FSDP2 memory per GPU (plan.py); run and write nothing")
     plan.add_arguments(p)
     return p.parse_args(argv)
-
-
-def stable_hash(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-class Pipeline:
-    """A DAG of subprocess steps, executed with `jobs` in parallel, each committed atomically to the manifest."""
-
-    def __init__(self, run_dir: Path, jobs: int, env: dict, quiet: bool, numerics: dict):
-        self.run_dir, self.jobs, self.env, self.quiet, self.numerics = run_dir, jobs, env, quiet, numerics
-        self.steps = {}  # key -> dict(kind, name, deps, build)
-        self.digests = Digests(run_dir / "digests.json")
-        self.manifest_path = run_dir / "manifest.json"
-        self.manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
-        self.lock = threading.Lock()
-        self.procs = set()  # running step processes (each the leader of its own process group)
-        self.stopping = False  # set by stop_children: a step that starts after it is killed at once
-        self.lock_fd = None
-        # CPU steps start as forks of one process that has imported torch and the scripts (data/zygote.py);
-        # OPR_NO_ZYGOTE=1 starts each as its own `python script.py` instead (slower, same results)
-        self.use_zygote = os.environ.get("OPR_NO_ZYGOTE", "") in ("", "0")
-        self.zygote = None
-
-    def add(self, kind: str, name: str, spec: dict, deps: list[str], build, reads=()) -> str:
-        """Register a step; `build(tmp_dir, dep_dirs) -> argv` writes its inputs and returns the command that
-        fills tmp_dir (or None when build itself produced the output). `spec` holds every setting that changes the
-        step's numbers, `deps` the steps whose outputs it reads, `reads` the other files and directories it reads
-        (their content goes into the key). Returns the step key (identical inputs -> identical keys -> run once)."""
-        key = f"{name}-{stable_hash([kind, spec, deps, self.numerics, self.digests.of(reads)])}"
-        self.steps.setdefault(key, dict(kind=kind, deps=deps, build=build, spec=spec))
-        return key
-
-    def dir(self, key: str) -> Path:
-        return self.run_dir / "steps" / key
-
-    def committed(self) -> set:
-        """The steps that are done: in the manifest, their directory present, every input done, and each input the
-        very execution the step read."""
-        memo = {}
-
-        def done(key):
-            if key not in memo:
-                rec = self.manifest.get(key)
-                memo[key] = rec is not None and self.dir(key).is_dir() and all(
-                    done(d) and rec.get("inputs", {}).get(d) == self.manifest[d].get("id")
-                    for d in self.steps[key]["deps"])
-            return memo[key]
-        return {k for k in self.steps if done(k)}
-
-    def run_step(self, key: str):
-        step, final = self.steps[key], self.dir(key)
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)  # a partial output is never reused
-        tmp.mkdir(parents=True)
-        t0 = time.time()
-        argv = step["build"](tmp, {d: self.dir(d) for d in step["deps"]})
-        rc = self.call(argv, tmp / "log.txt") if argv else 0
-        if rc != 0:
-            raise StepFailed(f"step {key} failed (exit {rc}): {last_error(tmp / 'log.txt')}; "
-                             f"full log: {tmp / 'log.txt'}")
-        fsync_tree(tmp)  # durable before the rename lists it: a power loss cannot leave a listed step truncated
-        with self.lock:  # a re-run (its directory was deleted, or it was stale): its old entry goes first, so that
-            if self.manifest.pop(key, None) is not None:  # a crash before the new one is written cannot leave
-                write_json(self.manifest_path, self.manifest)  # the new bytes listed under the old execution's id
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
-        with self.lock:
-            # "id" names this execution of the step, "inputs" the executions of the steps it read: a step whose
-            # input was re-run since (deleted by hand, possibly different bytes on a GPU) is stale, not done
-            self.manifest[key] = {"kind": step["kind"], "seconds": round(time.time() - t0, 2),
-                                  "id": os.urandom(8).hex(),
-                                  "inputs": {d: self.manifest[d].get("id") for d in step["deps"]}}
-            write_json(self.manifest_path, self.manifest)
-
-    def call(self, argv, log_path: Path) -> int:
-        """Run one step's command, its output to log_path. The child leads its own process group (so the driver
-        can stop it and everything it started), is SIGKILLed by the kernel if the driver dies (even by SIGKILL),
-        and holds the run directory's lock until it exits."""
-        script = Path(argv[1]) if len(argv) > 1 and argv[0] == sys.executable else None
-        if self.zygote is not None and script is not None and script.parent == HERE and script.stem in SCRIPTS:
-            child = ZygoteChild()
-
-            def started(pid):
-                child.pid = pid
-                with self.lock:
-                    self.procs.add(child)
-                    self.kill_if_stopping(pid)
-            try:
-                child.rc = self.zygote.run(script.stem, argv[2:], log_path, self.env, on_start=started)
-                return child.rc
-            finally:
-                child.done.set()
-                with self.lock:
-                    self.procs.discard(child)
-        with open(log_path, "w") as log:
-            # the parent-death signal fires when the forking *thread* ends: a pool thread, which lives until every
-            # step is done
-            parent = os.getpid()
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=HERE,
-                                    preexec_fn=lambda: die_with_parent(parent, new_session=True),
-                                    pass_fds=(self.lock_fd,))
-        with self.lock:
-            self.procs.add(proc)
-            self.kill_if_stopping(proc.pid)
-        try:
-            return proc.wait()
-        finally:
-            with self.lock:
-                self.procs.discard(proc)
-
-    def kill_if_stopping(self, pid: int):
-        """A step whose process appeared after stop_children took its list (a fork or spawn already under way when
-        Ctrl-C came) is SIGKILLed here, under self.lock, so that no step outlives the driver. Call with the lock."""
-        if self.stopping:
-            _signal_step(pid, signal.SIGKILL)
-
-    def stop_children(self):
-        """SIGTERM every running step's process group, SIGKILL what is left after 10 s; steps that start from now on
-        are killed as they appear (kill_if_stopping)."""
-        with self.lock:
-            self.stopping = True
-            procs = list(self.procs)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for p in procs:
-                _signal_step(p.pid, sig)
-            deadline = time.monotonic() + 10
-            procs = [p for p in procs if not _exited(p, deadline)]
-
-    def lock_run_dir(self):
-        """Create the run directory and hold its run.lock (flock) for as long as this driver or any step it started
-        lives, so a second run.py on the same directory is refused instead of racing them."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.run_dir / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + 5  # the steps of a driver killed a moment ago may still be exiting
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                    os.close(fd)
-                    raise UserError(f"{self.run_dir}: in use by another run.py (pid {holder}) or a step it started; "
-                                    f"stop it or wait for it, then re-run") from None
-                time.sleep(0.2)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.lock_fd = fd
-        self.manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
-
-    def execute(self):
-        committed = self.committed()  # grows as steps finish
-        todo = [k for k in self.steps if k not in committed]
-        if self.use_zygote and todo:  # started by this (the main) thread: it dies with the driver
-            self.zygote = Zygote(self.env, pass_fds=(self.lock_fd,))
-        bar = tqdm(total=len(self.steps), initial=len(self.steps) - len(todo), desc="pipeline", unit="step",
-                   disable=self.quiet)
-        running, failure = {}, None
-        pool = ThreadPoolExecutor(self.jobs)
-        # SIGTERM/SIGHUP end the driver like Ctrl-C does: its steps are stopped first (see below). A signal the
-        # driver was started ignoring stays ignored: `nohup python run.py` survives a logout (SIGHUP), and so does
-        # SIGINT for a job that a non-interactive shell started with `&` (Python leaves it ignored too)
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) is not signal.SIG_IGN:
-                signal.signal(sig, _exit_on_signal)
-        try:
-            while (todo and failure is None) or running:
-                for key in [k for k in todo if all(d in committed for d in self.steps[k]["deps"])]:
-                    if len(running) >= self.jobs or failure is not None:
-                        break
-                    todo.remove(key)
-                    running[pool.submit(self.run_step, key)] = key
-                if not running:
-                    raise RuntimeError(f"pipeline stuck: {todo[:3]} wait on steps that cannot run")
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    key = running.pop(fut)
-                    try:
-                        fut.result()
-                    except StepFailed as e:  # let the running steps finish (their work is kept), start no more
-                        failure = failure or e
-                        if running:
-                            print(f"run.py: {e}\nrun.py: waiting for {len(running)} running step(s) to finish "
-                                  f"(Ctrl-C stops them)", file=sys.stderr, flush=True)
-                        continue
-                    committed.add(key)
-                    bar.set_postfix_str(key[:40])
-                    bar.update()
-            if failure is not None:
-                raise failure
-        except BaseException:  # a failure, Ctrl-C, SIGTERM or a bug: no step outlives the driver
-            self.stop_children()
-            raise
-        finally:
-            pool.shutdown(wait=True)
-            bar.close()
-            if self.zygote is not None:
-                self.zygote.close()
-                self.zygote = None
-
-
-class StepFailed(UserError):
-    exit_code = 1
-
-
-def last_error(log_path: Path) -> str:
-    """The line of a step's log that says what went wrong: a script's own `x.py: error: ...` line, else the last
-    `...Error: ...` line of a traceback, else the last non-empty line."""
-    lines = [l.strip() for l in re.split(r"[\r\n]+", log_path.read_text(errors="replace")) if l.strip()]
-    for pattern in (r"^\S+\.py: error: ", r"^[\w.]*(Error|Exception|Interrupt)\b.*"):
-        hits = [l for l in lines if re.match(pattern, l)]
-        if hits:
-            return hits[-1][:400]
-    return lines[-1][:400] if lines else "(empty log)"
-
-
-class ZygoteChild:
-    """A step forked by the zygote, as stop_children sees it: a pid (its process group) and whether it is done."""
-
-    def __init__(self):
-        self.pid, self.rc, self.done = None, None, threading.Event()
-
-    def wait(self, timeout=None):
-        if not self.done.wait(timeout):
-            raise subprocess.TimeoutExpired("zygote child", timeout)
-        return self.rc
-
-
-def _signal_step(pid: int, sig):
-    """Signal a step's process group; a step forked a moment ago may not lead its group yet (it calls setsid
-    first thing, and has started nothing of its own before that), so then the process itself."""
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-    except PermissionError:
-        pass
-
-
-def _exited(p, deadline: float) -> bool:
-    try:
-        p.wait(max(0.0, deadline - time.monotonic()))
-        return True
-    except subprocess.TimeoutExpired:
-        return False
-
-
-def _exit_on_signal(signum, frame):
-    raise SystemExit(f"run.py: stopped by {signal.Signals(signum).name}; finished steps are kept, re-run the same "
-                     f"command to continue")
 
 
 def main(argv=None):
@@ -827,7 +562,7 @@ def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, pro
     after stage i), row 0 (the base on every task), next_task (a(i, i+1): task i+1 after stage i, before training on
     it), the continual-learning metrics of data.metrics.cl_metrics, the per-step training loss of every stage, from
     each evaluation's predictions.jsonl, for the cells of the matrix, the per-example scores (averaged over eval
-    repeats, in test_idx order: the test-set bootstrap) and the degenerate-answer diagnostics (data.diagnostics), and
+    repeats, in test_idx order: the test-set bootstrap) and the degenerate-answer diagnostics (reporting.diagnostics), and
     the mechanism probes (collect_probes). Every evaluation must have scored the same test examples of a task."""
     from data.metrics import cl_metrics
     evals, test_idx = {}, {}
@@ -867,7 +602,7 @@ def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, pro
 
 def read_eval(eval_dir: Path, test_idx: dict):
     """(scores, per_example, diagnostics) of one evaluate.py output: scores.json's per-task means; per task the
-    per-example scores averaged over repeats, ordered by idx (rounded to 1e-4); data.diagnostics.diagnose per task.
+    per-example scores averaged over repeats, ordered by idx (rounded to 1e-4); reporting.diagnostics.diagnose per task.
     test_idx ({task: [idx]}) is filled by the first evaluation and checked against by the others."""
     scores = json.loads((eval_dir / "scores.json").read_text())["scores"]
     by_task = {}

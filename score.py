@@ -39,7 +39,8 @@ import math
 import statistics
 from pathlib import Path
 
-from data.cli import InputError, Parser, float_in, int_at_least, main_cli, task_names
+from data.tasks import task_names
+from pipeline.cli import InputError, Parser, float_in, int_at_least, main_cli
 
 # ---- defaults: the paper's replay setup (each has a flag below) ------------------------------------------------
 SCORER = "ru"      # ru = task metric against gold, sc = mean log-prob
@@ -184,7 +185,7 @@ def nll_stats(records: list[dict]) -> dict:
 def main(argv=None):
     args = parse_args(argv)
     from data.jsonl import check_output, write_json, write_jsonl
-    from data.stats import spearman
+    from reporting.stats import spearman
     from data.replay import allocate, buffer_size, select
     from data.tasks import parse_tasks
 

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from data.cli import InputError, Parser, UserError, float_in, int_at_least, main_cli
+from pipeline.cli import InputError, Parser, UserError, float_in, int_at_least, main_cli
 from data.jsonl import check_output, read_records
 from data.packing import IGNORE, Example, collate, pack, plan_steps, tokenize_sft
 import kernels

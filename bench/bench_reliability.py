@@ -47,7 +47,7 @@ def bad_inputs(env) -> list[tuple[str, bool, str]]:
 
 
 def step_children(pid: int) -> list[int]:
-    """Every process below the driver `pid`: its steps, and with the zygote (data/zygote.py) the zygote and the steps
+    """Every process below the driver `pid`: its steps, and with the zygote (pipeline/zygote.py) the zygote and the steps
     it forked."""
     parents = {}
     for p in Path("/proc").iterdir():

@@ -11,7 +11,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from data.cli import InputError, UserError
+from pipeline.cli import InputError, UserError
 
 
 def _locate_bad_record(text: str, path: Path) -> str:

@@ -6,9 +6,10 @@ The task name is also the directory name in TRACE's release layout `<root>/<Task
 Metric names index `data.metrics.METRICS`.
 """
 
+import argparse
 from dataclasses import dataclass
 
-from data.cli import InputError
+from pipeline.cli import InputError
 
 
 @dataclass(frozen=True)
@@ -62,3 +63,11 @@ def parse_tasks(spec=None) -> list[str]:
             raise InputError(f"task {canon!r} appears twice in task list {spec!r}")
         out.append(canon)
     return out
+
+
+def task_names(s: str) -> list:
+    """--tasks as an argparse type: comma-separated task names (case-insensitive), checked by parse_tasks."""
+    try:
+        return parse_tasks(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

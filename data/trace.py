@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.cli import InputError
+from pipeline.cli import InputError
 from data.jsonl import read_records
 from data.tasks import TASK_ORDER, get_task
 

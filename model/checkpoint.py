@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from data.cli import InputError, MissingFileError, MissingWeightError
+from pipeline.cli import InputError, MissingFileError, MissingWeightError
 from data.jsonl import fsync_dir, fsync_tree, read_text
 from model.config import ModelConfig
 from model.transformer import Transformer

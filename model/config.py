@@ -5,7 +5,7 @@ biases, q/k norms, head_dim and RoPE scaling, which are the fields below.
 """
 from dataclasses import dataclass, field
 
-from data.cli import InputError
+from pipeline.cli import InputError
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 

@@ -27,7 +27,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from data.cli import InputError
+from pipeline.cli import InputError
 from data.jsonl import read_text
 
 IGNORE_INDEX = -100

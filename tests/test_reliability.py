@@ -372,7 +372,7 @@ def long_run(env, out: Path, ignore=()) -> subprocess.Popen:
 
 def child_of(pid: int, name: str, timeout: float = 120) -> int:
     """The pid of the step running script `name` under driver `pid`: its child (`python train.py ...`, started with
-    OPR_NO_ZYGOTE=1) or its grandchild through the zygote (a fork named `train.py`, data/zygote.py)."""
+    OPR_NO_ZYGOTE=1) or its grandchild through the zygote (a fork named `train.py`, pipeline/zygote.py)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         parents, found = {}, []
@@ -477,8 +477,8 @@ def test_a_step_that_starts_after_the_stop_is_killed(tmp_path, zygote):
     misses that step, so it is killed the moment it appears (else the driver waits on it forever; once seen as a
     60 s timeout of the SIGINT test above under the full suite's load)."""
     sys.path.insert(0, str(REPO))
-    from data.zygote import Zygote
-    from run import Pipeline
+    from pipeline.zygote import Zygote
+    from pipeline.steps import Pipeline
     pipe = Pipeline(tmp_path / "run", 1, dict(os.environ, OMP_NUM_THREADS="1"), True, {})
     pipe.lock_run_dir()
     if zygote:

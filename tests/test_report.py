@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import report
-from data.diagnostics import diagnose
+from reporting.diagnostics import diagnose
 from data.metrics import letter_accuracy
-from data.stats import t_quantile
+from reporting.stats import t_quantile
 from report import (FIGURES, format_table, markdown_report, mean_loss_curves, summarize, uncertainty,
                     warning_lines, write_report)
 

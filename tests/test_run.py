@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from data.diagnostics import diagnose
+from reporting.diagnostics import diagnose
 from data.metrics import acc_bwt, cl_metrics
 from data.metrics import score as metric
 from data.replay import allocate, buffer_size, select
@@ -264,7 +264,7 @@ def test_report_acc_bwt_and_figures(run_a):
 
 def test_per_example_scores_and_diagnostics_come_from_the_predictions(run_a):
     """results.json carries, per evaluation, the per-example scores (their mean is the matrix entry) in test_idx order
-    and data.diagnostics.diagnose of its predictions.jsonl, for the bootstrap and the degenerate-answer checks."""
+    and reporting.diagnostics.diagnose of its predictions.jsonl, for the bootstrap and the degenerate-answer checks."""
     results = json.loads((run_a / "results.json").read_text())
     evals = {}  # stage -> list of (per-example scores, diagnostics) of each evaluation of that stage
     for stage in (1, 2, 3):

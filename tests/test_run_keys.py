@@ -1,7 +1,7 @@
 """run.py's step keys: a table is a function of the command, its inputs and its seeds.
 
 - Determinism: the same command with --jobs 1 on one core, every step its own `python script.py` (OPR_NO_ZYGOTE=1),
-  and with --jobs 2 on two cores, every step forked from run.py's zygote (data/zygote.py), with a caller with no
+  and with --jobs 2 on two cores, every step forked from run.py's zygote (pipeline/zygote.py), with a caller with no
   thread setting, writes a byte-identical results.json.
 - Content keys: editing one answer of a data file in place (same path) re-runs exactly the steps that read it and
   the steps downstream of them; nothing else.
@@ -141,7 +141,7 @@ def test_new_scoring_rules_rescore_exactly_the_dependent_steps(setup, run_one_co
 
 
 def test_key_covers_numerics_and_file_content(tmp_path):
-    from run import Pipeline
+    from pipeline.steps import Pipeline
     f = tmp_path / "x.json"
     f.write_text("[1]")
 
@@ -158,7 +158,7 @@ def test_key_covers_numerics_and_file_content(tmp_path):
 
 
 def test_digest_cache_and_directories(tmp_path):
-    from data.digest import Digests, file_sha256
+    from pipeline.digest import Digests, file_sha256
     d = tmp_path / "ckpt"
     d.mkdir()
     (d / "a.bin").write_bytes(b"a")
@@ -188,7 +188,7 @@ def test_digest_cache_and_directories(tmp_path):
 def _dag(run_dir: Path) -> tuple:
     """a -> b -> c and a -> d; each step writes fresh random bytes followed by what it read (a step that is not
     deterministic, as a GPU training may be)."""
-    from run import Pipeline
+    from pipeline.steps import Pipeline
     pipe = Pipeline(run_dir, 1, dict(os.environ, OPR_NO_ZYGOTE="1"), True, {})
     pipe.use_zygote = False
 
@@ -343,7 +343,7 @@ def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only(monkeypatch)
 def test_epochs_per_task_reads_a_presets_table_a_comma_list_or_the_task_table():
     """A preset's {task: epochs} follows the tasks by name whatever their order, the task table filling in tasks it
     does not name; --epochs' comma list is one value for all or one per task in the order given."""
-    from data.cli import UserError
+    from pipeline.cli import UserError
     from run import PRESETS, epochs_per_task
     tiny = PRESETS["tiny"]["epochs"]
     assert epochs_per_task(tiny, ["NumGLUE-ds", "20Minuten", "FOMC"]) == {"NumGLUE-ds": 10, "20Minuten": 3, "FOMC": 6}
@@ -363,7 +363,7 @@ def test_epochs_per_task_reads_a_presets_table_a_comma_list_or_the_task_table():
 def test_a_crash_while_a_rerun_step_is_committed_leaves_its_readers_stale(tmp_path, monkeypatch):
     """Between the rename of a re-run step's new output and the manifest entry that lists it, a killed driver must
     not leave the new bytes under the old execution's id (its readers would look current)."""
-    import run
+    import pipeline.steps as run
     run_dir = tmp_path / "run"
     (a, b, c, d), first, _ = _execute(run_dir)
     shutil.rmtree(run_dir / "steps" / b)

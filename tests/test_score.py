@@ -8,7 +8,7 @@ import pytest
 
 import score
 from data.replay import allocate, buffer_size, replay_budget, replay_counts, select
-from data.stats import spearman
+from reporting.stats import spearman
 
 # --- allocation ----------------------------------------------------------------------------------------------------
 

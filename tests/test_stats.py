@@ -1,4 +1,4 @@
-"""data/stats.py and data/diagnostics.py on hand-made data: exact t quantiles against published table values,
+"""reporting/stats.py and reporting/diagnostics.py on hand-made data: exact t quantiles against published table values,
 t-intervals and paired differences against hand-computed numbers, the test-set bootstrap (deterministic, the
 identity resample equals acc_bwt, paired differences cancel shared noise, coverage near 95% on a known
 population), where the seed variance of a mean over tasks comes from (hand-computed covariances, the two limits of
@@ -9,9 +9,9 @@ import statistics
 import numpy as np
 import pytest
 
-from data.diagnostics import COLLAPSE_RATE, OFF_FORMAT_WARN, answer_shape, diagnose, is_letter_answer, warnings
+from reporting.diagnostics import COLLAPSE_RATE, OFF_FORMAT_WARN, answer_shape, diagnose, is_letter_answer, warnings
 from data.metrics import acc_bwt, letter_accuracy
-from data.stats import (bootstrap_acc_bwt, bootstrap_indices, excludes_zero, known_std_interval, mean_std, noise_sources,
+from reporting.stats import (bootstrap_acc_bwt, bootstrap_indices, excludes_zero, known_std_interval, mean_std, noise_sources,
                         paired_differences, percentile_interval, t_interval, t_quantile)
 
 # two-sided 95% (= one-sided 0.975) Student-t quantiles, from any printed t table

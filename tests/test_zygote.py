@@ -1,4 +1,4 @@
-"""data/zygote.py: a forked step behaves like `python script.py ARGS` -- its exit code, its one-line error in its
+"""pipeline/zygote.py: a forked step behaves like `python script.py ARGS` -- its exit code, its one-line error in its
 own log, its environment -- and the zygote refuses what is not a pipeline script. (That run.py's results are
 byte-identical with and without the zygote is tests/test_run_keys.py; that killing the driver kills forked steps
 is tests/test_reliability.py.)"""
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from data.zygote import Zygote
+from pipeline.zygote import Zygote
 
 REPO = Path(__file__).resolve().parents[1]
 

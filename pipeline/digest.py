@@ -15,7 +15,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from data.cli import MissingFileError
+from pipeline.cli import MissingFileError
 from data.jsonl import write_json
 
 CHUNK = 1 << 22  # 4 MiB reads

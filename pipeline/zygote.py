@@ -9,7 +9,7 @@ imports) again. The tiny default runs ~130 steps, so this is minutes of a 10-min
 A child behaves like `python <script>.py ARGS` started by subprocess with the same environment (ps and top show
 it as `<script>.py`; its /proc/PID/cmdline stays the zygote's): it leads its own process group (setsid, so the driver can stop it and everything it started), is SIGKILLed by the kernel when the
 zygote dies (PR_SET_PDEATHSIG; the zygote dies the same way with the driver), has stdin on /dev/null and stdout +
-stderr in its log file, runs the script's main() under data.cli.main_cli, and exits with the script's exit code
+stderr in its log file, runs the script's main() under pipeline.cli.main_cli, and exits with the script's exit code
 (negative signal numbers as subprocess reports them). Numerics are unchanged: the zygote is started with the steps'
 environment (OMP_NUM_THREADS is read when torch is imported) and every child sets torch's thread count again.
 
@@ -64,7 +64,7 @@ def _prctl_name(name: str):
 class Zygote:
     def __init__(self, env: dict, pass_fds=()):
         parent = os.getpid()  # the zygote dies with the thread that starts it
-        self.proc = subprocess.Popen([sys.executable, "-m", "data.zygote"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.zygote"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, cwd=HERE, pass_fds=tuple(pass_fds),
                                      preexec_fn=lambda: die_with_parent(parent))
         self.lock = threading.Lock()
@@ -153,7 +153,7 @@ def _child(req: dict, zygote: int):
         import torch
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        from data.cli import main_cli
+        from pipeline.cli import main_cli
         name = req["script"]
         sys.argv = [str(HERE / f"{name}.py"), *req["argv"]]
         module = importlib.import_module(name)

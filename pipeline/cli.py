@@ -1,6 +1,6 @@
 """What every script shares at its edges: one error line for expected failures, flag checks that name the flag.
 
-    from data.cli import Parser, UserError, main_cli, int_at_least
+    from pipeline.cli import Parser, UserError, main_cli, int_at_least
     p = Parser(description=...)                        # adds --debug; a bad flag is one line naming it
     p.add_argument("--epochs", type=int_at_least(1))
     ...
@@ -154,12 +154,3 @@ def comma_list(item):
         return s
     parse.__name__ = "list"
     return parse
-
-
-def task_names(s: str) -> list:
-    """--tasks: comma-separated TRACE task names (case-insensitive), checked by data.tasks.parse_tasks."""
-    from data.tasks import parse_tasks
-    try:
-        return parse_tasks(s)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None

@@ -1,0 +1,1 @@
+"""The pipeline's machinery: the CLI edge (one error line), content digests, step execution, the zygote."""
