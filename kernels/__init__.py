@@ -24,7 +24,7 @@ def backends() -> dict:
 # Bumped whenever a change to the model code or a kernel changes float results (not only the speed): run.py puts it
 # in every step's key, so a run resumed after such a change recomputes its steps rather than mixing numerics.
 # 2: CPU SDPA per document on 4-D tensors with enable_gqa (the flash kernel; was the math path)
-# 3: CUDA decode attends over key spans rounded up to 64 slots (model.transformer.KVCache; CPU results unchanged)
+# 3: CUDA decode attends over key spans rounded up to 64 slots (the KV cache of the engine before model/engine.py)
 # 4: the chunked cross-entropy forms logits for the target rows only (grad_weight still sums over every row, so the
 #    tiny base is byte-identical; a matmul over fewer rows can round differently, e.g. at SmolLM2 shapes)
 # 5: CPU sampling multiplies inputs of <= 4 rows by a weight's two halves in one bmm (model.transformer.Linear), not
@@ -33,7 +33,10 @@ def backends() -> dict:
 #    (SmolLM2 and larger; kernels/cross_entropy.py GRAD_WEIGHT_TARGETS_MIN): their training rounds differently (the
 #    tiny base is unchanged: it builds byte-identical)
 # 7: the tiny base is built with CPU_PINS (model/base.py): the same bytes on every x86-64 CPU with AVX2
-NUMERICS = 7
+# 8: the continuous-batching engine (model/engine.py): tokens drawn by Gumbel-max over keyed counter-based noise
+#    instead of torch.multinomial (other draws, same distribution), prompts prefilled one per document, fused q/k/v
+#    and gate/up products (greedy tokens unchanged, log-probs within 1e-5)
+NUMERICS = 8
 
 # On the CPU, float results depend on the instructions the kernels run, and those follow the CPU: ATen picks its
 # AVX2 or AVX-512 code by the CPU's flags, MKL's GEMMs pick code per vendor and model. So the same command on two

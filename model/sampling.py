@@ -23,12 +23,13 @@ def resolve_engine(engine: str) -> str:
 
 
 def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, max_new_tokens: int = 512,
-             seed: int = 0, engine: str = "auto", tp: int = 1, batch_size: int = 32, stop_ids=None,
+             seed: int = 0, engine: str = "auto", tp: int = 1, batch_size: int | None = None, stop_ids=None,
              progress: bool = True) -> list[dict]:
     """Sample one response per prompt (lists of token ids, already chat-templated) from the checkpoint in ckpt_dir.
 
     stop_ids: token ids that end a response; None reads them from the checkpoint's tokenizer (ChatTokenizer.stop_ids).
-    batch_size: native engine only (vLLM schedules its own batches). tp: vLLM tensor-parallel size.
+    batch_size: native engine only, sequences decoded at once (None: model.generate.default_batch_size; vLLM
+    schedules its own batches). tp: vLLM tensor-parallel size.
     """
     engine = resolve_engine(engine)
     if not prompts:

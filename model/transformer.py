@@ -1,9 +1,9 @@
 """One decoder-only transformer for Llama-3.x, Qwen2/2.5, Qwen3 and SmolLM2.
 
-Parameter names are Hugging Face's, so an HF state dict loads with no key mapping. Three attention modes:
+Parameter names are Hugging Face's, so an HF state dict loads with no key mapping. Two attention modes:
   packed   (training): B == 1, documents concatenated, `cu_seqlens` marks them, `position_ids` restart at 0
-  dense    (reference): plain causal attention over each row (tests compare the other modes with it)
-  cache    (sampling): a KVCache holds past keys/values; left padding is masked out through `cache.valid`
+  dense    (reference): plain causal attention over each row (tests compare the packed mode with it)
+Sampling runs the same modules and weights through model/engine.py (its own KV cache and decode step).
 """
 import math
 
@@ -27,21 +27,26 @@ SPLIT_MAX_ROWS = 4         # inputs of at most this many rows
 SPLIT_MIN_WEIGHT = 1 << 15  # weights of at least this many elements (smaller ones: the bmm's overhead does not pay)
 
 
+def linear(x, w, b=None):
+    """F.linear, with the CPU inference path of SPLIT_MAX_ROWS for a few rows (model.engine calls it on its fused
+    weights; Linear below on the model's own)."""
+    if torch.is_grad_enabled() or x.numel() > SPLIT_MAX_ROWS * w.shape[1]:  # the common cases first: cheap
+        return F.linear(x, w, b)
+    n, k = w.shape
+    if n % 2 or w.numel() < SPLIT_MIN_WEIGHT or not w.is_cpu or not w.is_contiguous():
+        return F.linear(x, w, b)
+    rows = x.reshape(-1, k)
+    y = torch.bmm(w.view(2, n // 2, k), rows.t().expand(2, k, rows.shape[0])).view(n, -1).t()
+    if b is not None:
+        y = y + b
+    return y.reshape(*x.shape[:-1], n)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters, state dict and training numerics); see SPLIT_MAX_ROWS for its CPU inference path."""
 
     def forward(self, x):
-        w = self.weight
-        if torch.is_grad_enabled() or x.numel() > SPLIT_MAX_ROWS * w.shape[1]:  # the common cases first: cheap
-            return F.linear(x, w, self.bias)
-        n, k = w.shape
-        if n % 2 or w.numel() < SPLIT_MIN_WEIGHT or not w.is_cpu or not w.is_contiguous():
-            return F.linear(x, w, self.bias)
-        rows = x.reshape(-1, k)
-        y = torch.bmm(w.view(2, n // 2, k), rows.t().expand(2, k, rows.shape[0])).view(n, -1).t()
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], n)
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -87,51 +92,6 @@ def apply_rope(x, cos, sin):
     return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
-class KVCache:
-    """Preallocated keys/values for batched sampling (gpt-fast style).
-
-    k[l], v[l]: [B, n_kv, max_len, head_dim]. `valid[b, s]` says whether slot s of row b holds a real token
-    (left padding does not). The caller marks the new slots valid before each forward; the model advances `pos`.
-
-    Attention reads the keys up to `span(t_new)`: pos + t_new rounded up to a multiple of `key_bucket` (the slots
-    past the new tokens are masked out as "future"). On CUDA (key_bucket 64 by default) a decode step then does not
-    present a new key length to SDPA every step: PyTorch picks cuDNN's attention for this masked bf16 call, and cuDNN
-    builds an execution plan per new shape (~65 ms on an H100, 3-4x the whole decode step of a 1.5B model), so the
-    rounding makes plans repeat. On the CPU (key_bucket 1) nothing is cached per shape and the span is exact, which
-    keeps the CPU's numbers bit-for-bit (a longer masked span moves log-probs by ~1e-6; tokens stay the same).
-    """
-
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, device, dtype, key_bucket: int | None = None):
-        self.key_bucket = key_bucket or (64 if torch.device(device).type == "cuda" else 1)
-        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
-        self.pos = 0
-
-    def keep(self, rows: torch.Tensor):
-        """Drop finished rows: keep only `rows` (indices into the current batch), in that order."""
-        self.k = [t.index_select(0, rows) for t in self.k]
-        self.v = [t.index_select(0, rows) for t in self.v]
-        self.valid = self.valid.index_select(0, rows)
-
-    def span(self, t_new: int) -> int:
-        """How many key slots attention reads for the next t_new tokens (see the class docstring)."""
-        e = self.pos + t_new
-        return min(self.k[0].shape[2], -(-e // self.key_bucket) * self.key_bucket)
-
-    def mask(self, t_new: int) -> torch.Tensor:
-        """Boolean attention mask [B,1,t_new,span(t_new)] for the next t_new tokens (causal and valid keys).
-
-        A padding query attends to itself only, so it never sees an all-masked row (NaN) and never feeds NaN
-        into the cache."""
-        s, e = self.pos, self.span(t_new)
-        q_pos = torch.arange(s, s + t_new, device=self.valid.device)[:, None]
-        k_pos = torch.arange(e, device=self.valid.device)[None, :]
-        m = (k_pos <= q_pos) & self.valid[:, None, :e]
-        return (m | (k_pos == q_pos))[:, None]
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -146,7 +106,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, cache=None, cache_mask=None):
+    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
@@ -159,15 +119,7 @@ class Attention(nn.Module):
             out = varlen_attention(q[0], k[0], v[0], cu_seqlens, max_seqlen)[None]
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,D]
-            if cache is not None:
-                s = cache.pos
-                cache.k[self.layer_idx][:, :, s:s + T] = k
-                cache.v[self.layer_idx][:, :, s:s + T] = v
-                e = cache_mask.shape[-1]  # cache.span(T): past the new tokens, masked as future
-                k, v = cache.k[self.layer_idx][:, :, :e], cache.v[self.layer_idx][:, :, :e]
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=cache_mask, enable_gqa=True)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             out = out.transpose(1, 2)
         return self.o_proj(out.reshape(B, T, -1))
 
@@ -191,8 +143,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, cache=None, cache_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, cache, cache_mask)
+    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -222,7 +174,7 @@ class Transformer(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, position_ids, *, cu_seqlens=None, max_seqlen=None, labels=None, cache=None,
+    def forward(self, input_ids, position_ids, *, cu_seqlens=None, max_seqlen=None, labels=None,
                 return_hidden=False, teacher=None, kl_direction="reverse", replay_mask=None, kl_only=False):
         """input_ids, position_ids: [B,T] long. What comes back depends on the arguments:
 
@@ -242,14 +194,11 @@ class Transformer(nn.Module):
         if self._inv_freq is None or self._inv_freq.device != x.device:
             self._inv_freq = rope_inv_freq(self.cfg, x.device)
         cos, sin = rope_cos_sin(self._inv_freq, position_ids, x.dtype)
-        cache_mask = cache.mask(input_ids.shape[1]) if cache is not None else None
         for layer in self.model.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, cu_seqlens, max_seqlen, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, cu_seqlens, max_seqlen, cache, cache_mask)
-        if cache is not None:
-            cache.pos += input_ids.shape[1]
+                x = layer(x, cos, sin, cu_seqlens, max_seqlen)
         h = self.model.norm(x)
         if labels is not None:
             h, labels = h.flatten(0, 1), labels.flatten()

@@ -7,7 +7,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model.checkpoint import load_model, save_checkpoint  # noqa: E402
-from model.transformer import KVCache  # noqa: E402
 
 TOL = 1e-4
 
@@ -86,52 +85,6 @@ def test_packed_loss_equals_sum_of_token_nll(pair):
         loss = ours(ids, pos, cu_seqlens=cu, max_seqlen=18, labels=labels)
     ref = torch.nn.functional.cross_entropy(logits[0], labels[0], reduction="sum", ignore_index=-100)
     assert torch.allclose(loss, ref, rtol=1e-5)
-
-
-@pytest.mark.parametrize("key_bucket", [None, 4])  # None: the CPU's exact span; 4: CUDA's rounding, here spans 8, 8,
-def test_kv_cache_decode_matches_full_forward_with_left_padding(pair, key_bucket):  # 10 (clamped), 10 of 10 slots
-    _, ours, _ = pair
-    lens = [7, 4]
-    prompts = [torch.randint(0, 97, (n,)) for n in lens]
-    new = torch.randint(0, 97, (2, 3))
-    P = max(lens)
-    ids = torch.zeros(2, P, dtype=torch.long)
-    cache = KVCache(ours.cfg, 2, P + 3, "cpu", torch.float32, key_bucket=key_bucket)
-    for r, p in enumerate(prompts):
-        ids[r, P - len(p):] = p
-        cache.valid[r, P - len(p):P] = True
-    pos = (cache.valid[:, :P].long().cumsum(1) - 1).clamp(min=0)
-    steps = []
-    with torch.no_grad():
-        steps.append(ours(ids, pos, cache=cache)[:, -1])
-        for t in range(3):
-            cache.valid[:, cache.pos] = True
-            steps.append(ours(new[:, t:t + 1], pos[:, -1:] + 1 + t, cache=cache)[:, -1])
-        for r, p in enumerate(prompts):
-            full = torch.cat([p, new[r]])[None]
-            ref = ours(full, torch.arange(len(full[0]))[None])[0, len(p) - 1:]
-            got = torch.stack([s[r] for s in steps])
-            assert (got - ref).abs().max() <= TOL  # prompt end + the three decoded positions
-            assert not torch.isnan(got).any()
-
-
-def test_kv_cache_span_rounds_up_to_the_bucket_and_masks_the_slots_past_the_new_tokens(pair):
-    cfg = pair[1].cfg
-    assert KVCache(cfg, 1, 10, "cpu", torch.float32).key_bucket == 1  # the CPU's default: exact spans
-    cache = KVCache(cfg, 2, 10, "cpu", torch.float32, key_bucket=4)
-    cache.valid[0, :7] = True
-    cache.valid[1, 3:7] = True  # row 1: three slots of left padding
-    assert [cache.span(7), cache.span(8), cache.span(10)] == [8, 8, 10]  # 8 = 2 buckets; 12 clamped to max_len
-    m = cache.mask(7)
-    assert m.shape == (2, 1, 7, 8)
-    assert not m[..., 7].any()  # the slot past the prompt is "future" to every query
-    assert m[0, 0].tolist() == [[k <= q for k in range(8)] for q in range(7)]
-    # row 1: padding queries (0-2) see only themselves; real queries see the real keys up to themselves
-    assert m[1, 0].tolist() == [[k == q if q < 3 else 3 <= k <= q for k in range(8)] for q in range(7)]
-    cache.pos = 7
-    cache.valid[:, 7] = True
-    m = cache.mask(1)
-    assert m.shape == (2, 1, 1, 8) and m[0, 0, 0].all() and m[1, 0, 0].tolist() == [False] * 3 + [True] * 5
 
 
 @pytest.mark.parametrize("shard_bytes", [5 * 2**30, 40_000])

@@ -64,16 +64,17 @@ def runs(sharp, tmp_path_factory):
 
 
 def naive_sample(model, prompt: list[int], seed: int, temperature: float, stop_ids) -> list[int]:
-    """y ~ pi(.|prompt): a full forward per token (no cache), softmax(logits / T), one generator per prompt."""
-    g = torch.Generator().manual_seed(seed)
+    """y ~ pi(.|prompt): a full forward per token (no cache), softmax(logits / T) sampled with the engine's noise
+    keyed by the prompt's seed (model.engine.sample: Gumbel-max over a hash of seed, token index, vocabulary id)."""
+    from model.engine import sample
     ids, y = list(prompt), []
-    for _ in range(MAX_NEW):
+    for t in range(MAX_NEW):
         with torch.no_grad():
-            logits = model(torch.tensor([ids]), torch.arange(len(ids))[None])[0, -1]
-        t = torch.multinomial(torch.softmax(logits.float() / temperature, -1)[None], 1, generator=g).item()
-        y.append(t)
-        ids.append(t)
-        if t in stop_ids:
+            logits = model(torch.tensor([ids]), torch.arange(len(ids))[None])[0, -1:]
+        tok = sample(logits, temperature, torch.tensor([seed & ((1 << 63) - 1)]), torch.tensor([t]))[0].item()
+        y.append(tok)
+        ids.append(tok)
+        if tok in stop_ids:
             break
     return y
 
@@ -88,7 +89,7 @@ def response_logprobs(model, prompt: list[int], y: list[int]) -> torch.Tensor:
 def reference(path: Path, name: str) -> tuple[list[dict], dict]:
     """Algorithm 1 written plainly; returns (per-step log, final student weights)."""
     kind, direction, alpha, skip = CASES[name]
-    student = load_model(path).train()
+    student = load_model(path).train().requires_grad_(True)
     teacher = load_model(path) if kind != "student" else student
     tok = ChatTokenizer.from_dir(path)
     records = [json.loads(line) for line in (path / "data.jsonl").read_text().splitlines()]

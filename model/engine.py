@@ -1,0 +1,371 @@
+"""The native generation engine: continuous batching over a slot KV cache, a static-shape decode step (captured as a
+CUDA graph on a GPU), fused projections, shared prefill of repeated prompts, exact raw log-probs.
+
+    engine = Engine(model, max_seqs=32)
+    outs = engine.generate(prompts, temperature=0.1, max_new_tokens=512, stop_ids={2}, seed=0)
+    outs[i] = {"token_ids": [...], "logprobs": [...], "finish_reason": "stop" | "length"}
+
+The cache. Keys and values live in one preallocated tensor per layer, [max_seqs, n_kv, max_len, head_dim]; a
+sequence owns one slot (row) from its admission to its last token, its token at position p in column p. The live
+sequences are kept in slots 0..n-1, so a decode step reads the views [:n] (no gather, no copy): a finished sequence
+frees its slot at once, a waiting prompt is admitted into it, and only when nothing waits is the highest live slot
+moved down into the hole (one sequence's columns copied, never the whole batch's).
+
+The schedule (nano-vllm's, simplified). Prompts wait sorted by length, longest first (an out-of-memory shows in the
+first prefill), identical prompts next to each other. Each iteration admits waiting prompts into free slots (at most
+`max_prefill_tokens` prompt tokens per iteration: one packed varlen forward, only the last position of each prompt
+through lm_head), then runs one decode step of every live sequence. Identical prompts admitted together are
+prefilled once: the others copy the first one's cache columns and its last logits (evaluation's repeats).
+
+The decode step is a pure function of static-shape tensors: tokens, positions, per-row sampling keys and counters
+of the `n` live rows padded up to a batch bucket, attention over the first `span` cache columns (a multiple of
+`key_bucket`), sampling on the device, no host sync. On a GPU each (bucket, span) is captured once as a CUDA graph and
+replayed; the scheduler syncs once per step (the sampled tokens). On the CPU it runs eagerly, unpadded (a pad row
+costs as much as a real one there, and there is no launch overhead to save).
+
+Sampling: the raw log-prob of each sampled token is log_softmax(logits)[token] in fp32, before temperature (vLLM's
+raw_logprobs). The token is drawn by the Gumbel-max trick, argmax(logits / T + g), with g = -log(-log u) and u a
+counter-based hash of (the row's key, the token's index in its response, the vocabulary id): exact sampling from
+softmax(logits / T), and a prompt's draws depend on its own key only, never on its neighbours in a batch, the batch
+size, the schedule or the device. Keys: `seeds[i]` when given (train.py's SDFT: one per example and step), else a
+function of (seed, i). temperature 0 is greedy.
+"""
+import time
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+
+from kernels import varlen_attention
+from model.transformer import Transformer, linear, rope_inv_freq
+
+M32 = 0xFFFFFFFF
+
+
+# ---- counter-based random numbers: the same bits on every device and for every batch ---------------------------
+def _mul32(x, c: int):
+    """(x * c) mod 2^32 for int64 x in [0, 2^32), without ever overflowing int64 (two 16-bit halves of c)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & M32
+
+
+def hash32(x):
+    """lowbias32 (C. Wellons' integer hash), a bijection of [0, 2^32), on int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def gumbel(keys, counters, vocab: int):
+    """Gumbel noise [n, vocab] (fp64) for rows with int64 keys [n] (any non-negative value < 2^63) drawing their
+    counters[n]-th token: a function of (key, counter, vocabulary id) only."""
+    row = hash32(hash32(keys & M32) ^ hash32((keys >> 32) & M32))
+    row = hash32(row ^ (counters & M32))
+    bits = hash32(row[:, None] ^ torch.arange(vocab, device=keys.device))
+    u = (bits.double() + 0.5) * 2.0 ** -32  # in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def sample(logits, temperature: float, keys, counters):
+    """logits [n, V] -> (token ids [n], raw fp32 log-prob of each [n]); see the module docstring."""
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(-1)
+    else:
+        tokens = (logits.double() / temperature + gumbel(keys, counters, logits.shape[-1])).argmax(-1)
+    logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return tokens, logprobs
+
+
+def row_keys(n: int, seed: int, seeds=None) -> list[int]:
+    """One sampling key per prompt: seeds[i], or (seed, i) packed into 63 bits."""
+    if seeds is not None:
+        return [int(s) & ((1 << 63) - 1) for s in seeds]
+    return [((seed & 0x7FFFFFFF) << 32) | i for i in range(n)]
+
+
+# ---- the engine -------------------------------------------------------------------------------------------------
+class Engine:
+    """See the module docstring. model: a Transformer (plain tensors, or an FSDP2 model whose units are unsharded
+    for the duration, as train.py's SDFT does). max_seqs: live sequences at once (the KV cache holds this many
+    rows of max prompt + max_new_tokens columns). fuse: concatenate q/k/v and gate/up into one matmul each; the
+    model's own parameters become views of the fused tensors (no second copy), so only for a model used for
+    sampling alone (not under autograd or FSDP). graphs: capture the decode step as CUDA graphs (default: on CUDA).
+    lm_head_fp32: compute the logits in fp32 from a bf16 model (an fp32 copy of lm_head's weight)."""
+
+    def __init__(self, model: Transformer, max_seqs: int = 32, *, fuse: bool | None = None, graphs: bool | None = None,
+                 max_prefill_tokens: int | None = None, key_bucket: int | None = None, lm_head_fp32: bool = False):
+        self.model, self.cfg = model, model.cfg
+        w = model.lm_head.weight
+        self.device, self.dtype = w.device, w.dtype
+        cuda = self.device.type == "cuda"
+        self.max_seqs = max_seqs
+        self.graphs = cuda if graphs is None else graphs
+        self.key_bucket = key_bucket or (256 if cuda else 1)
+        self.max_prefill_tokens = max_prefill_tokens or (16384 if cuda else 4096)
+        fuse = (not any(p.requires_grad for p in model.parameters())) if fuse is None else fuse
+        self.layers = [_layer_weights(block, fuse) for block in model.model.layers]
+        self.lm_head = w.float() if lm_head_fp32 else w
+        self.inv_freq = rope_inv_freq(self.cfg, self.device)
+        self._graphs = {}
+
+    # -- the model, as the engine runs it --------------------------------------------------------------------------
+    def _block(self, L, x, cos, sin, attend):
+        """One transformer block on hidden states x [T, H]; attend(layer_idx, q, k, v) -> [T, Hq*D]."""
+        cfg = self.cfg
+        T = x.shape[0]
+        h = L["ln1"](x)
+        q, k, v = [linear(h, *wb) for wb in L["qkv"]] if L["split"] else \
+            linear(h, *L["qkv"][0]).split([L["q_dim"], L["kv_dim"], L["kv_dim"]], dim=-1)
+        q = q.reshape(T, cfg.num_attention_heads, cfg.head_dim)
+        k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
+        if L["q_norm"] is not None:
+            q, k = L["q_norm"](q), L["k_norm"](k)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        x = x + linear(attend(L["idx"], q, k, v), *L["o"])
+        h = L["ln2"](x)
+        if L["split"]:
+            g, u = linear(h, *L["gate_up"][0]), linear(h, *L["gate_up"][1])
+        else:
+            g, u = linear(h, *L["gate_up"][0]).chunk(2, dim=-1)
+        return x + linear(F.silu(g) * u, *L["down"])
+
+    def _cos_sin(self, pos):
+        freqs = pos[:, None].float() * self.inv_freq  # the training model's rope_cos_sin, one row per token
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def _logits(self, h):
+        h = self.model.model.norm(h)
+        return F.linear(h.to(self.lm_head.dtype), self.lm_head) if self.lm_head.dtype != h.dtype else \
+            linear(h, self.lm_head)
+
+    def _prefill(self, ids, pos, slots, cu, max_len):
+        """Packed prompts (ids, pos, the slot of each token [T]; cu_seqlens int32) -> logits of each prompt's last
+        token [n, V]; their keys and values are written into their slots."""
+        def attend(i, q, k, v):
+            self.k[i][slots, :, pos] = k
+            self.v[i][slots, :, pos] = v
+            return varlen_attention(q, k, v, cu, max_len).flatten(1)
+        x = self.model.model.embed_tokens(ids)
+        cos, sin = self._cos_sin(pos)
+        for L in self.layers:
+            x = self._block(L, x, cos, sin, attend)
+        return self._logits(x[cu[1:].long() - 1])
+
+    def decode_step(self, tokens, pos, keys, counters, span: int, temperature: float):
+        """One token for each of the first len(tokens) slots: tokens, pos, keys, counters [n] (int64, device);
+        attention over cache columns [0, span). Returns (next tokens [n], their raw log-probs [n]). Static shapes,
+        no host sync: compiles with fullgraph=True and is what the CUDA graphs capture."""
+        n = tokens.shape[0]
+        rows = torch.arange(n, device=tokens.device)
+        mask = (torch.arange(span, device=tokens.device)[None, :] <= pos[:, None])[:, None, None, :]
+
+        def attend(i, q, k, v):
+            self.k[i][rows, :, pos] = k
+            self.v[i][rows, :, pos] = v
+            out = F.scaled_dot_product_attention(q[:, :, None], self.k[i][:n, :, :span], self.v[i][:n, :, :span],
+                                                 attn_mask=mask, enable_gqa=True)
+            return out.reshape(n, -1)
+        x = self.model.model.embed_tokens(tokens)
+        cos, sin = self._cos_sin(pos)
+        for L in self.layers:
+            x = self._block(L, x, cos, sin, attend)
+        return sample(self._logits(x), temperature, keys, counters)
+
+    # -- CUDA graphs --------------------------------------------------------------------------------------------------
+    def _bucket(self, n: int) -> int:
+        if not self.graphs:
+            return n
+        b = 1
+        while b < n:
+            b *= 2
+        return min(b, self.max_seqs)
+
+    def _decode(self, tokens, pos, keys, counters, span, temperature):
+        if not self.graphs:
+            return self.decode_step(tokens, pos, keys, counters, span, temperature)
+        n = tokens.shape[0]
+        key = (n, span)
+        if key not in self._graphs:
+            static = [t.clone() for t in (tokens, pos, keys, counters)]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up off the capture: lazy initialisations happen here
+                self.decode_step(*static, span, temperature)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.decode_step(*static, span, temperature)
+            self._graphs[key] = (graph, static, out)
+        graph, static, out = self._graphs[key]
+        for dst, src in zip(static, (tokens, pos, keys, counters)):
+            dst.copy_(src)
+        graph.replay()
+        return out
+
+    def allocate(self, cols: int):
+        """The KV cache for sequences of up to `cols` tokens (and no CUDA graphs yet: they capture its addresses)."""
+        shape = (len(self.layers), self.max_seqs, self.cfg.num_key_value_heads, cols, self.cfg.head_dim)
+        # zeros, not empty: a masked column still enters attention's weighted sum (0 * NaN would be NaN)
+        self.K = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.V = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.k, self.v = list(self.K.unbind(0)), list(self.V.unbind(0))
+        self._graphs, self._pool = {}, torch.cuda.graph_pool_handle() if self.graphs else None
+
+    # -- the scheduler ------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], *, temperature: float = 0.1, max_new_tokens: int = 512,
+                 stop_ids=(), seed: int = 0, seeds: list[int] | None = None, progress: bool = True) -> list[dict]:
+        """One response per prompt (token id lists), in the input order. See the module docstring."""
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("generate: empty prompt (no token ids)")
+        if not prompts:
+            return []
+        stop = set(int(t) for t in stop_ids)
+        keys = row_keys(len(prompts), seed, seeds)
+        max_len = max(len(p) for p in prompts) + max_new_tokens
+        cols = -(-max_len // self.key_bucket) * self.key_bucket
+        self.allocate(cols)
+
+        out_tokens = [[] for _ in prompts]
+        out_logprobs = [[] for _ in prompts]
+        finish = [None] * len(prompts)
+        waiting = deque(sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), prompts[i], i)))
+        live = []  # slot -> prompt index: the live sequences are slots 0..len(live)-1
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(prompts), unit="prompt", desc="generate", dynamic_ncols=True)
+        t0, n_new = time.perf_counter(), 0
+
+        def step_done(rows, tokens, logprobs):
+            """Append each row's new token and free the slots of the rows that are done."""
+            nonlocal live, n_new
+            done = set()
+            for r, tok, lp in zip(rows, tokens, logprobs):
+                out_tokens[r].append(tok)
+                out_logprobs[r].append(lp)
+                if tok in stop or len(out_tokens[r]) == max_new_tokens:
+                    finish[r] = "stop" if tok in stop else "length"
+                    done.add(r)
+            n_new += len(rows)
+            if done:
+                live = self._free(live, done, prompts, out_tokens)
+                if bar is not None:
+                    bar.update(len(done))
+                    bar.set_postfix(tok_s=f"{n_new / (time.perf_counter() - t0):.1f}", live=len(live))
+
+        while waiting or live:
+            if waiting and len(live) < self.max_seqs:
+                admitted = self._admit(waiting, prompts, len(live), keys, temperature)
+                live += [r for r, _, _ in admitted]
+                step_done(*zip(*admitted))
+            if not live:
+                continue
+            n = len(live)
+            pos = [len(prompts[r]) + len(out_tokens[r]) - 1 for r in live]  # of the token fed in
+            span = -(-(max(pos) + 1) // self.key_bucket) * self.key_bucket
+            pad = [0] * (self._bucket(n) - n)  # pad rows write into free slots, which a prefill overwrites
+            dev = dict(device=self.device, dtype=torch.long)
+            tokens, logprobs = self._decode(
+                torch.tensor([out_tokens[r][-1] for r in live] + pad, **dev), torch.tensor(pos + pad, **dev),
+                torch.tensor([keys[r] for r in live] + pad, **dev),
+                torch.tensor([len(out_tokens[r]) for r in live] + pad, **dev), span, temperature)
+            step_done(list(live), tokens[:n].tolist(), logprobs[:n].tolist())  # the step's one host sync
+        if bar is not None:
+            bar.close()
+        self.K = self.V = self.k = self.v = None
+        self._graphs = {}
+        return [{"token_ids": out_tokens[i], "logprobs": out_logprobs[i], "finish_reason": finish[i]}
+                for i in range(len(prompts))]
+
+    def _admit(self, waiting: deque, prompts, first_slot: int, keys, temperature):
+        """Prefill the next waiting prompts into slots first_slot.. and sample their first tokens. Returns
+        [(prompt index, token, raw log-prob)] in slot order."""
+        take, n_tok = [], 0
+        while waiting and first_slot + len(take) < self.max_seqs:
+            r = waiting[0]
+            shared = take and prompts[take[-1]] == prompts[r]
+            if not shared and take and n_tok + len(prompts[r]) > self.max_prefill_tokens:
+                break
+            take.append(waiting.popleft())
+            n_tok += 0 if shared else len(prompts[r])
+        leaders, leader_of = [], []  # each admitted prompt's leader: the first of its run of identical prompts
+        for j, r in enumerate(take):
+            if j and prompts[take[j - 1]] == prompts[r]:
+                leader_of.append(leader_of[-1])
+            else:
+                leader_of.append(len(leaders))
+                leaders.append(j)
+        dev = self.device
+        ids = torch.tensor([t for j in leaders for t in prompts[take[j]]], device=dev)
+        pos = torch.tensor([p for j in leaders for p in range(len(prompts[take[j]]))], device=dev)
+        slots = torch.tensor([first_slot + j for j in leaders for _ in prompts[take[j]]], device=dev)
+        lens = [len(prompts[take[j]]) for j in leaders]
+        cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
+        logits = self._prefill(ids, pos, slots, cu, max(lens))
+        for j, lead in enumerate(leader_of):  # the repeats of a prompt copy its leader's columns
+            if leaders[lead] != j:
+                self._copy_slot(first_slot + leaders[lead], first_slot + j, len(prompts[take[j]]))
+        row_logits = logits[torch.tensor(leader_of, device=dev)]
+        tokens, logprobs = sample(row_logits, temperature, torch.tensor([keys[r] for r in take], device=dev),
+                                  torch.zeros(len(take), dtype=torch.long, device=dev))
+        return list(zip(take, tokens.tolist(), logprobs.tolist()))
+
+    def _copy_slot(self, src: int, dst: int, n_cols: int):
+        for t in (self.K, self.V):  # every layer in one copy
+            t[:, dst, :, :n_cols] = t[:, src, :, :n_cols]
+
+    def _free(self, live: list, done: set, prompts, out_tokens) -> list:
+        """Drop finished sequences, keeping the live ones in slots 0..n-1: the last live sequence moves into each
+        hole (its columns are copied; nothing else moves)."""
+        for s in sorted((s for s, r in enumerate(live) if r in done), reverse=True):
+            last = len(live) - 1
+            if s != last:
+                r = live[last]
+                self._copy_slot(last, s, len(prompts[r]) + len(out_tokens[r]) - 1)
+                live[s] = r
+            live.pop()
+        return live
+
+
+def _rope(x, cos, sin):
+    """x [T, heads, D]; cos/sin [T, D] (HF's rotate-half layout, as model.transformer.apply_rope)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+
+
+def _layer_weights(block, fuse: bool) -> dict:
+    """A block's weights as the engine reads them. fuse: q/k/v and gate/up become one tensor each, and the model's
+    parameters are re-pointed at views of it (same values, no second copy)."""
+    a, m = block.self_attn, block.mlp
+    q_dim, kv_dim = a.q_proj.weight.shape[0], a.k_proj.weight.shape[0]
+    L = dict(idx=a.layer_idx, ln1=block.input_layernorm, ln2=block.post_attention_layernorm, q_dim=q_dim,
+             kv_dim=kv_dim, q_norm=getattr(a, "q_norm", None), k_norm=getattr(a, "k_norm", None),
+             o=(a.o_proj.weight, a.o_proj.bias), down=(m.down_proj.weight, m.down_proj.bias), split=not fuse)
+    groups = {"qkv": (a.q_proj, a.k_proj, a.v_proj), "gate_up": (m.gate_proj, m.up_proj)}
+    for name, mods in groups.items():
+        if not fuse:
+            L[name] = [(mod.weight, mod.bias) for mod in mods]
+            continue
+        with torch.no_grad():
+            w = torch.cat([mod.weight for mod in mods])
+            b = torch.cat([mod.bias for mod in mods]) if mods[0].bias is not None else None
+            start = 0
+            for mod in mods:  # the model keeps working, on views of the fused tensors
+                rows = mod.weight.shape[0]
+                mod.weight = torch.nn.Parameter(w[start:start + rows], requires_grad=False)
+                if b is not None:
+                    mod.bias = torch.nn.Parameter(b[start:start + rows], requires_grad=False)
+                start += rows
+        L[name] = [(w, b)]
+    return L

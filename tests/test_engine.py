@@ -1,0 +1,207 @@
+"""The generation engine (model/engine.py) against a plain reference: a full forward over the whole sequence for
+every new token (no cache, no batching, no fusion), sampling with the same keyed noise. Greedy and sampled tokens
+must be equal and log-probs within 1e-5 (fp32), whatever the batch mix, batch size, prompt order, prefix sharing or
+fusion; the slot bookkeeping must survive thousands of admissions and finishes; the decode step must compile whole."""
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+import transformers  # noqa: E402
+
+from model.checkpoint import load_model  # noqa: E402
+from model.engine import Engine, gumbel, hash32, row_keys, sample  # noqa: E402
+from model.generate import generate  # noqa: E402
+
+TOL = 1e-5
+
+
+def tiny_llama(path, seed=0, **overrides):
+    cfg = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=4096)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).save_pretrained(path)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """Qwen2 layout: q/k/v biases, tied embeddings (the fused qkv carries a fused bias)."""
+    path = tmp_path_factory.mktemp("qwen2")
+    torch.manual_seed(1)
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)).save_pretrained(path)
+    return load_model(path)
+
+
+PROMPTS = [[5, 17, 33, 2, 9, 41, 12, 7], [88, 3], [60, 6, 20, 14, 9], [42, 42, 42, 11, 25, 8, 19, 60, 4, 77, 31],
+           [1], [88, 3, 5]]
+
+
+def reference(model, prompts, *, temperature, max_new_tokens, stop_ids=(), seed=0, seeds=None):
+    """A full forward per new token, one prompt at a time."""
+    keys = row_keys(len(prompts), seed, seeds)
+    outs = []
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            ids, toks, lps = list(p), [], []
+            for t in range(max_new_tokens):
+                x = torch.tensor(ids)[None]
+                logits = model(x, torch.arange(len(ids))[None])[0, -1:]
+                tok, lp = sample(logits, temperature, torch.tensor([keys[i]]), torch.tensor([t]))
+                toks.append(tok.item())
+                lps.append(lp.item())
+                ids.append(toks[-1])
+                if toks[-1] in stop_ids:
+                    break
+            outs.append({"token_ids": toks, "logprobs": lps,
+                         "finish_reason": "stop" if toks[-1] in stop_ids else "length"})
+    return outs
+
+
+def assert_same(outs, ref):
+    assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in ref]
+    assert [o["finish_reason"] for o in outs] == [o["finish_reason"] for o in ref]
+    for o, r in zip(outs, ref):
+        assert max(abs(a - b) for a, b in zip(o["logprobs"], r["logprobs"])) <= TOL
+
+
+def a_stop_id(model, prompt, at):
+    return reference(model, [prompt], temperature=0.0, max_new_tokens=at + 1)[0]["token_ids"][at]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.1, 1.0])
+@pytest.mark.parametrize("batch_size", [1, 2, 4, 32])
+def test_engine_equals_the_reference_sampler(model, temperature, batch_size):
+    stop = a_stop_id(model, PROMPTS[0], 2)
+    ref = reference(model, PROMPTS, temperature=temperature, max_new_tokens=9, stop_ids={stop}, seed=3)
+    outs = generate(model, PROMPTS, temperature=temperature, max_new_tokens=9, stop_ids={stop}, seed=3,
+                    batch_size=batch_size, progress=False)
+    assert_same(outs, ref)
+    assert any(o["finish_reason"] == "stop" for o in outs) and any(o["finish_reason"] == "length" for o in outs)
+
+
+def test_fused_projections_give_the_reference_tokens(tmp_path, qwen):
+    for m in (tiny_llama(tmp_path / "a"), qwen):
+        ref = reference(m, PROMPTS, temperature=1.0, max_new_tokens=6, seed=5)
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        outs = generate(m, PROMPTS, temperature=1.0, max_new_tokens=6, seed=5, batch_size=3, fuse=True,
+                        progress=False)
+        assert_same(outs, ref)
+        after = m.state_dict()  # the model's parameters are views of the fused tensors: same names, same values
+        assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        qkv = m.model.layers[0].self_attn
+        assert qkv.k_proj.weight.untyped_storage().data_ptr() == qkv.q_proj.weight.untyped_storage().data_ptr()
+        assert_same(reference(m, PROMPTS, temperature=1.0, max_new_tokens=6, seed=5), ref)  # the model still works
+
+
+def test_per_prompt_seeds_do_not_depend_on_the_batch(model):
+    """seeds= (train.py's SDFT): a prompt's response is a function of its own seed, whatever prompts share its batch,
+    the batch size, the order, or which rank samples it."""
+    stop = a_stop_id(model, PROMPTS[0], 3)
+    seeds = [7, 8, 9, 10, 11, 12]
+
+    def run(idx, batch_size):
+        return [o["token_ids"] for o in generate(model, [PROMPTS[i] for i in idx], temperature=1.0,
+                                                 max_new_tokens=10, stop_ids={stop}, seeds=[seeds[i] for i in idx],
+                                                 batch_size=batch_size, progress=False)]
+    together = run(range(6), 6)
+    assert [run([i], 1)[0] for i in range(6)] == together
+    assert run(range(5, -1, -1), 3)[::-1] == together
+    assert run([0, 2, 4], 2) == [together[i] for i in (0, 2, 4)]
+    other = generate(model, PROMPTS, temperature=1.0, max_new_tokens=10, stop_ids={stop}, seeds=seeds[:5] + [13],
+                     progress=False)
+    assert [o["token_ids"] for o in other][:5] == together[:5] and other[5]["token_ids"] != together[5]
+    with pytest.raises(ValueError, match="2 seeds for 6 prompts"):
+        generate(model, PROMPTS, seeds=[1, 2], progress=False)
+
+
+def test_seed_reproduces_and_differs(model):
+    def run(seed, batch_size=2):
+        return [o["token_ids"] for o in generate(model, PROMPTS, temperature=1.0, max_new_tokens=10, seed=seed,
+                                                 batch_size=batch_size, progress=False)]
+    assert run(0) == run(0) == run(0, batch_size=5)
+    assert run(0) != run(1)
+
+
+def test_repeated_prompts_prefill_once_and_sample_apart(model, monkeypatch):
+    """Identical prompts admitted together are prefilled once (the others copy the first one's cache columns) and
+    give exactly what prefilling each would: the same tokens as the reference, each repeat with its own draws."""
+    prompts = [PROMPTS[0]] * 4 + [PROMPTS[3]] * 3 + [PROMPTS[1]]
+    prefilled = []
+    real = Engine._prefill
+
+    def counting(self, ids, *args):
+        prefilled.append(ids.numel())
+        return real(self, ids, *args)
+    monkeypatch.setattr(Engine, "_prefill", counting)
+    outs = generate(model, prompts, temperature=1.0, max_new_tokens=8, seed=2, batch_size=8, progress=False)
+    assert prefilled == [len(PROMPTS[0]) + len(PROMPTS[3]) + len(PROMPTS[1])]
+    assert_same(outs, reference(model, prompts, temperature=1.0, max_new_tokens=8, seed=2))
+    assert len({tuple(o["token_ids"]) for o in outs[:4]}) > 1  # the repeats are separate samples
+
+
+def test_slot_bookkeeping_survives_thousands_of_admissions(tmp_path):
+    """1,500 prompts of random lengths through 5 slots, random stops: every admission, finish and move of a slot
+    must keep each sequence's own cache columns; any slot leaked or shared would change its tokens."""
+    m = tiny_llama(tmp_path / "m", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=1, vocab_size=23)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(23) for _ in range(rng.randint(1, 6))] for _ in range(1500)]
+    stops = {3, 7, 11}  # with 23 tokens, responses end after ~1-8 tokens
+    outs = generate(m, prompts, temperature=1.0, max_new_tokens=8, stop_ids=stops, seed=4, batch_size=5,
+                    progress=False)
+    lengths = [len(o["token_ids"]) for o in outs]
+    assert min(lengths) == 1 and max(lengths) == 8 and sum(lengths) > 3000
+    keys = row_keys(len(prompts), 4)
+    for i in rng.sample(range(len(prompts)), 120):
+        assert_same([outs[i]], reference(m, [prompts[i]], temperature=1.0, max_new_tokens=8, stop_ids=stops,
+                                         seeds=[keys[i]]))
+
+
+def test_decode_step_compiles_whole(model):
+    """The decode step has static shapes and no host sync: one graph, no breaks (what a CUDA graph captures)."""
+    engine = Engine(model, max_seqs=4)
+    engine.allocate(16)
+    args = [torch.tensor(v) for v in ([5, 6, 7], [3, 0, 9], [1, 2, 3], [0, 0, 4])]
+    eager = engine.decode_step(*args, 16, 1.0)
+    torch._dynamo.reset()
+    compiled = torch.compile(engine.decode_step, fullgraph=True, backend="aot_eager")
+    engine.allocate(16)
+    out = compiled(*args, 16, 1.0)
+    assert torch.equal(out[0], eager[0]) and torch.allclose(out[1], eager[1], atol=TOL)
+
+
+def test_noise_is_a_fixed_function_of_key_counter_and_token():
+    x = torch.arange(1 << 16)
+    assert len(set(hash32(x).tolist())) == 1 << 16  # a bijection on its domain (here: no collision on 65,536)
+    def lowbias32(v):  # the published C, in Python integers
+        v ^= v >> 16
+        v = (v * 0x7FEB352D) & 0xFFFFFFFF
+        v ^= v >> 15
+        v = (v * 0x846CA68B) & 0xFFFFFFFF
+        return v ^ (v >> 16)
+    probe = [0, 1, 12345, 0x7FFFFFFF, 0xFFFFFFFF]
+    assert hash32(torch.tensor(probe)).tolist() == [lowbias32(v) for v in probe]
+    keys, counters = torch.tensor([1, 2, 1 << 40]), torch.tensor([0, 0, 5])
+    g = gumbel(keys, counters, 50)
+    assert torch.equal(g[0], gumbel(keys[:1], counters[:1], 50)[0]) and not torch.equal(g[0], g[1])
+    u = torch.exp(-torch.exp(-gumbel(torch.arange(2000), torch.zeros(2000, dtype=torch.long), 1)[:, 0]))
+    assert abs(u.mean().item() - 0.5) < 0.03  # uniform draws underneath
+
+
+def test_sampling_follows_the_softmax():
+    """Gumbel-max over the keyed noise draws from softmax(logits / T): frequencies over 4,000 keys."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
+    tokens, logprobs = sample(logits, 0.5, torch.arange(4000), torch.zeros(4000, dtype=torch.long))
+    freq = torch.bincount(tokens, minlength=4).double() / 4000
+    assert (freq - torch.softmax(logits[0].double() / 0.5, -1)).abs().max() < 0.02
+    assert torch.allclose(logprobs, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0])  # raw, not /T
