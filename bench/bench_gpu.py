@@ -18,8 +18,10 @@ with random weights instead of a checkpoint, and times train.py's step: --global
 Length mixes ("TRACE-like"): document lengths drawn around plan.PAPER_TASKS' per-task means (+-50 %), weighted by
 what each task contributes to training (examples x epochs): "trace" all eight tasks, "short" the classification
 and arithmetic tasks, "long" MeetingBank and 20Minuten (capped at --max-len).
-Rollouts: the native KV-cache engine (model/generate.py) on one GPU, random weights (so no row stops early),
-prompts of the "trace" mix's prompt lengths, --rollout-new-tokens new tokens, at batch 1 / 32 / 256.
+Rollouts: the native engine (model/engine.py) on one GPU, random weights (so no row stops by itself): prompts of the
+"trace" mix's prompt lengths with --rollout-new-tokens new tokens each at batch 1 / 32 / 256, and the rollout mix
+(--rollout-mix-prompts prompts whose answer lengths also follow the mix: short letters next to long summaries),
+with the engine's CUDA graphs on, off or both (--rollout-graphs); new tokens/s, time to drain, the GPU's busy share.
 Results: one JSON line per variant in --out, and a markdown table on stdout.
 """
 import argparse
@@ -46,6 +48,7 @@ STEPS = 6                # timed optimizer steps per variant
 WARMUP = 2               # untimed steps first (allocator, autotuning)
 ROLLOUT_BATCHES = "1,32,256"
 ROLLOUT_NEW_TOKENS = 256
+ROLLOUT_MIX_PROMPTS = 1024  # the rollout mix: TRACE-like prompt and answer lengths (answers capped at the above)
 PEAK_TFLOPS = 989.0      # H100 SXM bf16 dense
 # -----------------------------------------------------------------------------------------------------------------
 
@@ -67,6 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps first (default: %(default)s)")
     p.add_argument("--rollout-batches", default=ROLLOUT_BATCHES, help="(default: %(default)s); '' skips rollouts")
     p.add_argument("--rollout-new-tokens", type=int, default=ROLLOUT_NEW_TOKENS, help="(default: %(default)s)")
+    p.add_argument("--rollout-mix-prompts", type=int, default=ROLLOUT_MIX_PROMPTS,
+                   help="prompts of the rollout-mix row, 0 = no such row (default: %(default)s)")
+    p.add_argument("--rollout-graphs", choices=["on", "off", "both"], default="on",
+                   help="the engine's CUDA graphs for the rollout rows (off: OPR_ENGINE_GRAPHS=0; default: on)")
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="for MFU (default: %(default)s)")
     p.add_argument("--out", default="runs/bench_gpu.jsonl", help="JSON lines, one per variant (default: %(default)s)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per variant before it is recorded as failed")
@@ -189,6 +196,11 @@ def train_worker(args):
 
 
 def rollout_worker(args):
+    """The engine on one device, random weights (no row stops by itself): --batch prompts of the "trace" mix's
+    prompt lengths with --rollout-new-tokens each, or with --batch 0 the rollout mix: --rollout-mix-prompts prompts
+    whose prompt AND answer lengths follow the mix (each prompt capped at its own answer length, as a stop token
+    would end it). Reports new tokens/s, the time to drain and, on a GPU, the busy share: CUDA kernel time over wall
+    time in a profiled second call."""
     import torch
     from model.checkpoint import load_config
     from model.generate import generate
@@ -200,26 +212,43 @@ def rollout_worker(args):
         model = Transformer(load_config(args.config))
     model.to_empty(device=device)
     random_init(model, None)
-    model.to(dtype).eval()
-    prompts_len = [p - a for p, a in mix_lengths("trace", args.batch, args.max_len, seed=1)]
+    model.to(dtype).eval().requires_grad_(False)
+    if args.batch:
+        lengths = [(p - a, args.rollout_new_tokens) for p, a in mix_lengths("trace", args.batch, args.max_len, seed=1)]
+        batch = args.batch
+    else:
+        lengths = [(p - a, min(a, args.rollout_new_tokens)) for p, a in
+                   mix_lengths("trace", args.rollout_mix_prompts, args.max_len, seed=1)]
+        batch = None  # the engine's default: the machine's
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in prompts_len]
-    generate(model, prompts[:1], max_new_tokens=4, batch_size=1, progress=False)  # warm-up
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n, _ in lengths]
+    caps = [a for _, a in lengths]
+    kw = dict(temperature=0.1, max_new_tokens=caps, batch_size=batch, progress=False)
+    generate(model, prompts[:2], **dict(kw, max_new_tokens=caps[:2]))  # warm-up: lazy initialisation, not graphs
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    outs = generate(model, prompts, temperature=0.1, max_new_tokens=args.rollout_new_tokens, batch_size=args.batch,
-                    progress=False)
+    outs = generate(model, prompts, **kw)
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    busy = None
+    if cuda:  # a second call under the profiler: the kernels' time against the wall time
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t1 = time.perf_counter()
+            generate(model, prompts, **kw)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t1
+        kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+        busy = round(kernel_us / 1e6 / wall, 3)
     new = sum(len(o["token_ids"]) for o in outs)
     print("RESULT " + json.dumps({
         "kind": "rollout", "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "dtype": str(dtype).removeprefix("torch."), "batch": args.batch, "new_tokens": new,
-        "mean_prompt": round(sum(prompts_len) / len(prompts_len), 1), "seconds": round(seconds, 2),
-        "new_tokens_per_s": round(new / seconds, 1),
+        "dtype": str(dtype).removeprefix("torch."), "batch": args.batch or "mix", "prompts": len(prompts),
+        "graphs": os.environ.get("OPR_ENGINE_GRAPHS", "1") != "0" and cuda, "new_tokens": new, "mean_prompt": round(sum(n for n, _ in lengths) / len(lengths), 1),
+        "seconds": round(seconds, 2), "new_tokens_per_s": round(new / seconds, 1), "busy_share": busy,
         "peak_memory_gb": round((torch.cuda.max_memory_allocated() if cuda else
                                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 1e9, 2)}), flush=True)
 
@@ -282,7 +311,7 @@ def main(argv=None):
 
         for name in args.configs.split(","):
             cdir = config_dir(name, tmp)
-            for mix in args.mixes.split(","):
+            for mix in [m for m in args.mixes.split(",") if m]:  # '' : rollout rows only
                 mix_lengths(mix, 1, args.max_len)  # an unknown mix fails here, before any run
                 for ac in acs:
                     for a in attn:
@@ -292,10 +321,13 @@ def main(argv=None):
                             r = run_variant(cmd, dict(env, KERNELS_ATTN_BACKEND=a, KERNELS_CE_BACKEND=c),
                                             args.timeout)
                             record({"config": name, "mix": mix, "ac": ac, "attn": a, "ce": c, "gpus": gpus, **r})
-            for b in [int(x) for x in args.rollout_batches.split(",") if x]:
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "rollout", "--config", str(cdir),
-                       "--batch", str(b), *common]
-                record({"config": name, "batch": b, **run_variant(cmd, env, args.timeout)})
+            rows = [int(x) for x in args.rollout_batches.split(",") if x] + ([0] if args.rollout_mix_prompts else [])
+            for graphs in {"on": ["1"], "off": ["0"], "both": ["1", "0"]}[args.rollout_graphs]:
+                for b in rows:
+                    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "rollout", "--config", str(cdir),
+                           "--batch", str(b), "--rollout-mix-prompts", str(args.rollout_mix_prompts), *common]
+                    r = run_variant(cmd, dict(env, OPR_ENGINE_GRAPHS=graphs), args.timeout)
+                    record({"config": name, "batch": b or "mix", "graphs": graphs == "1", **r})
 
     print(f"\n| config | mix | AC | attention | CE | GPUs | tok/s per GPU | MFU | peak mem (GB) |")
     print("|---|---|---|---|---|---:|---:|---:|---:|")
@@ -305,12 +337,15 @@ def main(argv=None):
                      if "error" not in r else f"{r['error']} | | ")
             print(f"| {r['config']} | {r['mix']} | {'on' if r['ac'] else 'off'} | {r['attn']} | {r['ce']} | "
                   f"{r['gpus']} | {cells} |")
-    print(f"\n| config | rollout batch | new tok/s | peak mem (GB) |")
-    print("|---|---:|---:|---:|")
+    print(f"\n| config | rollout batch | CUDA graphs | new tokens | time to drain | new tok/s | busy share | "
+          f"peak mem (GB) |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
     for r in results:
         if "batch" in r:
-            cells = f"{r['new_tokens_per_s']:,.1f} | {r['peak_memory_gb']:.1f}" if "error" not in r else f"{r['error']} |"
-            print(f"| {r['config']} | {r['batch']} | {cells} |")
+            cells = (f"{r['new_tokens']} | {r['seconds']:.2f} s | {r['new_tokens_per_s']:,.1f} | "
+                     f"{r['busy_share'] if r['busy_share'] is not None else '-'} | {r['peak_memory_gb']:.1f}"
+                     if "error" not in r else f"{r['error']} | | | | |")
+            print(f"| {r['config']} | {r['batch']} | {'on' if r['graphs'] else 'off'} | {cells} |")
     if any("error" in r for r in results):
         print(f"bench_gpu.py: {sum('error' in r for r in results)} variant(s) failed (see {out})", file=sys.stderr)
         return 1

@@ -30,6 +30,7 @@ softmax(logits / T), and a prompt's draws depend on its own key only, never on i
 size, the schedule or the device. Keys: `seeds[i]` when given (train.py's SDFT: one per example and step), else a
 function of (seed, i). temperature 0 is greedy.
 """
+import os
 import time
 from collections import deque
 
@@ -91,7 +92,8 @@ class Engine:
     for the duration, as train.py's SDFT does). max_seqs: live sequences at once (the KV cache holds this many
     rows of max prompt + max_new_tokens columns). fuse: concatenate q/k/v and gate/up into one matmul each; the
     model's own parameters become views of the fused tensors (no second copy), so only for a model used for
-    sampling alone (not under autograd or FSDP). graphs: capture the decode step as CUDA graphs (default: on CUDA).
+    sampling alone (not under autograd or FSDP). graphs: capture the decode step as CUDA graphs (default: on CUDA
+    unless OPR_ENGINE_GRAPHS=0).
     lm_head_fp32: compute the logits in fp32 from a bf16 model (an fp32 copy of lm_head's weight)."""
 
     def __init__(self, model: Transformer, max_seqs: int = 32, *, fuse: bool | None = None, graphs: bool | None = None,
@@ -101,7 +103,7 @@ class Engine:
         self.device, self.dtype = w.device, w.dtype
         cuda = self.device.type == "cuda"
         self.max_seqs = max_seqs
-        self.graphs = cuda if graphs is None else graphs
+        self.graphs = (cuda and os.environ.get("OPR_ENGINE_GRAPHS", "1") != "0") if graphs is None else graphs
         self.key_bucket = key_bucket or (256 if cuda else 1)
         self.max_prefill_tokens = max_prefill_tokens or (16384 if cuda else 4096)
         fuse = (not any(p.requires_grad for p in model.parameters())) if fuse is None else fuse
@@ -142,13 +144,30 @@ class Engine:
         return F.linear(h.to(self.lm_head.dtype), self.lm_head) if self.lm_head.dtype != h.dtype else \
             linear(h, self.lm_head)
 
-    def _prefill(self, ids, pos, slots, cu, max_len):
-        """Packed prompts (ids, pos, the slot of each token [T]; cu_seqlens int32) -> logits of each prompt's last
-        token [n, V]; their keys and values are written into their slots."""
+    def _prefill(self, ids, pos, slots, docs):
+        """Packed prompt tokens (ids, pos, the slot of each token [T]) -> logits of each document's last token
+        [n, V]; their keys and values are written into their slots. docs: per document (slot, start, end): its
+        tokens are positions start..end-1 of its sequence, and positions before `start` are in its slot already
+        (a shared prefix). Documents without one attend among themselves in one varlen call."""
+        lens = [e - b for _, b, e in docs]
+        cu = torch.tensor([0] + lens, device=ids.device).cumsum(0).to(torch.int32)
+        cached = any(b > 0 for _, b, _ in docs)
+
         def attend(i, q, k, v):
             self.k[i][slots, :, pos] = k
             self.v[i][slots, :, pos] = v
-            return varlen_attention(q, k, v, cu, max_len).flatten(1)
+            if not cached:
+                return varlen_attention(q, k, v, cu, max(lens)).flatten(1)
+            out, at = [], 0
+            for (slot, b, e), n in zip(docs, lens):  # the new tokens attend to the slot's columns 0..e-1
+                qd = q[at:at + n].transpose(0, 1)[None]
+                kd, vd = self.k[i][slot:slot + 1, :, :e], self.v[i][slot:slot + 1, :, :e]
+                mask = None if b == 0 else \
+                    torch.arange(e, device=q.device)[None, :] <= torch.arange(b, e, device=q.device)[:, None]
+                out.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, is_causal=b == 0,
+                                                          enable_gqa=True)[0].transpose(0, 1))
+                at += n
+            return torch.cat(out).flatten(1)
         x = self.model.model.embed_tokens(ids)
         cos, sin = self._cos_sin(pos)
         for L in self.layers:
@@ -217,13 +236,17 @@ class Engine:
 
     # -- the scheduler ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], *, temperature: float = 0.1, max_new_tokens: int = 512,
+    def generate(self, prompts: list[list[int]], *, temperature: float = 0.1, max_new_tokens: int | list = 512,
                  stop_ids=(), seed: int = 0, seeds: list[int] | None = None, progress: bool = True) -> list[dict]:
-        """One response per prompt (token id lists), in the input order. See the module docstring."""
+        """One response per prompt (token id lists), in the input order. See the module docstring.
+        max_new_tokens: one cap for all, or one per prompt (tasks of one call may need 4 tokens or 512)."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(caps) != len(prompts):
+            raise ValueError(f"generate: {len(caps)} max_new_tokens for {len(prompts)} prompts")
+        if any(c < 1 for c in caps):
+            raise ValueError(f"max_new_tokens must be >= 1, got {min(caps)}")
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
         if any(len(p) == 0 for p in prompts):
@@ -232,14 +255,16 @@ class Engine:
             return []
         stop = set(int(t) for t in stop_ids)
         keys = row_keys(len(prompts), seed, seeds)
-        max_len = max(len(p) for p in prompts) + max_new_tokens
+        max_len = max(len(p) + c for p, c in zip(prompts, caps))
         cols = -(-max_len // self.key_bucket) * self.key_bucket
         self.allocate(cols)
 
         out_tokens = [[] for _ in prompts]
         out_logprobs = [[] for _ in prompts]
         finish = [None] * len(prompts)
-        waiting = deque(sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), prompts[i], i)))
+        # in token order: prompts that share a prefix (a task's instruction, repeats) are admitted together
+        waiting = deque(sorted(range(len(prompts)), key=lambda i: (prompts[i], i)))
+        self._prefix, self._hashes, self._prompt = {}, {}, {}  # block hash -> slots; slot -> hashes, prompt
         live = []  # slot -> prompt index: the live sequences are slots 0..len(live)-1
         bar = None
         if progress:
@@ -254,7 +279,7 @@ class Engine:
             for r, tok, lp in zip(rows, tokens, logprobs):
                 out_tokens[r].append(tok)
                 out_logprobs[r].append(lp)
-                if tok in stop or len(out_tokens[r]) == max_new_tokens:
+                if tok in stop or len(out_tokens[r]) == caps[r]:
                     finish[r] = "stop" if tok in stop else "length"
                     done.add(r)
             n_new += len(rows)
@@ -289,37 +314,68 @@ class Engine:
                 for i in range(len(prompts))]
 
     def _admit(self, waiting: deque, prompts, first_slot: int, keys, temperature):
-        """Prefill the next waiting prompts into slots first_slot.. and sample their first tokens. Returns
-        [(prompt index, token, raw log-prob)] in slot order."""
+        """Prefill the next waiting prompts into slots first_slot.. and sample their first tokens. A prompt that
+        is a repeat, or shares a prefix of at least BLOCK tokens, of a resident sequence or with a prompt admitted before it in
+        this call, copies that prefix's cache columns and prefills only the rest (an identical prompt: its last
+        token). Documents whose prefix comes from this call are prefilled in a later wave than their donor.
+        Returns [(prompt index, token, raw log-prob)] in slot order."""
         take, n_tok = [], 0
         while waiting and first_slot + len(take) < self.max_seqs:
             r = waiting[0]
-            shared = take and prompts[take[-1]] == prompts[r]
-            if not shared and take and n_tok + len(prompts[r]) > self.max_prefill_tokens:
+            if take and n_tok + len(prompts[r]) > self.max_prefill_tokens:
                 break
             take.append(waiting.popleft())
-            n_tok += 0 if shared else len(prompts[r])
-        leaders, leader_of = [], []  # each admitted prompt's leader: the first of its run of identical prompts
+            n_tok += len(prompts[r])
+        waves, wave_of = [], {}
         for j, r in enumerate(take):
-            if j and prompts[take[j - 1]] == prompts[r]:
-                leader_of.append(leader_of[-1])
-            else:
-                leader_of.append(len(leaders))
-                leaders.append(j)
+            slot, prompt = first_slot + j, prompts[r]
+            donor, shared = self._donor(prompt)
+            if donor is not None and donor not in wave_of:  # a resident sequence's columns: copy them now
+                self._copy_slot(donor, slot, shared)
+            w = wave_of[donor] + 1 if donor in wave_of else 0
+            wave_of[slot] = w
+            waves += [[] for _ in range(w + 1 - len(waves))]
+            waves[w].append((j, slot, donor, shared))
+            self._index(slot, prompt)
+        logits = [None] * len(take)
         dev = self.device
-        ids = torch.tensor([t for j in leaders for t in prompts[take[j]]], device=dev)
-        pos = torch.tensor([p for j in leaders for p in range(len(prompts[take[j]]))], device=dev)
-        slots = torch.tensor([first_slot + j for j in leaders for _ in prompts[take[j]]], device=dev)
-        lens = [len(prompts[take[j]]) for j in leaders]
-        cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
-        logits = self._prefill(ids, pos, slots, cu, max(lens))
-        for j, lead in enumerate(leader_of):  # the repeats of a prompt copy its leader's columns
-            if leaders[lead] != j:
-                self._copy_slot(first_slot + leaders[lead], first_slot + j, len(prompts[take[j]]))
-        row_logits = logits[torch.tensor(leader_of, device=dev)]
-        tokens, logprobs = sample(row_logits, temperature, torch.tensor([keys[r] for r in take], device=dev),
+        for wave in waves:
+            for j, slot, donor, shared in wave:
+                if donor is not None and donor in wave_of:  # its donor was prefilled in an earlier wave
+                    self._copy_slot(donor, slot, shared)
+            docs = [(slot, shared, len(prompts[take[j]])) for j, slot, _, shared in wave]
+            ids = torch.tensor([t for j, _, _, b in wave for t in prompts[take[j]][b:]], device=dev)
+            pos = torch.tensor([q for _, b, e in docs for q in range(b, e)], device=dev)
+            slots = torch.tensor([slot for slot, b, e in docs for _ in range(e - b)], device=dev)
+            out = self._prefill(ids, pos, slots, docs)
+            for (j, *_), row in zip(wave, out):
+                logits[j] = row
+        tokens, logprobs = sample(torch.stack(logits), temperature, torch.tensor([keys[r] for r in take], device=dev),
                                   torch.zeros(len(take), dtype=torch.long, device=dev))
         return list(zip(take, tokens.tolist(), logprobs.tolist()))
+
+    def _donor(self, prompt) -> tuple:
+        """(slot, shared length) of the resident sequence whose prompt shares the longest prefix with `prompt` (the
+        whole prompt, or at least BLOCK tokens: found through _prefix_keys; at most len(prompt) - 1, since the last
+        token is prefilled for its logits), or (None, 0)."""
+        for h in reversed(_prefix_keys(prompt)):
+            slots = self._prefix.get(h)
+            if slots:
+                slot = min(slots)
+                other = self._prompt[slot]
+                n = next((i for i, (a, b) in enumerate(zip(prompt, other)) if a != b), min(len(prompt), len(other)))
+                return slot, min(n, len(prompt) - 1)
+        return None, 0
+
+    def _index(self, slot: int, prompt):
+        """Make slot's prompt findable as a donor (None: forget it)."""
+        for h in self._hashes.pop(slot, ()):
+            self._prefix[h].discard(slot)
+        self._prompt[slot] = prompt
+        if prompt is not None:
+            self._hashes[slot] = _prefix_keys(prompt)
+            for h in self._hashes[slot]:
+                self._prefix.setdefault(h, set()).add(slot)
 
     def _copy_slot(self, src: int, dst: int, n_cols: int):
         for t in (self.K, self.V):  # every layer in one copy
@@ -334,8 +390,23 @@ class Engine:
                 r = live[last]
                 self._copy_slot(last, s, len(prompts[r]) + len(out_tokens[r]) - 1)
                 live[s] = r
+                self._index(s, prompts[r])
+            self._index(last, None)
             live.pop()
         return live
+
+
+BLOCK = 16  # prefix sharing looks prompts up by hashes of their first 16, 32, 48, ... tokens
+
+
+def _prefix_keys(prompt) -> list:
+    """Keys of the prompt's prefixes, shortest first: chained hashes of its full BLOCK-token prefixes (key k
+    identifies prompt[:BLOCK * (k + 1)]), then the whole prompt (a repeat of a short prompt shares it too)."""
+    out, h = [], 0
+    for k in range(len(prompt) // BLOCK):
+        h = hash((h, tuple(prompt[k * BLOCK:(k + 1) * BLOCK])))
+        out.append(h)
+    return out + [("prompt", tuple(prompt))]
 
 
 def _rope(x, cos, sin):

@@ -22,7 +22,7 @@ def resolve_engine(engine: str) -> str:
     return AUTO_ENGINE if engine == "auto" else engine
 
 
-def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, max_new_tokens: int = 512,
+def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, max_new_tokens: int | list = 512,
              seed: int = 0, engine: str = "auto", tp: int = 1, batch_size: int | None = None, stop_ids=None,
              progress: bool = True) -> list[dict]:
     """Sample one response per prompt (lists of token ids, already chat-templated) from the checkpoint in ckpt_dir.

@@ -23,17 +23,22 @@ from model.config import ModelConfig
 # product as one bmm over the weight's two halves of rows runs multi-threaded and 2-6x faster (BENCHMARKS.md, "Native
 # generation engine"). It rounds differently from F.linear (~1e-6 relative), so it is used only without autograd:
 # sampling, never training.
+# Large weights (SmolLM2's lm_head and gate/up) gain from the split at up to 64 rows too, the continuous-batching
+# engine's decode steps: 1.17-1.3x per product at 16-64 rows, 2 threads (BENCHMARKS.md, "Generation engine").
 SPLIT_MAX_ROWS = 4         # inputs of at most this many rows
 SPLIT_MIN_WEIGHT = 1 << 15  # weights of at least this many elements (smaller ones: the bmm's overhead does not pay)
+SPLIT_MAX_ROWS_LARGE = 64   # ... and of at most this many rows for weights of at least
+SPLIT_LARGE_WEIGHT = 1 << 20  # this many elements
 
 
 def linear(x, w, b=None):
     """F.linear, with the CPU inference path of SPLIT_MAX_ROWS for a few rows (model.engine calls it on its fused
     weights; Linear below on the model's own)."""
-    if torch.is_grad_enabled() or x.numel() > SPLIT_MAX_ROWS * w.shape[1]:  # the common cases first: cheap
+    if torch.is_grad_enabled() or x.numel() > SPLIT_MAX_ROWS_LARGE * w.shape[1]:  # the common cases first: cheap
         return F.linear(x, w, b)
     n, k = w.shape
-    if n % 2 or w.numel() < SPLIT_MIN_WEIGHT or not w.is_cpu or not w.is_contiguous():
+    if n % 2 or w.numel() < SPLIT_MIN_WEIGHT or not w.is_cpu or not w.is_contiguous() or (
+            x.numel() > SPLIT_MAX_ROWS * k and w.numel() < SPLIT_LARGE_WEIGHT):
         return F.linear(x, w, b)
     rows = x.reshape(-1, k)
     y = torch.bmm(w.view(2, n // 2, k), rows.t().expand(2, k, rows.shape[0])).view(n, -1).t()

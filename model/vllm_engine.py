@@ -6,7 +6,11 @@ What we pin, and why (checked against vLLM's source/docs):
   Versions before that option existed (default None) loaded none anyway, so we only pass it when the default is
   not None.
 - `LLM(logprobs_mode="raw_logprobs")` (vllm.config.ModelConfig, v0.10+; raw = before temperature and any logit
-  processor). Passed only when the installed EngineArgs has the field; older engines returned raw log-probs.
+  processor). Passed only when the installed EngineArgs has the field. Without it what comes back depends on the
+  engine: the V1 engine (the default from vLLM 0.8) returns raw log-probs, the V0 engine (the default below 0.8)
+  returns them after temperature ("processed"), which at T 0.1 is not the model's log-prob of the token. So below
+  vLLM 0.8 (or with V0 forced) OPR-SC would rank by the wrong numbers, and rollout.py's --check-logprobs, which
+  compares them with the trainer's forward pass, warns.
 - `SamplingParams(top_k=<disabled>)`: vLLM changed the "disabled" value from -1 (which made 0 an error) to 0
   (which still accepts -1); the installed default is the disabled value, so we read it from `SamplingParams()`.
 - `logprobs=0`: vLLM always adds the sampled token's entry, so each step's dict holds the sampled token and possibly
@@ -59,13 +63,18 @@ def sampled_logprobs(completion) -> list[float]:
     return out
 
 
-def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float, max_new_tokens: int, stop_ids, seed: int,
+def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float, max_new_tokens, stop_ids, seed: int,
              tp: int = 1, progress: bool = True) -> list[dict]:
-    """One response per prompt (token id lists) in input order: {"token_ids", "logprobs", "finish_reason"}."""
+    """One response per prompt (token id lists) in input order: {"token_ids", "logprobs", "finish_reason"}.
+    max_new_tokens: one cap, or one per prompt (LLM.generate takes one SamplingParams per prompt)."""
     import vllm
 
     llm = vllm.LLM(**llm_kwargs(vllm, ckpt_dir, tp=tp, seed=seed))
-    params = sampling_params(vllm, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    if isinstance(max_new_tokens, int):
+        params = sampling_params(vllm, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    else:
+        params = [sampling_params(vllm, temperature=temperature, max_new_tokens=m, stop_ids=stop_ids)
+                  for m in max_new_tokens]
     outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=progress)
     results = []
     for out in outputs:

@@ -1,5 +1,6 @@
 """bench/bench_gpu.py's CPU smoke path runs end to end (the GPU grid itself needs a GPU): every variant reports,
-the timed tokens are the mix's documents, and the rollout generates batch x new tokens (random weights never stop)."""
+the timed tokens are the mix's documents, and the rollout generates batch x new tokens (random weights never stop), or
+in the rollout-mix row each prompt's own answer length."""
 import json
 import os
 import subprocess
@@ -15,7 +16,8 @@ def test_bench_gpu_cpu_smoke_path(tmp_path):
     out = tmp_path / "bench.jsonl"
     cmd = [sys.executable, str(REPO / "bench" / "bench_gpu.py"), "--device", "cpu", "--configs", "tiny", "--mixes",
            "trace", "--steps", "1", "--warmup", "1", "--global-batch", "8", "--micro-tokens", "2048", "--max-len",
-           "512", "--rollout-batches", "1,3", "--rollout-new-tokens", "5", "--out", str(out)]
+           "512", "--rollout-batches", "1,3", "--rollout-new-tokens", "5", "--rollout-mix-prompts", "6",
+           "--out", str(out)]
     p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
@@ -28,7 +30,9 @@ def test_bench_gpu_cpu_smoke_path(tmp_path):
         assert r["mean_doc"] == round(mean_doc, 1) and r["tokens_per_s_per_gpu"] > 0 and r["peak_memory_gb"] > 0
         assert r["dtype"] == "float32" and r["attention"] == "sdpa" and r["world"] == 1
     rollouts = [r for r in rows if r.get("kind") == "rollout"]
-    assert [(r["batch"], r["new_tokens"]) for r in rollouts] == [(1, 5), (3, 15)]
+    mix_new = sum(min(a, 5) for _, a in mix_lengths("trace", 6, 512, seed=1))  # each prompt capped at its answer
+    assert [(r["batch"], r["new_tokens"]) for r in rollouts] == [(1, 5), (3, 15), ("mix", mix_new)]
+    assert mix_new < 6 * 5  # the mix's letter answers end early
     assert "| tiny | trace | on | sdpa | chunked | 1 |" in p.stdout
 
 

@@ -133,8 +133,9 @@ def test_seed_reproduces_and_differs(model):
 
 
 def test_repeated_prompts_prefill_once_and_sample_apart(model, monkeypatch):
-    """Identical prompts admitted together are prefilled once (the others copy the first one's cache columns) and
-    give exactly what prefilling each would: the same tokens as the reference, each repeat with its own draws."""
+    """Identical prompts admitted together are prefilled once (the others copy the first one's cache columns and
+    prefill only their last token, for its logits) and give exactly what prefilling each would: the same tokens as
+    the reference, each repeat with its own draws."""
     prompts = [PROMPTS[0]] * 4 + [PROMPTS[3]] * 3 + [PROMPTS[1]]
     prefilled = []
     real = Engine._prefill
@@ -144,9 +145,26 @@ def test_repeated_prompts_prefill_once_and_sample_apart(model, monkeypatch):
         return real(self, ids, *args)
     monkeypatch.setattr(Engine, "_prefill", counting)
     outs = generate(model, prompts, temperature=1.0, max_new_tokens=8, seed=2, batch_size=8, progress=False)
-    assert prefilled == [len(PROMPTS[0]) + len(PROMPTS[3]) + len(PROMPTS[1])]
+    assert prefilled == [len(PROMPTS[0]) + len(PROMPTS[3]) + len(PROMPTS[1]), 3 + 2]  # leaders, then repeats
     assert_same(outs, reference(model, prompts, temperature=1.0, max_new_tokens=8, seed=2))
     assert len({tuple(o["token_ids"]) for o in outs[:4]}) > 1  # the repeats are separate samples
+
+
+def test_shared_prefixes_prefill_once(model, monkeypatch):
+    """Prompts that share a prefix of >= 16 tokens (a task's instruction) copy it from a sequence in the cache, or
+    from one admitted before them, and prefill only the rest: the same tokens as prefilling everything."""
+    instruction = [(7 * i) % 90 + 3 for i in range(37)]
+    prompts = [instruction + [i + 1, 2 * i + 5] for i in range(10)] + [instruction[:20] + [1, 2, 3]] + PROMPTS[:2]
+    prefilled = []
+    real = Engine._prefill
+
+    def counting(self, ids, *args):
+        prefilled.append(ids.numel())
+        return real(self, ids, *args)
+    monkeypatch.setattr(Engine, "_prefill", counting)
+    outs = generate(model, prompts, temperature=1.0, max_new_tokens=6, seed=9, batch_size=4, progress=False)
+    assert sum(prefilled) < sum(len(p) for p in prompts) - 8 * 32  # most of the 37-token instruction is shared
+    assert_same(outs, reference(model, prompts, temperature=1.0, max_new_tokens=6, seed=9))
 
 
 def test_slot_bookkeeping_survives_thousands_of_admissions(tmp_path):
@@ -205,3 +223,14 @@ def test_sampling_follows_the_softmax():
     freq = torch.bincount(tokens, minlength=4).double() / 4000
     assert (freq - torch.softmax(logits[0].double() / 0.5, -1)).abs().max() < 0.02
     assert torch.allclose(logprobs, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0])  # raw, not /T
+
+
+def test_each_prompt_may_have_its_own_length_cap(model):
+    caps = [1, 5, 3, 9, 2, 4]
+    outs = generate(model, PROMPTS, temperature=1.0, max_new_tokens=caps, seed=6, batch_size=3, progress=False)
+    assert [len(o["token_ids"]) for o in outs] == caps and {o["finish_reason"] for o in outs} == {"length"}
+    assert [o["token_ids"] for o in outs] == [reference(model, [p], temperature=1.0, max_new_tokens=c,
+                                                        seeds=[row_keys(6, 6)[i]])[0]["token_ids"]
+                                              for i, (p, c) in enumerate(zip(PROMPTS, caps))]
+    with pytest.raises(ValueError, match="2 max_new_tokens for 6 prompts"):
+        generate(model, PROMPTS, max_new_tokens=[1, 2], progress=False)

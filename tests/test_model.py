@@ -128,14 +128,14 @@ def test_missing_and_misshaped_weights_are_named(tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.parametrize("rows, bias", [(1, False), (3, True), (4, False), (5, False)])
+@pytest.mark.parametrize("rows, bias", [(1, False), (3, True), (4, False), (5, False), (64, True), (65, False)])
 def test_linear_few_rows_without_autograd_is_the_split_bmm(rows, bias):
     """model.transformer.Linear: with autograd (training) exactly F.linear; without it, at most SPLIT_MAX_ROWS rows
     times a large enough weight are one bmm over the weight's two row halves (bit for bit that formula, within fp32
     rounding of F.linear); more rows, or a small weight, F.linear again."""
     import torch.nn.functional as F
 
-    from model.transformer import SPLIT_MAX_ROWS, SPLIT_MIN_WEIGHT, Linear
+    from model.transformer import SPLIT_LARGE_WEIGHT, SPLIT_MAX_ROWS, SPLIT_MAX_ROWS_LARGE, SPLIT_MIN_WEIGHT, Linear
     torch.manual_seed(0)
     layer = Linear(256, 384, bias=bias)
     x = torch.randn(1, rows, 256)
@@ -154,3 +154,9 @@ def test_linear_few_rows_without_autograd_is_the_split_bmm(rows, bias):
         small = Linear(64, 64, bias=bias)
         assert small.weight.numel() < SPLIT_MIN_WEIGHT
         assert torch.equal(small(x[..., :64]), F.linear(x[..., :64], small.weight, small.bias))
+        large = Linear(256, 4096, bias=bias)  # >= SPLIT_LARGE_WEIGHT elements: split up to SPLIT_MAX_ROWS_LARGE rows
+        assert large.weight.numel() >= SPLIT_LARGE_WEIGHT
+        want = torch.bmm(large.weight.view(2, 2048, 256), x[0].t().expand(2, 256, rows)).view(4096, rows).t()
+        want = want + large.bias if bias else want
+        assert torch.equal(large(x), want[None]) if rows <= SPLIT_MAX_ROWS_LARGE else \
+            torch.equal(large(x), F.linear(x, large.weight, large.bias))
