@@ -48,7 +48,8 @@ def main(argv=None):
 
     ckpt, buffer_path = Path(args.ckpt), Path(args.buffer)
     tok = ChatTokenizer.from_dir(ckpt)
-    records = read_records(buffer_path, required=("prompt", "response", "task"))
+    records = read_records(buffer_path, required=("prompt", "response", "task"),
+                           types={"prompt": (str, list)})  # a list: a chat prompt's turns (data/manifest.py)
     out_path = check_output(Path(args.out) if args.out else stats_path(buffer_path), "buffer-stats", args.overwrite,
                             "--out")
 

@@ -25,10 +25,12 @@ Then, for all prompts at once:
 
 Engine handling and the embedded-benchmark fallback are the same as evaluate.py's.
 """
+import math
 import statistics
 import time
 from pathlib import Path
 
+from data.manifest import use_manifest_from_argv
 from data.tasks import task_names
 from pipeline.cli import InputError, Parser, float_in, int_at_least, main_cli
 
@@ -40,7 +42,7 @@ MAX_LEN = 2048         # over-long filter on prompt+gold answer (chat-templated 
 SEED = 0               # sampling seed
 ENGINE = "auto"        # vllm when CUDA + vllm are present, else native
 TP = 1                 # vLLM tensor-parallel size
-BATCH_SIZE = 32        # native engine batch size
+BATCH_SIZE = None      # native engine: sequences alive at once (KV-cache rows); None: 64 on CPU, 256 on GPU
 # -----------------------------------------------------------------------------------------------------------------
 
 
@@ -62,8 +64,14 @@ def parse_args(argv=None):
     p.add_argument("--engine", default=ENGINE, choices=["auto", "native", "vllm"],
                    help="sampling engine; auto = vllm when CUDA and vllm are present, else native (default: %(default)s)")
     p.add_argument("--tp", type=int_at_least(1), default=TP, help="vLLM tensor-parallel size (default: %(default)s)")
-    p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE, help="native engine batch size (default: %(default)s)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE,
+                   help="native engine: sequences decoded at once, i.e. the KV cache's rows (continuous batching: "
+                        "a finished one is replaced at once); default: 64 on the CPU, 256 on a GPU")
+    p.add_argument("--task-spec", default=None,
+                   help="task manifest (default: <data>/tasks.json when present, else the TRACE task table; README, "
+                        "'Your own tasks')")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    use_manifest_from_argv(argv)  # the manifest's task names are what --tasks checks against
     return p.parse_args(argv)
 
 
@@ -100,7 +108,8 @@ def main(argv=None):
             or cur_cfg.vocab_size != ref_cfg.vocab_size:
         raise InputError(f"--ckpt {cur_dir} and --ref {ref_dir} have different tokenizers or vocab sizes; "
                          f"the per-token KL needs one vocabulary")
-    root = Path(args.data) if args.data is not None else ensure_embedded()
+    root = Path(args.data) if args.data is not None else Path(args.task_spec).parent if args.task_spec else \
+        ensure_embedded()
     tasks = args.tasks or tasks_in(root, "test")
     if not tasks:
         raise InputError(f"no task directories with a test.json under {root}")
@@ -141,6 +150,13 @@ def main(argv=None):
                      "finish_reason": o["finish_reason"], "seq_kl": sum(s["kl"]), "kl": s["kl"],
                      "gold_tokens": len(gold_ids), "gold_nll_cur": -sum(g["logprobs"]),
                      "gold_nll_ref": -sum(g["ref_logprobs"])})
+    # a non-finite KL or NLL (an overflow in either model) is an error, never a NaN in drift.json
+    bad = next((r for r in rows if not all(map(math.isfinite, (r["seq_kl"], r["gold_nll_cur"], r["gold_nll_ref"])))),
+               None)
+    if bad is not None:
+        raise InputError(f"--ckpt {cur_dir} / --ref {ref_dir}: non-finite KL or NLL on {bad['task']} example "
+                         f"{bad['idx']} (seq_kl {bad['seq_kl']}, gold NLL {bad['gold_nll_cur']} / "
+                         f"{bad['gold_nll_ref']}); one of the models overflows: nothing written")
     summary = {"tasks": {t: summarize([r for r in rows if r["task"] == t]) for t in tasks}, "all": summarize(rows),
                "ckpt": str(cur_dir), "ref": str(ref_dir), "temperature": args.temperature,
                "max_new_tokens": args.max_new_tokens, "seed": args.seed, "limit": args.limit,

@@ -27,6 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
+from data.manifest import use_manifest_from_argv
 from data.tasks import task_names
 from pipeline.cli import Parser, UserError, float_in, int_at_least, main_cli
 
@@ -39,7 +40,7 @@ MAX_LEN = 2048         # over-long filter on prompt+gold answer (chat-templated 
 SEED = 0               # sampling seed
 ENGINE = "auto"        # vllm when CUDA + vllm are present, else native
 TP = 1                 # vLLM tensor-parallel size
-BATCH_SIZE = 32        # native engine batch size
+BATCH_SIZE = None      # native engine: sequences alive at once (KV-cache rows); None: 64 on CPU, 256 on GPU
 # -----------------------------------------------------------------------------------------------------------------
 
 
@@ -72,8 +73,13 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=SEED, help="sampling seed (default: %(default)s)")
     p.add_argument("--limit", type=int_at_least(1), default=None, help="at most this many test examples per task (smoke tests)")
     p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE,
-                   help="native engine batch size (default: %(default)s)")
+                   help="native engine: sequences decoded at once, i.e. the KV cache's rows (continuous batching: "
+                        "a finished one is replaced at once); default: 64 on the CPU, 256 on a GPU")
+    p.add_argument("--task-spec", default=None,
+                   help="task manifest (default: <data>/tasks.json when present, else the TRACE task table; README, "
+                        "'Your own tasks')")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    use_manifest_from_argv(argv)  # the manifest's task names are what --tasks checks against
     return p.parse_args(argv)
 
 
@@ -85,6 +91,7 @@ def main(argv=None):
 
     from data.embedded import ensure_embedded
     from data.jsonl import check_output, write_json, write_jsonl
+    from data.manifest import sampling_groups
     from data.metrics import score
     from data.tasks import parse_tasks
     from data.trace import load_filtered, tasks_in
@@ -96,7 +103,8 @@ def main(argv=None):
     load_config(ckpt)  # fail before any work when the checkpoint is unusable
     weight_files(ckpt)  # (reads the safetensors headers only)
     tok = ChatTokenizer.from_dir(ckpt)  # InputError naming the directory when tokenizer.json is missing
-    root = Path(args.data) if args.data is not None else ensure_embedded()
+    root = Path(args.data) if args.data is not None else Path(args.task_spec).parent if args.task_spec else \
+        ensure_embedded()
     tasks = parse_tasks(args.tasks) if args.tasks else tasks_in(root, "test")
     if not tasks:
         raise UserError(f"{root}: no task directories with a test.json (--data must be a TRACE root)")
@@ -115,9 +123,14 @@ def main(argv=None):
 
     # 3. all generations in one call (one model load, full batches)
     t0 = time.perf_counter()
-    outs = generate(ckpt, [p for p in prompts for _ in range(K)], temperature=args.temperature,
-                    max_new_tokens=args.max_new_tokens, seed=args.seed, engine=engine, tp=args.tp,
-                    batch_size=args.batch_size, stop_ids=tok.stop_ids, progress=not args.quiet)
+    flat, outs = [p for p in prompts for _ in range(K)], [None] * len(jobs)
+    for (temperature, cap), ix in sampling_groups([ex.task for ex, _ in jobs], args.temperature, args.max_new_tokens,
+                                                  evaluation=True).items():  # one group unless a manifest says so
+        got = generate(ckpt, [flat[i] for i in ix], temperature=temperature, max_new_tokens=cap, seed=args.seed,
+                       engine=engine, tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,
+                       progress=not args.quiet)
+        for i, o in zip(ix, got):
+            outs[i] = o
     wall = time.perf_counter() - t0
 
     # 4. per-example scores
@@ -125,7 +138,7 @@ def main(argv=None):
     for (ex, k), o in tqdm(list(zip(jobs, outs)), desc="score", unit="response", disable=args.quiet):
         ids = o["token_ids"]
         pred = tok.decode_response(ids)
-        s = float(score(ex.task, pred, ex.answer, ex.prompt, scoring=args.scoring))
+        s = float(score(ex.task, pred, ex.answer, ex.prompt, scoring=args.scoring, record=ex.record))
         records.append({"task": ex.task, "idx": ex.idx, "repeat": k, "prompt": ex.prompt, "prediction": pred,
                         "gold": ex.answer, "score": s, "finish_reason": o["finish_reason"], "num_tokens": len(ids)})
 

@@ -27,8 +27,11 @@ listed in activation_bytes_per_token_layer).
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pipeline.cli import Parser, UserError, float_in, int_at_least, main_cli
 
 # ---- defaults: the throughput profile (BENCHMARKS.md "Anchors"; nothing here was measured on a GPU) --------------
 PEAK_TFLOPS = 989.0      # H100 SXM, bf16 dense
@@ -45,15 +48,15 @@ PAPER_GPU_HOURS = 32.0   # the paper: one model's 8 stages
 def add_arguments(p: argparse.ArgumentParser):
     """The planner's flags (run.py --dry-run and plan.py share them)."""
     g = p.add_argument_group("cost planner (--dry-run)")
-    g.add_argument("--plan-train-tok-s", type=float, help=f"train.py tokens/s per GPU (default: {TRAIN_MFU * 100:.0f}%% MFU "
+    g.add_argument("--plan-train-tok-s", type=float_in(0, lo_open=True), help=f"train.py tokens/s per GPU (default: {TRAIN_MFU * 100:.0f}%% MFU "
                                                           f"of {PEAK_TFLOPS:g} TFLOP/s over the model's FLOPs per token)")
-    g.add_argument("--plan-gen-tok-s", type=float, default=GEN_TOK_S,
+    g.add_argument("--plan-gen-tok-s", type=float_in(0, lo_open=True), default=GEN_TOK_S,
                    help="generated tokens/s per GPU for rollouts and evaluation (default: %(default)s)")
-    g.add_argument("--plan-gpus", type=int, default=GPUS, help="GPUs the run uses (default: %(default)s)")
-    g.add_argument("--plan-overhead-s", type=float, default=STEP_OVERHEAD_S,
+    g.add_argument("--plan-gpus", type=int_at_least(1), default=GPUS, help="GPUs the run uses (default: %(default)s)")
+    g.add_argument("--plan-overhead-s", type=float_in(0), default=STEP_OVERHEAD_S,
                    help="fixed seconds per GPU step: start, load, save (default: %(default)s)")
-    g.add_argument("--plan-mfu", type=float, default=TRAIN_MFU, help="training MFU (default: %(default)s)")
-    g.add_argument("--plan-peak-tflops", type=float, default=PEAK_TFLOPS,
+    g.add_argument("--plan-mfu", type=float_in(0, 1, lo_open=True), default=TRAIN_MFU, help="training MFU (default: %(default)s)")
+    g.add_argument("--plan-peak-tflops", type=float_in(0, lo_open=True), default=PEAK_TFLOPS,
                    help="peak TFLOP/s per GPU (default: %(default)s, H100 bf16 dense)")
 
 
@@ -188,21 +191,28 @@ class Lengths:
         self.tok, self._sft, self._prompt, self._empty = tok, {}, {}, {}
 
     def sft(self, ex) -> int:
-        k = (ex.task, ex.idx, ex.prompt)
+        k = (ex.task, ex.idx, prompt_key(ex.prompt))
         if k not in self._sft:
             self._sft[k] = self.tok.sft_length(ex.prompt, ex.answer)
         return self._sft[k]
 
     def prompt(self, ex) -> int:
-        if ex.prompt not in self._prompt:
-            self._prompt[ex.prompt] = len(self.tok.prompt_ids(ex.prompt))
-        return self._prompt[ex.prompt]
+        k = prompt_key(ex.prompt)
+        if k not in self._prompt:
+            self._prompt[k] = len(self.tok.prompt_ids(ex.prompt))
+        return self._prompt[k]
 
     def sft_empty(self, ex) -> int:
         """The conversation with an empty answer: prompt + header + end-of-turn (a response adds its tokens)."""
-        if ex.prompt not in self._empty:
-            self._empty[ex.prompt] = self.tok.sft_length(ex.prompt, "")
-        return self._empty[ex.prompt]
+        k = prompt_key(ex.prompt)
+        if k not in self._empty:
+            self._empty[k] = self.tok.sft_length(ex.prompt, "")
+        return self._empty[k]
+
+
+def prompt_key(prompt) -> str:
+    """A prompt as a dict key: a manifest's chat prompt is a list of messages (data/manifest.py)."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
 def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data_root, model_cfg,
@@ -210,6 +220,7 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
     """One StepCost per step of run.py's Pipeline (steps: key -> {kind, deps, spec}), in its order. checkpointing:
     the command trains with --activation-checkpointing (run.py: the preset says so and it runs on GPUs)."""
     from data.replay import replay_counts, select
+    from data.tasks import get_task
     from data.trace import filter_overlong, load_task
 
     L = Lengths(tok)
@@ -227,7 +238,7 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
     def generation(c, examples, repeats=1):
         c.prompts = repeats * len(examples)  # evaluate.py --repeats: K responses per prompt, one generate call
         c.prompt_tokens = repeats * sum(L.prompt(e) for e in examples)
-        c.new_tokens_max = c.prompts * max_new
+        c.new_tokens_max = repeats * sum(get_task(e.task).max_new_tokens or max_new for e in examples)  # per-task cap
         # the gold answer (+ end-of-turn) as the expected response length, capped at the budget
         c.new_tokens_est = repeats * sum(min(max_new, L.sft(e) - L.prompt(e)) for e in examples)
 
@@ -457,20 +468,31 @@ def paper_grid(model_cfg, profile: Profile, trace_dir=None, rho: float = 0.01, m
     return costs
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None):
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--paper", action="store_true", required=True,
                    help="plan the paper's grid (one OPR model, 8 TRACE stages) on --config's shapes")
     p.add_argument("--config", default=str(Path(__file__).resolve().parent / "bench" / "configs" / "qwen2.5-7b"),
                    help="model directory with an HF config.json (default: %(default)s)")
     p.add_argument("--trace", help="TRACE root: tasks found there are measured instead of assumed")
-    p.add_argument("--micro-tokens", type=int, default=16384, help="tokens per micro-batch (default: %(default)s)")
-    p.add_argument("--eval-repeats", type=int, default=8, help="samples per test prompt (default: %(default)s, the "
+    p.add_argument("--micro-tokens", type=int_at_least(1), default=16384, help="tokens per micro-batch (default: %(default)s)")
+    p.add_argument("--eval-repeats", type=int_at_least(1), default=8, help="samples per test prompt (default: %(default)s, the "
                                                                "paper preset's)")
     add_arguments(p)
-    args = p.parse_args(argv)
+    if not (sys.argv[1:] if argv is None else argv):
+        p.error("nothing to plan: pass --paper for the paper's grid (a run.py command: add --dry-run to it)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     from model.checkpoint import load_config
     cfg = load_config(args.config)
+    if args.trace is not None and not any((Path(args.trace) / t / "train.json").is_file() for t in PAPER_TASKS):
+        # a mistyped path must not silently plan on the assumed sizes
+        raise UserError(f"--trace {args.trace}: " + ("no such directory" if not Path(args.trace).is_dir() else
+                        "holds none of the paper's tasks (<task>/train.json)") + "; drop --trace to use the assumed "
+                        "sizes")
     profile = Profile.from_args(args, args.micro_tokens)
     table = paper_tasks(args.trace)
     print(f"{'task':<12} {'n_train':>7} {'prompt_tok':>10} {'answer_tok':>10} {'n_test':>6}  source")
@@ -487,4 +509,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main_cli(main, "plan.py")

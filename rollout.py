@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from data.manifest import use_manifest_from_argv
 from data.tasks import task_names
 from pipeline.cli import Parser, UserError, float_in, int_at_least, main_cli
 
@@ -42,7 +43,7 @@ DATA_SEED = 0          # seed of that subsample: must equal training's
 SEED = 0               # sampling seed
 ENGINE = "auto"        # vllm when CUDA + vllm are present, else native
 TP = 1                 # vLLM tensor-parallel size
-BATCH_SIZE = 32        # native engine batch size
+BATCH_SIZE = None      # native engine: sequences alive at once (KV-cache rows); None: 64 on CPU, 256 on GPU
 CHECK_LOGPROBS = 8     # rollouts re-scored by the trainer's forward pass (0 = no check)
 LOGPROB_TOL_MEAN = 0.01  # nats per token: warn above this mean |engine - trainer| (an SC score moves by at most it)
 LOGPROB_TOL_MAX = 0.5    # nats: warn when one token's log-prob is off by more (its probability by a factor 1.65)
@@ -72,10 +73,16 @@ def parse_args(argv=None):
                    help="drop examples whose templated length exceeds this")
     p.add_argument("--max-train", type=int_at_least(1), default=MAX_TRAIN, help="per-task training subsample size")
     p.add_argument("--data-seed", type=int, default=DATA_SEED, help="seed of the training subsample")
-    p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE, help="native engine batch size")
+    p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE,
+                   help="native engine: sequences decoded at once, i.e. the KV cache's rows (continuous batching: "
+                        "a finished one is replaced at once); default: 64 on the CPU, 256 on a GPU")
     p.add_argument("--check-logprobs", type=int_at_least(0), default=CHECK_LOGPROBS, metavar="K",
                    help="re-score K random rollouts with the trainer's forward pass and compare log-probs (0 = off)")
+    p.add_argument("--task-spec", default=None,
+                   help="task manifest (default: <data>/tasks.json when present, else the TRACE task table; README, "
+                        "'Your own tasks')")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    use_manifest_from_argv(argv)  # the manifest's task names are what --tasks checks against
     return p.parse_args(argv)
 
 
@@ -113,6 +120,7 @@ def main(argv=None):
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     from data.embedded import ensure_embedded
     from data.jsonl import check_output, write_json, write_jsonl
+    from data.manifest import sampling_groups
     from data.tasks import parse_tasks
     from data.trace import load_filtered, tasks_in
     from model.checkpoint import load_config, weight_files
@@ -123,7 +131,8 @@ def main(argv=None):
     load_config(ckpt)  # fail before any work when the checkpoint is unusable
     weight_files(ckpt)  # (reads the safetensors headers only)
     tok = ChatTokenizer.from_dir(ckpt)  # InputError naming the directory when tokenizer.json is missing
-    root = Path(args.data) if args.data is not None else ensure_embedded()
+    root = Path(args.data) if args.data is not None else Path(args.task_spec).parent if args.task_spec else \
+        ensure_embedded()
     tasks = parse_tasks(args.tasks) if args.tasks else tasks_in(root)
     if not tasks:
         raise UserError(f"{root}: no task directories with a train.json (--data must be a TRACE root)")
@@ -139,9 +148,14 @@ def main(argv=None):
 
     # 3. one sampled response per prompt, with raw log-probs
     t0 = time.perf_counter()
-    outs = generate(ckpt, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                    engine=engine, tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,
-                    progress=not args.quiet)
+    outs = [None] * len(prompts)
+    for (temperature, cap), ix in sampling_groups([ex.task for ex in examples], args.temperature, args.max_new_tokens,
+                                                  evaluation=False).items():  # one group unless a manifest says so
+        got = generate(ckpt, [prompts[i] for i in ix], temperature=temperature, max_new_tokens=cap, seed=args.seed,
+                       engine=engine, tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,
+                       progress=not args.quiet)
+        for i, o in zip(ix, got):
+            outs[i] = o
     wall = time.perf_counter() - t0
 
     # 4. rollout records

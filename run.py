@@ -3,6 +3,8 @@
     python run.py                                         # embedded default: tiny base, 8 synthetic tasks, CPU
     python run.py --base smollm2                          # SmolLM2-135M-Instruct, budgets sized for CPU
     python run.py --model DIR --data TRACE_ROOT --gpus 8  # the paper's setting (bf16, flash-attn, liger, vLLM)
+    python run.py --data ROOT --tasks Tickets,SQL          # your own tasks: ROOT/tasks.json names them, their
+                                                          # metrics, epochs and formats (README, "Your own tasks")
 
 Row 0 = evaluate.py(base) on the test split of every task (once per base and seed, shared by all methods).
 For each method and seed, stage i = 1..N:
@@ -65,6 +67,7 @@ import train
 
 from data import metrics
 from data.jsonl import check_output, read_records, write_json, write_jsonl
+from data.manifest import check_scorer, held_out, scorer_file, step_fields, use_manifest, use_manifest_from_argv
 from data.replay import replay_budget, replay_counts, select
 from data.tasks import get_task, parse_tasks, task_names
 from data.trace import filter_overlong, load_task, task_file
@@ -128,6 +131,8 @@ PRESETS = {
 # a run uses the preset unchanged (any method subset, any seeds, drift on or off), so that a one-seed report can say
 # how far another seed would move its numbers (report.py). Re-measure it when the benchmark, the base, the kernels,
 # the scoring rules or the preset change.
+# Measured under kernels.NUMERICS 7, the sampler before model/engine.py: runs of NUMERICS 8 get no seed noise until
+# it is re-measured (20 seeds: ~2.5 hours on 2 cores).
 SEED_NOISE = {
     "tiny": dict(seeds=20, measured="BENCHMARKS.md, 'The default over 20 seeds': seeds 0-19 of the preset's epochs "
                                     "(letter and arithmetic tasks at twice the task table's, generative ones at 3)",
@@ -146,14 +151,19 @@ SEED_NOISE = {
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", help=f"comma-separated, from {', '.join(METHODS)} (default: sft,replay,opr-ru,opr-sc)")
-    p.add_argument("--rho", type=comma_list(float_in(0, 1, lo_open=True)),
+    p.add_argument("--rho", type=comma_list(float_in(0, 1, lo_open=True), unique=True),
                    help="replay ratio(s) in (0, 1]: b = rho * n_next; a comma list sweeps (e.g. 0.01,0.02,0.05,0.1)")
-    p.add_argument("--seeds", default="0", type=comma_list(int_at_least(0)),
+    p.add_argument("--seeds", default="0", type=comma_list(int_at_least(0), unique=True),
                    help="comma-separated seeds; results are averaged (default: 0)")
-    p.add_argument("--tasks", type=task_names, help="comma-separated task order (default: all tasks in TRACE order)")
+    p.add_argument("--tasks", type=task_names, help="comma-separated task order (default: all tasks in TRACE order, "
+                                                    "or the manifest's)")
     p.add_argument("--base", choices=["tiny", "smollm2"], help="named base model (default: tiny)")
     p.add_argument("--model", help="base checkpoint directory (HF layout); selects the paper preset")
-    p.add_argument("--data", help="TRACE root <root>/<Task>/{train,eval,test}.json (default: the embedded benchmark)")
+    p.add_argument("--data", help="TRACE root <root>/<Task>/{train,eval,test}.json, or any root with a task manifest "
+                                  "tasks.json (default: the embedded benchmark)")
+    p.add_argument("--task-spec", help="task manifest file: your own ordered tasks, each with its directory, metric, "
+                                       "epochs and optional max_new_tokens, temperature, system prompt, labels "
+                                       "(default: <data>/tasks.json when present; README, 'Your own tasks')")
     p.add_argument("--gpus", type=int_at_least(0), default=0,
                    help="GPUs per node for train.py (torchrun) and vLLM (default: 0, CPU)")
     p.add_argument("--launcher", help="command prefix that starts train.py on several nodes, e.g. "
@@ -214,6 +224,7 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="print the plan: every step, its tokens, GPU-hours per "
                                                           "method, FSDP2 memory per GPU (plan.py); run and write nothing")
     plan.add_arguments(p)
+    use_manifest_from_argv(argv)  # the manifest's task names are what --tasks checks against
     return p.parse_args(argv)
 
 
@@ -232,6 +243,9 @@ def main(argv=None):
     for m in methods:
         if m not in METHODS:
             raise UserError(f"--methods: unknown method {m!r} (known: {', '.join(METHODS)})")
+    if len(set(methods)) < len(methods):
+        raise UserError(f"--methods: {next(m for m in methods if methods.count(m) > 1)!r} appears twice in "
+                        f"{cfg['methods']!r}")
     rhos = [float(r) for r in str(cfg["rho"]).split(",")]
     if args.data and (args.n_train is not None or args.n_test is not None):
         raise UserError("--n-train/--n-test size the embedded benchmark; with --data use --max-train "
@@ -243,12 +257,20 @@ def main(argv=None):
     from data.embedded import ensure_embedded
     from model.base import ensure_base
     base = Path(args.model).resolve() if args.model else ensure_base(preset)
-    data_root = Path(args.data).resolve() if args.data else ensure_embedded(
-        n_train=cfg["n_train"], n_test=cfg["n_test"])
+    if args.data or args.task_spec:
+        data_root = Path(args.data or Path(args.task_spec).parent).resolve()
+    else:
+        data_root = ensure_embedded(n_train=cfg["n_train"], n_test=cfg["n_test"])
+    task_spec = use_manifest(data_root, args.task_spec)
     tasks = parse_tasks(args.tasks)
-    epochs = epochs_per_task(cfg["epochs"], tasks)
-    if cfg["first_epochs"] and args.epochs is None:  # the CPU presets: see their comments
+    # a manifest's epochs are the user's: a preset's per-task epochs are TRACE's
+    epochs = epochs_per_task(None if task_spec and args.epochs is None else cfg["epochs"], tasks)
+    if cfg["first_epochs"] and args.epochs is None and not task_spec:  # the CPU presets: see their comments
         epochs[tasks[0]] = cfg["first_epochs"]
+    held = {t: info for t in tasks if task_spec and (info := held_out(get_task(t)))}
+    for t, info in held.items():
+        print(f"run.py: {t} has no test split: {info['n_test']} of its train records held out as its test split "
+              f"(seed {info['seed']}); recorded in results.json", flush=True)
     # the training examples that fit max_len, as train.py and rollout.py see them: gold replay draws from these.
     # The budget rule counts the subsample BEFORE that filter (5,000 per TRACE task), as the official code does
     tok = ChatTokenizer.from_dir(base)
@@ -256,6 +278,11 @@ def main(argv=None):
     train_sizes = {t: len(exs) for t, exs in subsamples.items()}
     train_sets = {t: filter_overlong(exs, tok.sft_length, cfg["max_len"])[0] for t, exs in subsamples.items()}
     check_inputs(base, data_root, tasks, train_sets, tok, cfg["max_len"])  # before any step runs
+    for t in tasks:
+        check_scorer(get_task(t), train_sets[t][0])
+    if task_spec and "sdft" in methods and any(not isinstance(e.prompt, str) for t in tasks for e in train_sets[t]):
+        raise UserError(f"{task_spec}: sdft puts a prompt into its teacher's user turn: it needs single-turn prompts, "
+                        f"without a system prompt or earlier turns")
 
     gpus = args.gpus
     threads = args.threads or pinned_threads(os.environ.get("OMP_NUM_THREADS"))
@@ -284,12 +311,20 @@ def main(argv=None):
 
     def files(split, task_list):
         return [task_file(data_root, t, split) for t in task_list]
+
+    def scorers(task_list):  # a user's own scorer is read like a data file by the steps that score with it
+        return [f for f in (scorer_file(get_task(t)) for t in task_list) if f]
+
+    def with_fields(spec, task_list, kind):  # a manifest's task settings; absent without one (TRACE's keys)
+        fields = step_fields(task_list, kind)
+        return spec if fields is None else dict(spec, task_fields=fields)
     engine = ["--engine", engine_name, "--tp", str(max(gpus, 1))]
     py = [sys.executable]
     trainer = args.launcher.split() if args.launcher else py if gpus <= 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
     gen = ["--temperature", str(cfg["temperature"]), "--max-new-tokens", str(cfg["max_new_tokens"]), "--quiet"]
-    common_data = ["--data", str(data_root), "--max-len", str(cfg["max_len"])]
+    spec_flag = ["--task-spec", str(task_spec)] if args.task_spec else []
+    common_data = ["--data", str(data_root), "--max-len", str(cfg["max_len"]), *spec_flag]
     # what generation depends on (keys eval/rollout steps): not the method list or rho, so adding a method or a rho
     # to a run re-uses the evaluations and rollouts of the checkpoints it shares
     gen_spec = dict(engine=engine, **{k: cfg[k] for k in ("temperature", "max_new_tokens", "max_len")})
@@ -305,13 +340,14 @@ def main(argv=None):
                     max_train=cfg["max_train"])
         if cfg["warmup"]:  # absent when 0, so the keys of runs made before the flag existed stay valid
             spec["warmup"] = cfg["warmup"]
+        spec = with_fields(spec, task_list, "data")
 
         def build(tmp, dirs):
             records = [{"prompt": e.prompt, "response": e.answer, "task": e.task, "idx": e.idx}
                        for t in task_list for e in train_sets[t]]
             buffer = dirs[buffer_key] / "buffer.jsonl" if buffer_key else None
             if buffer and buffer.stat().st_size:  # (empty: score.py found no rollout short enough to train on)
-                records += read_records(buffer, required=("prompt", "response"))
+                records += read_records(buffer, required=("prompt", "response"), types={"prompt": (str, list)})
             write_jsonl(tmp / "mixture.jsonl", records)
             model = dirs[prev] / "ckpt" if prev else base
             return trainer + [str(HERE / "train.py"), "--model", str(model), "--data", str(tmp / "mixture.jsonl"),
@@ -332,8 +368,9 @@ def main(argv=None):
                          "--repeats", str(cfg["eval_repeats"]), "--scoring", cfg["scoring"], *gen, *engine, *limit]
         spec = dict(tasks=task_list, seed=seed, gen=gen_spec, repeats=cfg["eval_repeats"], scoring=cfg["scoring"],
                     rules=metrics.RULES, limit=cfg["eval_limit"])
-        return pipe.add("eval", f"s{stage}-eval", spec, [train_key] if train_key else [], build,
-                        reads=files("test", task_list) + ([] if train_key else base_files))
+        return pipe.add("eval", f"s{stage}-eval", with_fields(spec, task_list, "eval"),
+                        [train_key] if train_key else [], build,
+                        reads=files("test", task_list) + scorers(task_list) + ([] if train_key else base_files))
 
     def budget_args(prior, next_task, rho):
         """(score.py flags, the budget) of the replay buffer built after the stage that trained prior[-1]."""
@@ -351,9 +388,9 @@ def main(argv=None):
             return py + [str(HERE / "rollout.py"), "--ckpt", str(dirs[train_key] / "ckpt"), *common_data,
                          "--tasks", ",".join(prior), "--out", str(tmp / "rollouts.jsonl"), "--seed", str(seed),
                          "--max-train", str(cfg["max_train"]), *gen, *engine]
-        r_key = pipe.add("rollout", f"s{stage}-rollout", dict(prior=prior, seed=seed, gen=gen_spec,
-                                                              max_train=cfg["max_train"]), [train_key],
-                         build_rollout, reads=files("train", prior))
+        r_spec = with_fields(dict(prior=prior, seed=seed, gen=gen_spec, max_train=cfg["max_train"]), prior, "rollout")
+        r_key = pipe.add("rollout", f"s{stage}-rollout", r_spec, [train_key], build_rollout,
+                         reads=files("train", prior))
 
         flags, budget = budget_args(prior, next_task, rho)
         scoring = ["--scoring", cfg["scoring"]]  # ru's metric (sc: only the RU-SC correlation in the stats)
@@ -363,10 +400,11 @@ def main(argv=None):
             return py + [str(HERE / "score.py"), "--rollouts", str(dirs[r_key] / "rollouts.jsonl"), "--data",
                          str(data_root), "--scorer", scorer, "--select", mode, *flags, *scoring,
                          "--max-len", str(cfg["max_len"]), "--tokenizer", str(base),  # only what train.py can train on
-                         "--tasks", ",".join(prior), "--seed", draw, "--out", str(tmp / "buffer.jsonl")]
+                         "--tasks", ",".join(prior), "--seed", draw, "--out", str(tmp / "buffer.jsonl"), *spec_flag]
         spec = dict(scorer=scorer, mode=mode, budget=budget, seed=draw, scoring=cfg["scoring"], rules=metrics.RULES,
                     max_len=cfg["max_len"])
-        return pipe.add("score", f"s{stage}-{scorer}-{mode}", spec, [r_key], build_score, reads=files("train", prior))
+        return pipe.add("score", f"s{stage}-{scorer}-{mode}", with_fields(spec, prior, "score"), [r_key], build_score,
+                        reads=files("train", prior) + scorers(prior))
 
     def gold_buffer(stage, prior, seed, next_task, rho):
         _, budget = budget_args(prior, next_task, rho)
@@ -379,7 +417,8 @@ def main(argv=None):
             write_jsonl(tmp / "buffer.jsonl", picked)
             return None
         spec = dict(prior=prior, seed=seed, budget=budget, max_len=cfg["max_len"], max_train=cfg["max_train"])
-        return pipe.add("replay", f"s{stage}-gold", spec, [], build, reads=files("train", prior) + base_files)
+        return pipe.add("replay", f"s{stage}-gold", with_fields(spec, prior, "data"), [], build,
+                        reads=files("train", prior) + base_files)
 
     # plan every (rho, method, seed) chain
     runs = {}  # label -> seed -> list of (train_key, eval_key)
@@ -431,7 +470,8 @@ def main(argv=None):
                          "--max-new-tokens", str(cfg["max_new_tokens"]), "--quiet", *engine]
         spec = dict(prior=prior, seed=seed, limit=cfg["drift_limit"], temperature=drift.TEMPERATURE,
                     max_new_tokens=cfg["max_new_tokens"], max_len=cfg["max_len"], engine=engine)
-        return pipe.add("drift", f"s{stage}-drift", spec, [cur_key, prev_key], build, reads=files("test", prior))
+        return pipe.add("drift", f"s{stage}-drift", with_fields(spec, prior, "data"), [cur_key, prev_key], build,
+                        reads=files("test", prior))
 
     def gold_nll_step(train_key, buffer_key, stage):
         def build(tmp, dirs):
@@ -469,11 +509,13 @@ def main(argv=None):
     meta = dict(preset=preset, base=str(base), data=str(data_root), cfg=cfg,
                 numerics=numerics, train_sizes=train_sizes)
     weights = base / "model.safetensors"
-    noise = preset_seed_noise(preset, cfg, rhos, custom=bool(args.data or args.model or args.tasks),
+    noise = preset_seed_noise(preset, cfg, rhos, custom=bool(args.data or args.model or args.tasks or task_spec),
                               numerics=numerics, engine=engine_name,
                               base_sha=pipe.digests.file(weights) if weights.exists() else None)
     if noise:
         meta["seed_noise"] = noise
+    if task_spec:
+        meta.update(task_spec=str(task_spec), held_out=held)
     results = collect(pipe, runs, row0, tasks, meta, probes)
     write_json(run_dir / "results.json", results)
     import report

@@ -12,7 +12,8 @@
        sc (OPR-SC): self-confidence = mean raw log-prob of the sampled tokens
      An empty (all-whitespace) response gets the lowest score: 0 for ru (the metric's minimum; TRACE's metrics
      score empty predictions 0 too; under --scoring paper/trace the metric alone decides, as in those sources),
-     -inf for sc (written as null).
+     -inf for sc (written as null). A rollout whose logprobs hold a NaN or an infinity is an error naming its
+     file and record: no score can rank it, and the loss bound of step 5 would be NaN.
   3. budget b = --budget, or round(rho * n) with --rho/--n (0.01 * 5000 = 50); split equally over the prior tasks,
      remainder to the earliest tasks, each capped by its rollouts, shortfall moved to the others (data.replay.allocate).
      --task-budgets T=K,... instead gives each task its own count (run.py --replay-budget per-task: rho times that
@@ -39,6 +40,7 @@ import math
 import statistics
 from pathlib import Path
 
+from data.manifest import use_manifest_from_argv
 from data.tasks import task_names
 from pipeline.cli import InputError, Parser, float_in, int_at_least, main_cli
 
@@ -85,6 +87,10 @@ def parse_args(argv=None):
                                                "buffer is replaced, any other file is refused")
     p.add_argument("--overwrite", action="store_true", help="replace the file at --out even if score.py did not "
                                                            "write it")
+    p.add_argument("--task-spec", default=None,
+                   help="task manifest (default: <data>/tasks.json when present, else the TRACE task table; README, "
+                        "'Your own tasks')")
+    use_manifest_from_argv(argv)  # the manifest's task names are what --tasks checks against
     args = p.parse_args(argv)
     if args.budget is not None and (args.rho is not None or args.n is not None):
         p.error("give either --budget or --rho/--n, not both")
@@ -110,6 +116,8 @@ def parse_task_budgets(spec: str, error) -> dict:
                 raise ValueError(f"count must be >= 0, got {k}")
         except ValueError as e:
             error(f"--task-budgets: bad item {item!r} (want TASK=COUNT): {e}")
+        if name.strip() in out:  # the later count would silently win
+            error(f"--task-budgets: task {name.strip()!r} appears twice in {spec!r}")
         out[name.strip()] = k
     return out
 
@@ -123,7 +131,8 @@ def read_rollouts(path: Path) -> list[dict]:
     """Rollout records, validated; each gets a "_where" ("<file>: record i (line n)") for later error messages."""
     from data.jsonl import read_records
     from data.tasks import get_task
-    located = read_records(path, required=ROLLOUT_FIELDS, types={"idx": int, "logprobs": list}, locate=True)
+    located = read_records(path, required=ROLLOUT_FIELDS, types={"idx": int, "logprobs": list, "prompt": (str, list)},
+                           locate=True)
     records = [r for _, r in located]
     for where, r in located:
         r["_where"] = where
@@ -133,6 +142,11 @@ def read_rollouts(path: Path) -> list[dict]:
             raise InputError(f"{r['_where']}: {e}") from None
         if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in r["logprobs"]):
             raise InputError(f"{r['_where']}: field 'logprobs' must be a list of numbers")
+        # a NaN or infinite log-prob (Python's JSON reads NaN/Infinity) would rank first or poison the stats
+        bad = next((x for x in r["logprobs"] if not math.isfinite(x)), None)
+        if bad is not None:
+            raise InputError(f"{r['_where']}: field 'logprobs' holds {bad}; log-probs must be finite numbers "
+                             f"(re-run rollout.py for this file)")
     return records
 
 
@@ -167,7 +181,7 @@ def ru_scores(records: list[dict], root: Path, scoring: str = SCORING) -> list[f
         if scoring == "lenient" and is_empty(r["response"]):
             out.append(0.0)
         else:
-            out.append(float(score(r["task"], r["response"], ex.answer, ex.prompt, scoring=scoring)))
+            out.append(float(score(r["task"], r["response"], ex.answer, ex.prompt, scoring=scoring, record=ex.record)))
     return out
 
 

@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from pipeline.cli import InputError, Parser, UserError, float_in, int_at_least, main_cli
-from data.jsonl import check_output, read_records
+from data.jsonl import check_output, dumps_strict, read_records
 from data.packing import IGNORE, Example, collate, pack, plan_steps, tokenize_sft
 import kernels
 from kernels import attention, cross_entropy
@@ -147,8 +147,20 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# flags that do not change the weights a run ends with
+# flags that do not change the weights a run ends with; every other flag is part of the resume check, so a new flag
+# is checked unless it is listed here
 NOT_PLAN_ARGS = ("out", "resume", "quiet", "debug", "overwrite", "save_every", "peak_tflops", "activation_checkpointing")
+# ... nor the weights of a training state at a given step: the schedule spans the whole plan whatever --max-steps is
+NOT_STATE_ARGS = NOT_PLAN_ARGS + ("max_steps",)
+OBJECTIVE_PREFIXES = {"sft": (), "sft-kl": ("sft_kl_",), "sdft": ("sdft_",)}
+
+
+def state_settings(args) -> dict:
+    """The flags a resumable training state depends on: all of them but NOT_STATE_ARGS and the other objectives'
+    flags (which the run never reads), as JSON values."""
+    others = tuple(p for o, ps in OBJECTIVE_PREFIXES.items() if o != args.objective for p in ps)
+    return {k: json.loads(json.dumps(v)) for k, v in vars(args).items()
+            if k not in NOT_STATE_ARGS and not k.startswith(others)}
 
 
 def final_with_same_settings(out: Path, args) -> bool:
@@ -182,7 +194,8 @@ def setup_distributed():
 def load_mixture(paths: list[str]) -> list[dict]:
     records = []
     for path in paths:
-        for r in read_records(path, required=("prompt",), any_of=("response", "answer")):
+        for r in read_records(path, required=("prompt",), any_of=("response", "answer"),
+                              types={"prompt": (str, list)}):  # a list: a chat prompt's turns (data/manifest.py)
             response = r["response"] if isinstance(r.get("response"), str) else r["answer"]
             # a record with a "source" (score.py's buffers, run.py's gold replay) is replay: its loss is logged apart
             records.append({"prompt": r["prompt"], "response": response, "replay": "source" in r})
@@ -303,7 +316,7 @@ def on_policy_batches(mine: list[int], outs: list[dict], prompt_ids, teacher_ids
     return [[pairs[j] for j in b] for b in bins], *counts.tolist()
 
 
-def save_state(model, opt, sched, step, workdir: Path, rank: int, plan_id: str, teacher=None):
+def save_state(model, opt, sched, step, workdir: Path, rank: int, plan_id: str, teacher=None, settings=None):
     """Resumable training state (sharded model + optimizer via torch.distributed.checkpoint, schedule, position,
     and an EMA teacher's weights when there is one), written to a temporary directory and renamed, so a crash never
     leaves a half-written state."""
@@ -320,12 +333,13 @@ def save_state(model, opt, sched, step, workdir: Path, rank: int, plan_id: str, 
         state["teacher"] = get_model_state_dict(teacher)
     dcp.save(state, checkpoint_id=str(tmp))
     if rank == 0:
-        torch.save({"step": step, "sched": sched.state_dict(), "plan": plan_id}, tmp / "progress.pt")
+        torch.save({"step": step, "sched": sched.state_dict(), "plan": plan_id, "settings": settings},
+                   tmp / "progress.pt")
         replace_dir(tmp, final)
     dist.barrier()
 
 
-def load_state(model, opt, sched, workdir: Path, plan_id: str, teacher=None) -> int:
+def load_state(model, opt, sched, workdir: Path, plan_id: str, teacher=None, settings=None) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                          set_state_dict)
@@ -335,8 +349,14 @@ def load_state(model, opt, sched, workdir: Path, plan_id: str, teacher=None) -> 
         return 0
     progress = torch.load(state / "progress.pt", weights_only=False)
     if progress.get("plan") != plan_id:
-        raise UserError(f"{state} was saved for a different run (data, epochs, batch, seed, lr, "
-                        f"max length or objective differ); refusing to --resume from it")
+        saved = progress.get("settings") or {}
+        diff = next((k for k in sorted(set(saved) | set(settings or {})) if saved.get(k) != (settings or {}).get(k)),
+                    None)
+        what = (f"--{diff.replace('_', '-')} was {saved.get(diff)!r}, now {(settings or {}).get(diff)!r}" if diff
+                else "the flags match but the data's content or length filter differ" if saved
+                else "it predates the per-flag check")
+        raise UserError(f"{state} was saved for a different run ({what}); refusing to --resume from it: drop "
+                        f"--resume to start over, or choose another --out")
     msd, osd = get_state_dict(model, opt)
     sd = {"model": msd, "optim": osd}
     if teacher is not None:
@@ -401,11 +421,8 @@ def main(argv=None):
     total_steps = len(steps)  # the schedule always spans the whole plan, also when --max-steps stops early
     if args.max_steps is not None:
         steps = steps[:args.max_steps]
-    objective = {"sft": {}, "sft-kl": {k: v for k, v in vars(args).items() if k.startswith("sft_kl")},
-                 "sdft": {k: v for k, v in vars(args).items() if k.startswith("sdft")}}[args.objective]
-    plan_id = hashlib.sha256(json.dumps([args.data, lengths, args.epochs, args.global_batch, args.seed, args.lr,
-                                         args.max_len, args.objective, objective]
-                                        + ([args.warmup] if args.warmup else [])).encode()).hexdigest()
+    settings = state_settings(args)
+    plan_id = hashlib.sha256(json.dumps([settings, lengths], sort_keys=True).encode()).hexdigest()
 
     # 2. model, and the teacher of sft-kl / sdft: a copy of the initial weights (an EMA from there on, or frozen);
     #    sdft's "student" teacher is the training model itself
@@ -430,7 +447,7 @@ def main(argv=None):
         workdir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     if args.resume:
-        start = load_state(model, opt, sched, workdir, plan_id, ema_teacher)
+        start = load_state(model, opt, sched, workdir, plan_id, ema_teacher, settings)
     if rank == 0:  # keep the log consistent with the state we resume from
         kept = [l for l in (log_path.read_text().splitlines() if log_path.exists() and start else [])
                 if l.endswith("}") and json.loads(l)["step"] <= start]  # a kill can cut the last line short
@@ -468,10 +485,12 @@ def main(argv=None):
                                     [sample_seed(args.seed, step, i) for i in mine], args, tok.stop_ids)
             gen_seconds = time.perf_counter() - t_gen
             micro, n_targets, step_tokens = on_policy_batches(mine, outs, prompt_ids, teacher_ids, args, device)
-            packed_tokens += sum(len(s.ids) for mb in micro for s, _ in mb)
+            sizes = [sum(len(s.ids) for s, _ in mb) for mb in micro]
         else:
-            packed_tokens += sum(lengths[i] for mb in micro for i in mb)
-        packed_slots += len(micro) * args.micro_tokens
+            sizes = [sum(lengths[i] for i in mb) for mb in micro]
+        packed_tokens += sum(sizes)
+        # an example longer than --micro-tokens fills a micro-batch of its own length, not of the budget
+        packed_slots += sum(max(args.micro_tokens, x) for x in sizes)
         nll_sum = torch.zeros((), device=device)
         kl_sum = torch.zeros((), device=device)
         src_sum = torch.zeros(2, device=device)  # NLL sums of task and replay examples
@@ -550,11 +569,11 @@ def main(argv=None):
             record["gen_seconds"] = gen_seconds
         if rank == 0:
             with open(log_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(dumps_strict(record, log_path) + "\n")
             bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update()
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < len(steps):
-            save_state(model, opt, sched, step + 1, workdir, rank, plan_id, ema_teacher)
+            save_state(model, opt, sched, step + 1, workdir, rank, plan_id, ema_teacher, settings)
     bar.close()
 
     # 5. final weights: gather the full state dict to rank 0 and write a Hugging Face checkpoint directory
@@ -570,7 +589,7 @@ def main(argv=None):
                        "seconds": elapsed, "tokens_per_s": tokens_seen / max(elapsed, 1e-9),
                        "packing_efficiency": packed_tokens / max(packed_slots, 1),
                        "world_size": world, "args": vars(args)}
-            (workdir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            (workdir / "train_summary.json").write_text(dumps_strict(summary, workdir / "train_summary.json", indent=2) + "\n")
             save_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
             save_checkpoint(full, args.model, out, dtype=save_dtype,
                             extra_files=[log_path, workdir / "train_summary.json"])

@@ -4,9 +4,13 @@ record, line and field.
 Every file the pipeline writes goes through `write_jsonl` (temporary file, fsync, then rename, then fsync of the
 directory), so neither a killed run nor a power loss leaves a half-written file under the final name.
 """
+import contextlib
 import errno
 import json
+import math
 import os
+import re
+import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -67,6 +71,14 @@ def read_text(path) -> str:
     return text[1:] if text.startswith("\ufeff") else text
 
 
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def read_records(path, required=("prompt",), types=None, any_of=(), locate=False) -> list:
     """Records of a JSON list file or a JSON Lines file (whichever the text is: a list starts with '[').
 
@@ -77,6 +89,8 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
     """
     path = Path(path)
     if not path.is_file():
+        with contextlib.suppress(FileNotFoundError):
+            path.stat()  # a symlink loop or a denied directory raises its own error naming the path
         raise InputError(f"{path}: file not found" + (" (it is a directory)" if path.is_dir() else ""))
     text = read_text(path)
     if not text.strip():
@@ -118,6 +132,15 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
                                  f"got {type(r[field]).__name__}")
         if any_of and not any(isinstance(r.get(f), str) for f in any_of):
             raise InputError(f"{path}: record {i}{where}: needs a string field {' or '.join(map(repr, any_of))}")
+        if isinstance(r.get("prompt"), list) and not (r["prompt"] and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                and _encodable(m["role"] + m["content"]) for m in r["prompt"])):  # a chat prompt's turns
+            raise InputError(f"{path}: record {i}{where}: field 'prompt' must be a string or a non-empty list of "
+                             f"{{role, content}} objects of text")
+        for field, v in r.items():  # JSON's "\ud800" escapes decode to text no tokenizer (nor UTF-8) can take
+            if isinstance(v, str) and not _encodable(v):
+                raise InputError(f"{path}: record {i}{where}: field {field!r} holds an unpaired surrogate "
+                                 f"(\\ud800-\\udfff escape), which is not text; fix or drop the record")
     if locate:
         return [(f"{path}: record {i}{where}", r) for i, where, r in located]
     return [r for _, _, r in located]
@@ -152,12 +175,49 @@ def fsync_tree(root):
         fsync_dir(d)
 
 
+def temp_prefix(path: Path) -> str:
+    """The name prefix of a temporary sibling of path: it carries our pid, so that a later run can tell the
+    temporaries of a killed process (SIGKILL, power loss: no cleanup ran) from those of a live one."""
+    return f".{path.name}.tmp-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: Path):
+    """Remove what a killed writer of path left beside it: its temporaries (temp_prefix), and a moved-aside old copy
+    (model.checkpoint.replace_dir) once path itself is in place, when the pid in their name is no running process."""
+    path = Path(path)
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-(\d+)(-.*)?")
+    try:
+        entries = list(os.scandir(path.parent))
+    except FileNotFoundError:
+        return
+    for e in entries:
+        m = pattern.fullmatch(e.name)
+        if not m or (m[1] == "old" and not path.exists()) or _alive(int(m[2])):
+            continue
+        if e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(e.path)
+
+
 def write_text_atomic(path, text: str) -> Path:
     """Write text to path atomically and durably (temp file in the same directory, fsync, os.replace, fsync of
     the directory)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -176,14 +236,40 @@ def write_text_atomic(path, text: str) -> Path:
     return path
 
 
+def _non_finite(obj, where=""):
+    """(location, value) of the first NaN or infinity in obj (location like ".scores[3]"), or None."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where, obj
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]")
+        if found:
+            return found
+    return None
+
+
+def dumps_strict(obj, path, **kw) -> str:
+    """json.dumps that refuses NaN and infinities (not JSON: other readers reject them), naming the file and the
+    field instead of writing them."""
+    try:
+        return json.dumps(obj, allow_nan=False, **kw)
+    except ValueError:
+        found = _non_finite(obj)
+        if found is None:
+            raise
+        raise InputError(f"{path}: refusing to write a non-finite number ({found[0].lstrip('.') or 'the value'} is "
+                         f"{found[1]}); JSON has no NaN or infinity") from None
+
+
 def write_jsonl(path, records) -> Path:
-    """Write records as JSON Lines atomically."""
-    return write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    """Write records as JSON Lines atomically (strict JSON: a NaN or infinity is an error naming the record)."""
+    return write_text_atomic(path, "".join(dumps_strict(r, f"{path}: record {i}", ensure_ascii=False) + "\n"
+                                           for i, r in enumerate(records)))
 
 
 def write_json(path, obj) -> Path:
-    """Write obj as indented JSON atomically."""
-    return write_text_atomic(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
+    """Write obj as indented JSON atomically (strict JSON: a NaN or infinity is an error naming the field)."""
+    return write_text_atomic(path, dumps_strict(obj, path, indent=1, ensure_ascii=False) + "\n")
 
 
 # ---- what a script may replace ---------------------------------------------------------------------------------------

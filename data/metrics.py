@@ -35,7 +35,8 @@ from functools import lru_cache
 
 from rapidfuzz import fuzz
 
-from data.tasks import get_task
+from data.tasks import TASKS, get_task
+from pipeline.cli import InputError
 
 # Bumped whenever a change here changes a score that existing data can produce: run.py puts it in the keys of the
 # steps that score (evaluations, OPR buffers) and so of everything downstream, so a resumed run re-scores instead of
@@ -236,6 +237,83 @@ def sari_metric(prediction: str, gold: str, prompt: str = "") -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# A user's own tasks (data/manifest.py): exact match and token F1 as SQuAD's evaluate-v1.1 normalises, accuracy
+# over a declared label set, and the user's own scorer
+
+
+def squad_normalize(text: str) -> str:
+    """SQuAD's normalize_answer: lower case, no punctuation, no articles (a, an, the), single spaces."""
+    text = "".join(c for c in text.lower() if c not in _PUNCTUATION)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+_PUNCTUATION = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+
+
+def exact_match(prediction: str, gold: str, prompt: str = "") -> float:
+    p, g = squad_normalize(prediction), squad_normalize(gold)
+    return 100.0 if prediction.strip() and p == g else 0.0
+
+
+def token_f1(prediction: str, gold: str, prompt: str = "") -> float:
+    p, g = squad_normalize(prediction).split(), squad_normalize(gold).split()
+    common = sum((Counter(p) & Counter(g)).values())
+    if not prediction.strip() or common == 0:
+        return 0.0
+    precision, recall = common / len(p), common / len(g)
+    return 100.0 * 2 * precision * recall / (precision + recall)
+
+
+def read_label(text: str, labels) -> str:
+    """The declared label a response gives: the label the answer text (answer_text, end punctuation dropped)
+    equals, else the longest label it starts with as a whole word; matched case-insensitively, returned as
+    declared; "" when it gives none."""
+    t = answer_text(text).rstrip(".!?;: ").lower()
+    by_lower = {label.lower(): label for label in labels}
+    if t in by_lower:
+        return by_lower[t]
+    for low in sorted(by_lower, key=len, reverse=True):
+        if t.startswith(low) and not t[len(low):len(low) + 1].isalnum():
+            return by_lower[low]
+    return ""
+
+
+def label_accuracy(prediction: str, gold: str, labels) -> float:
+    p = read_label(prediction, labels)
+    return 100.0 if p and p == read_label(gold, labels) else 0.0
+
+
+def import_scorer(spec: str):
+    """The function `module:function` names (the data root is on the path: data.manifest puts it there)."""
+    import importlib
+    module, _, name = spec.partition(":")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise AttributeError(f"module {module!r} has no function {name!r}")
+    return fn
+
+
+def task_metric(task):
+    """fn(prediction, gold, prompt, record) -> float in [0, 100] of a data.tasks.Task's metric: a METRICS name,
+    label_accuracy over its labels, or a user scorer `module:function` called as (prediction, gold, record), whose
+    result must be a number in [0, 100] (InputError naming the manifest and task otherwise)."""
+    if task.metric == "label_accuracy":
+        return lambda prediction, gold, prompt, record: label_accuracy(prediction, gold, task.labels)
+    if ":" not in task.metric:
+        fn = METRICS[task.metric]
+        return lambda prediction, gold, prompt, record: fn(prediction, gold, prompt)
+    user = import_scorer(task.metric)
+
+    def checked(prediction, gold, prompt, record):
+        v = user(prediction, gold, record)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 100:
+            raise InputError(f"{task.manifest}: task {task.name!r}, field 'metric': {task.metric} returned {v!r} "
+                             f"for prediction {prediction[:40]!r}; a scorer returns a number in [0, 100]")
+        return float(v)
+    return checked
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Dispatch
 
 METRICS = {  # metric name (data.tasks.Task.metric) -> fn(prediction, gold, prompt) -> float in [0, 100]
@@ -244,7 +322,10 @@ METRICS = {  # metric name (data.tasks.Task.metric) -> fn(prediction, gold, prom
     "code_fuzz": code_fuzz,
     "rouge_l": rouge_l,
     "sari": sari_metric,
+    "exact_match": exact_match,
+    "token_f1": token_f1,
 }
+USER_METRICS = ("label_accuracy", "module:function")  # what a manifest may name besides METRICS
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -397,13 +478,22 @@ CONVENTIONS = {  # scoring -> task -> fn(prediction, gold, prompt) -> float in [
 }
 
 
-def score(task: str, prediction: str, gold: str, prompt: str = "", scoring: str = SCORING) -> float:
-    """Per-example score in [0, 100] of `prediction` for a TRACE task under a scoring convention (lenient | paper |
-    trace, see the module docstring). The prompt is only used by SARI."""
-    get_task(task)  # unknown task -> ValueError listing the valid ones
+def score(task: str, prediction: str, gold: str, prompt: str = "", scoring: str = SCORING, record=None) -> float:
+    """Per-example score in [0, 100] of `prediction` for a task under a scoring convention (lenient | paper |
+    trace, see the module docstring). The prompt is only used by SARI, the record (the source record) only by a
+    user's scorer. The conventions are TRACE's: a manifest's task follows them where it is a TRACE task with its
+    TRACE metric, else its own metric scores it whatever the convention."""
+    t = get_task(task)  # unknown task -> ValueError listing the valid ones
     if scoring not in CONVENTIONS:
         raise ValueError(f"unknown scoring {scoring!r}; choose one of {', '.join(SCORINGS)}")
-    return CONVENTIONS[scoring][task](prediction, gold, prompt)
+    if task in TASKS and t.metric == TASKS[task].metric:
+        return CONVENTIONS[scoring][task](prediction, gold, prompt)
+    return _metric_of(t)(prediction, gold, prompt, record)
+
+
+@lru_cache(maxsize=None)
+def _metric_of(task):
+    return task_metric(task)
 
 
 # ---------------------------------------------------------------------------------------------------------------

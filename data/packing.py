@@ -7,6 +7,7 @@ passes, and each micro-batch is one row of concatenated documents whose position
 ever predicts the first token of the next.
 """
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,15 +44,50 @@ def tokenize_sft(records, tok, max_len: int):
     return examples, dropped
 
 
-def plan_steps(n: int, global_batch: int, epochs: int, seed: int) -> list[list[int]]:
-    """Example indices of every optimizer step of the run: each epoch a seeded shuffle cut into global
-    batches (the last one of an epoch may be smaller). Deterministic in (n, global_batch, epochs, seed)."""
-    steps = []
-    for epoch in range(epochs):
-        order = list(range(n))
-        random.Random(seed * 1000003 + epoch).shuffle(order)
-        steps += [order[i:i + global_batch] for i in range(0, n, global_batch)]
-    return steps
+class StepPlan(Sequence):
+    """Example indices of every optimizer step of the run: each epoch a seeded shuffle cut into global batches (the
+    last one of an epoch may be smaller). Deterministic in (n, global_batch, epochs, seed). Computed per step, one
+    epoch's order at a time, so a huge --epochs costs nothing up front; a prefix slice (plan[:k]) is a plan too."""
+
+    def __init__(self, n: int, global_batch: int, epochs: int, seed: int, limit: int | None = None):
+        self.n, self.global_batch, self.epochs, self.seed = n, global_batch, epochs, seed
+        self.per_epoch = -(-n // global_batch)
+        self.length = epochs * self.per_epoch if limit is None else min(limit, epochs * self.per_epoch)
+        self._epoch, self._order = None, None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, stride = i.indices(self.length)
+            if start == 0 and stride == 1:
+                return StepPlan(self.n, self.global_batch, self.epochs, self.seed, limit=stop)
+            return [self[j] for j in range(start, stop, stride)]
+        if i < 0:
+            i += self.length
+        if not 0 <= i < self.length:
+            raise IndexError(f"step {i} of a plan of {self.length}")
+        epoch, k = divmod(i, self.per_epoch)
+        if epoch != self._epoch:
+            order = list(range(self.n))
+            random.Random(self.seed * 1000003 + epoch).shuffle(order)
+            self._epoch, self._order = epoch, order
+        return self._order[k * self.global_batch:(k + 1) * self.global_batch]
+
+    def __eq__(self, other):
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self):
+        return (f"StepPlan(n={self.n}, global_batch={self.global_batch}, epochs={self.epochs}, seed={self.seed}, "
+                f"steps={self.length})")
+
+
+def plan_steps(n: int, global_batch: int, epochs: int, seed: int) -> StepPlan:
+    """The run's steps (see StepPlan)."""
+    return StepPlan(n, global_batch, epochs, seed)
 
 
 def pack(indices: list[int], lengths: list[int], token_budget: int, world: int) -> list[list[list[int]]]:

@@ -8,12 +8,13 @@ the field.
 """
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.cli import InputError
 from data.jsonl import read_records
-from data.tasks import TASK_ORDER, get_task
+from data import manifest
+from data.tasks import active_tasks, get_task
 
 SPLITS = ("train", "eval", "test")
 MAX_TRAIN = 5000  # TRACE trains on 5,000 examples per task
@@ -23,8 +24,10 @@ MAX_TRAIN = 5000  # TRACE trains on 5,000 examples per task
 class Example:
     task: str    # TRACE task name
     idx: int     # 0-based record number in the source file
-    prompt: str  # full instruction as released (already holds the task instruction)
+    prompt: str  # full instruction as released (already holds the task instruction); a manifest's task with a
+    #              system prompt or earlier turns: the message list before the answer
     answer: str  # gold response
+    record: dict | None = field(default=None, compare=False, repr=False)  # a manifest task's source record
 
 
 def read_trace_file(path) -> list[tuple[str, str]]:
@@ -33,7 +36,11 @@ def read_trace_file(path) -> list[tuple[str, str]]:
 
 
 def task_file(root, task: str, split: str) -> Path:
-    """`<root>/<task>/<split>.json`, or the `.jsonl` beside it when only that exists."""
+    """`<root>/<task>/<split>.json`, or the `.jsonl` beside it when only that exists; a manifest's task: the file
+    its split is read from (data.manifest.split_file)."""
+    t = active_tasks().get(task)
+    if t is not None and t.manifest:
+        return manifest.split_file(t, split)
     path = Path(root) / task / f"{split}.json"
     if not path.is_file() and path.with_suffix(".jsonl").is_file():
         path = path.with_suffix(".jsonl")
@@ -46,19 +53,23 @@ def load_task(root, task: str, split: str, *, max_train: int = MAX_TRAIN, seed: 
     The train split is subsampled to `max_train` records (seeded, without replacement; kept in file order);
     eval and test are returned whole. `Example.idx` is always the record's position in the source file.
     """
-    get_task(task)  # unknown task name -> ValueError listing the valid ones
+    t = get_task(task)  # unknown task name -> ValueError listing the valid ones
     if split not in SPLITS:
         raise InputError(f"unknown split {split!r} for task {task!r}; valid splits: {', '.join(SPLITS)}")
-    records = read_trace_file(task_file(root, task, split))
-    keep = range(len(records))
-    if split == "train" and max_train is not None and len(records) > max_train:
-        keep = sorted(random.Random(seed).sample(range(len(records)), max_train))
-    return [Example(task, i, records[i][0], records[i][1]) for i in keep]
+    if t.manifest:
+        rows = manifest.read_split(t, split)
+    else:
+        path = task_file(root, task, split)
+        rows = [(i, prompt, answer, None) for i, (prompt, answer) in enumerate(read_trace_file(path))]
+    keep = range(len(rows))
+    if split == "train" and max_train is not None and len(rows) > max_train:
+        keep = sorted(random.Random(seed).sample(range(len(rows)), max_train))
+    return [Example(task, *rows[i]) for i in keep]
 
 
 def tasks_in(root, split: str = "train") -> list[str]:
-    """Tasks (canonical TRACE order) that have `<root>/<task>/<split>.json` (or .jsonl)."""
-    return [t for t in TASK_ORDER if task_file(root, t, split).is_file()]
+    """Tasks (canonical TRACE order, or the manifest's) that have `<root>/<task>/<split>.json` (or .jsonl)."""
+    return [t for t in active_tasks() if task_file(root, t, split).is_file()]
 
 
 def filter_overlong(examples, length_fn, max_len: int = 2048):

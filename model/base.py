@@ -91,13 +91,13 @@ def write_random_tiny(out: Path, seed: int = 0):
            "pad_token_id": tok.token_to_id("<|endoftext|>"), "torch_dtype": "float32", **TINY,
            "head_dim": TINY["hidden_size"] // TINY["num_attention_heads"]}
     cfg["vocab_size"] = tok.get_vocab_size()
-    (src / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (src / "config.json").write_text(json.dumps(cfg, indent=2, allow_nan=False) + "\n")
     (src / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML, "bos_token": None,
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
-        "model_max_length": TINY["max_position_embeddings"]}, indent=2) + "\n")
+        "model_max_length": TINY["max_position_embeddings"]}, indent=2, allow_nan=False) + "\n")
     (src / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": cfg["eos_token_id"], "pad_token_id": cfg["pad_token_id"]}, indent=2) + "\n")
+        {"eos_token_id": cfg["eos_token_id"], "pad_token_id": cfg["pad_token_id"]}, indent=2, allow_nan=False) + "\n")
     torch.manual_seed(seed)
     model = Transformer(ModelConfig.from_hf(cfg))
     with torch.no_grad():

@@ -5,6 +5,7 @@ Saving writes a directory that transformers and vLLM load unmodified, atomically
 """
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,7 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.cli import InputError, MissingFileError, MissingWeightError
-from data.jsonl import fsync_dir, fsync_tree, read_text
+from data.jsonl import (dumps_strict, fsync_dir, fsync_tree, read_text, remove_stale_temporaries,
+                        temp_prefix)
 from model.config import ModelConfig
 from model.transformer import Transformer
 
@@ -26,10 +28,17 @@ SIDECAR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
 
 def load_config(ckpt_dir) -> ModelConfig:
     path = Path(ckpt_dir) / "config.json"
-    if not path.is_file():
-        raise MissingFileError(f"{path}: no config.json in checkpoint directory {ckpt_dir}")
+    if Path(ckpt_dir).is_file():
+        raise InputError(f"{ckpt_dir}: is a file, not a checkpoint directory (a directory holding config.json and "
+                         f"model.safetensors)")
+    if not Path(ckpt_dir).exists() and not Path(ckpt_dir).is_symlink():
+        raise MissingFileError(f"{ckpt_dir}: no such checkpoint directory")
     try:
-        d = json.loads(read_text(path))
+        text = read_text(path)  # a symlink loop or a denied directory raises its own error, naming the path
+    except FileNotFoundError:
+        raise MissingFileError(f"{path}: no config.json in checkpoint directory {ckpt_dir}") from None
+    try:
+        d = json.loads(text)
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: invalid JSON ({e})") from None
     if not isinstance(d, dict):
@@ -79,6 +88,21 @@ def checkpoint_slices(model: Transformer, ckpt_dir):
     """Yield (name, lazy safetensors slice) for every tensor `model` needs, after checking the checkpoint holds
     exactly those, with the right shapes: an unexpected, missing or mis-shaped weight is an error naming file and
     key, never silently dropped or randomly initialised."""
+    for _, name, sl in _located_slices(model, ckpt_dir):
+        yield name, sl
+
+
+def check_finite(t: torch.Tensor, path, name: str):
+    """A NaN or infinite weight (a diverged run, a corrupt file) fails at load naming the tensor, not later as a
+    sampler's 'probability tensor contains inf/nan' or a NaN score."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = "NaN" if bool(torch.isnan(t).any()) else "infinite"
+        raise InputError(f"{path}: weight {name!r} holds {bad} values; the checkpoint is unusable (a diverged "
+                         f"training run or a corrupt file)")
+
+
+def _located_slices(model: Transformer, ckpt_dir):
+    """checkpoint_slices, with the file of each tensor: (path, name, slice)."""
     shapes = expected_state(model)
     where = weight_files(ckpt_dir)
     unexpected = {k for k in set(where) - set(shapes) - {"lm_head.weight"} if not k.endswith("rotary_emb.inv_freq")}
@@ -99,18 +123,22 @@ def checkpoint_slices(model: Transformer, ckpt_dir):
                 if tuple(sl.get_shape()) != tuple(shapes[name]):
                     raise InputError(f"{path}: weight {name!r} has shape {tuple(sl.get_shape())}, "
                                      f"expected {tuple(shapes[name])}")
-                yield name, sl
+                yield path, name, sl
 
 
 def load_model(ckpt_dir, device="cpu", dtype=torch.float32) -> Transformer:
-    """Build the Transformer described by ckpt_dir/config.json and load its weights. Returns it in eval mode."""
+    """Build the Transformer described by ckpt_dir/config.json and load its weights. Returns it in eval mode and
+    without gradients (a model loaded for sampling or scoring; model.engine fuses its projections)."""
     cfg = load_config(ckpt_dir)
     with torch.device("meta"):
         model = Transformer(cfg)
-    state = {name: sl[:].to(device=device, dtype=dtype) for name, sl in checkpoint_slices(model, ckpt_dir)}
+    state = {}
+    for path, name, sl in _located_slices(model, ckpt_dir):
+        state[name] = sl[:].to(device=device, dtype=dtype)
+        check_finite(state[name], path, name)
     model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
     model.tie_weights()
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 def load_into(model: Transformer, ckpt_dir):
@@ -120,7 +148,7 @@ def load_into(model: Transformer, ckpt_dir):
 
     targets = model.state_dict()
     with torch.no_grad():
-        for name, sl in checkpoint_slices(model, ckpt_dir):
+        for path, name, sl in _located_slices(model, ckpt_dir):
             t = targets[name]
             if isinstance(t, DTensor):  # fully_shard splits dim 0 like torch.chunk
                 local = t.to_local()
@@ -128,8 +156,22 @@ def load_into(model: Transformer, ckpt_dir):
                 start = t.device_mesh.get_local_rank() * rows
                 if local.shape[0]:
                     local.copy_(sl[start:start + local.shape[0]])
+                    check_finite(local, path, name)  # each rank its own rows: the first to see one says so
             else:
                 t.copy_(sl[:])
+                check_finite(t, path, name)
+
+
+def _save_file(tensors: dict, path: Path, metadata: dict):
+    """safetensors' save_file, with a write failure (disk full, quota, ...) raised as the OSError it is, naming the
+    file: safetensors reports it as a SafetensorError without the path."""
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except Exception as e:
+        code = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from e
 
 
 def save_checkpoint(state_dict: dict, src_dir, out_dir, max_shard_bytes: int = 5 * 2**30, dtype=None,
@@ -145,7 +187,8 @@ def save_checkpoint(state_dict: dict, src_dir, out_dir, max_shard_bytes: int = 5
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    remove_stale_temporaries(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), dir=out_dir.parent))
     try:
         shards, size = [[]], 0
         for name, t in state.items():
@@ -157,16 +200,16 @@ def save_checkpoint(state_dict: dict, src_dir, out_dir, max_shard_bytes: int = 5
             size += nbytes
         meta = {"format": "pt"}
         if len(shards) == 1:
-            save_file(state, tmp / "model.safetensors", metadata=meta)
+            _save_file(state, tmp / "model.safetensors", meta)
         else:
             weight_map = {}
             for i, names in enumerate(shards):
                 fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file({n: state[n] for n in names}, tmp / fname, metadata=meta)
+                _save_file({n: state[n] for n in names}, tmp / fname, meta)
                 weight_map.update({n: fname for n in names})
             total = sum(t.numel() * t.element_size() for t in state.values())
             (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, allow_nan=False))
         for fname in SIDECAR_FILES:
             if (src_dir / fname).is_file():
                 shutil.copy2(src_dir / fname, tmp / fname)
@@ -175,7 +218,7 @@ def save_checkpoint(state_dict: dict, src_dir, out_dir, max_shard_bytes: int = 5
         saved_dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
         hf = json.loads((tmp / "config.json").read_text())
         hf["torch_dtype" if "torch_dtype" in hf else "dtype"] = saved_dtype
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        (tmp / "config.json").write_text(dumps_strict(hf, src_dir / "config.json", indent=2) + "\n")
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

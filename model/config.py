@@ -3,6 +3,7 @@
 One decoder covers Llama-3.x (and SmolLM2, a Llama), Qwen2/Qwen2.5 and Qwen3; they differ only in
 biases, q/k norms, head_dim and RoPE scaling, which are the fields below.
 """
+import math
 from dataclasses import dataclass, field
 
 from pipeline.cli import InputError
@@ -49,6 +50,9 @@ class ModelConfig:
             raise InputError(f"{source}: use_sliding_window=true is not supported")
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         # transformers >= 5 writes rope_parameters {rope_theta, rope_type, ...}; older files rope_theta + rope_scaling.
+        for key in ("rope_parameters", "rope_scaling"):
+            if d.get(key) is not None and not isinstance(d[key], dict):
+                raise InputError(f"{source}: {key} must be an object, got {d[key]!r}")
         rope = dict(d.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
         scaling = rope or d.get("rope_scaling") or None
@@ -58,24 +62,48 @@ class ModelConfig:
                 scaling = None
             elif kind != "llama3":
                 raise InputError(f"{source}: rope scaling type {kind!r} is not supported (only 'llama3')")
-        attn_bias = bool(d.get("attention_bias", False))
+        def count(key, v):  # a wrong type or a size < 1 would fail later as a traceback deep in torch
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InputError(f"{source}: {key} must be a positive integer, got {v!r}")
+            return v
+
+        def positive(key, v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise InputError(f"{source}: {key} must be a positive number, got {v!r}")
+            return v
+
+        def flag(key):
+            v = d.get(key, False)
+            if not isinstance(v, bool):
+                raise InputError(f"{source}: {key} must be true or false, got {v!r}")
+            return v
+
+        hidden, heads = count("hidden_size", hidden), count("num_attention_heads", heads)
+        kv_heads = count("num_key_value_heads", d.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise InputError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                             f"{kv_heads}")
+        if d.get("head_dim") is None and hidden % heads:
+            raise InputError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} (and "
+                             f"there is no head_dim)")
+        attn_bias = flag("attention_bias")
         return cls(
             model_type=mt,
-            vocab_size=need("vocab_size"),
+            vocab_size=count("vocab_size", need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
-            num_hidden_layers=need("num_hidden_layers"),
+            intermediate_size=count("intermediate_size", need("intermediate_size")),
+            num_hidden_layers=count("num_hidden_layers", need("num_hidden_layers")),
             num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or hidden // heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            num_key_value_heads=kv_heads,
+            head_dim=count("head_dim", d["head_dim"]) if d.get("head_dim") is not None else hidden // heads,
+            rms_norm_eps=positive("rms_norm_eps", d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(positive("rope_theta", theta)),
             rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=count("max_position_embeddings", d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=flag("tie_word_embeddings"),
             qkv_bias=True if mt == "qwen2" else attn_bias,
             o_bias=attn_bias if mt == "llama" else False,
-            mlp_bias=bool(d.get("mlp_bias", False)),
+            mlp_bias=flag("mlp_bias"),
             qk_norm=mt == "qwen3",
             hf=dict(d),
         )

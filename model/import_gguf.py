@@ -27,6 +27,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from data.jsonl import remove_stale_temporaries, temp_prefix
 from model.checkpoint import replace_dir
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -267,13 +268,14 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
                          if config[k] is not None}
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    remove_stale_temporaries(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), dir=out_dir.parent))
     try:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save(str(tmp / "tokenizer.json"))
         for name, obj in (("config.json", config), ("generation_config.json", generation_config),
                           ("tokenizer_config.json", tok_config)):
-            (tmp / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+            (tmp / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n")
         umask = os.umask(0)
         os.umask(umask)
         for path in (tmp, *tmp.iterdir()):  # mkdtemp makes 0700; give the checkpoint ordinary permissions

@@ -89,6 +89,11 @@ def _read_json(path: Path) -> dict:
     return d
 
 
+def prompt_turns(prompt) -> list[dict]:
+    """The messages before the answer: a string is one user turn (TRACE's prompts), a list is the turns as given."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
 def _prepare_messages(messages: list[dict]) -> list[dict]:
     """Drop None-valued keys and fill reasoning_content/thinking from any of their aliases (as HF does)."""
     out = []
@@ -126,9 +131,11 @@ class ChatTokenizer:
         self.stop_ids = {self.eos_id, *extra_stop_ids, *(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)}
 
     @classmethod
-    def from_dir(cls, ckpt_dir: str | Path) -> "ChatTokenizer":
+    def from_dir(cls, ckpt_dir: str | Path, check: bool = True) -> "ChatTokenizer":
         """Load tokenizer.json, tokenizer_config.json (special tokens, chat template), chat_template.jinja (takes
-        priority, as in HF) and generation_config.json (extra eos ids) from `ckpt_dir`."""
+        priority, as in HF) and generation_config.json (extra eos ids) from `ckpt_dir`. With `check`, a tokenizer
+        whose ids exceed config.json's vocab_size, or a template that cannot encode a probe (prompt, answer) pair
+        ending in an end-of-turn token, is an InputError naming the file."""
         ckpt_dir = Path(ckpt_dir)
         tok_path = ckpt_dir / "tokenizer.json"
         if not tok_path.is_file():
@@ -143,6 +150,9 @@ class ChatTokenizer:
         map_path = ckpt_dir / "special_tokens_map.json"  # older checkpoints keep special tokens only here
         special_map = _read_json(map_path) if map_path.is_file() else {}
         special = {name: _token_str(config.get(name, special_map.get(name))) for name in SPECIAL_TOKEN_NAMES}
+        for name, value in special.items():
+            if value is not None and not isinstance(value, str):
+                raise InputError(f"{cfg_path}: {name} must be a string, got {value!r}")
 
         jinja_path = ckpt_dir / "chat_template.jinja"
         if jinja_path.is_file():
@@ -150,10 +160,15 @@ class ChatTokenizer:
         else:
             template, template_source = config.get("chat_template"), f"{cfg_path}['chat_template']"
             if isinstance(template, list):  # old multi-template format: [{"name": ..., "template": ...}]
+                if not all(isinstance(t, dict) and "name" in t and "template" in t for t in template):
+                    raise InputError(f"{template_source}: a list of chat templates must hold {{name, template}} "
+                                     f"objects")
                 template = {t["name"]: t["template"] for t in template}.get("default")
         if not template:
             raise InputError(f"{ckpt_dir}: no chat template (neither chat_template.jinja nor "
                              f"tokenizer_config.json['chat_template'])")
+        if not isinstance(template, str):
+            raise InputError(f"{template_source}: the chat template must be a string, got {template!r}")
 
         extra_stop = []
         gen_path = ckpt_dir / "generation_config.json"
@@ -161,9 +176,24 @@ class ChatTokenizer:
             eos = _read_json(gen_path).get("eos_token_id")
             extra_stop = [eos] if isinstance(eos, int) else list(eos or [])
         try:
-            return cls(tokenizer, template, special, extra_stop, source=str(ckpt_dir))
+            tok = cls(tokenizer, template, special, extra_stop, source=str(ckpt_dir))
         except jinja2.TemplateSyntaxError as e:
             raise InputError(f"{template_source}: chat template does not parse: {e}") from e
+        if not check:
+            return tok
+        # checked here, once, so that a broken checkpoint fails at load naming the file, not as a traceback later
+        model_cfg = ckpt_dir / "config.json"
+        n_model = _read_json(model_cfg).get("vocab_size") if model_cfg.is_file() else None
+        n_tok = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        if isinstance(n_model, int) and not isinstance(n_model, bool) and n_tok > n_model:
+            raise InputError(f"{tok_path}: token ids reach {n_tok - 1}, but {model_cfg}: vocab_size is {n_model}; "
+                             f"the tokenizer does not belong to these weights")
+        try:
+            tok.encode_sft("Is 1 + 1 = 2?", "Yes.")
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise InputError(f"{template_source}: the chat template fails on a probe conversation (one user turn, one "
+                             f"assistant answer): {str(e).splitlines()[0] if str(e) else e!r}") from None
+        return tok
 
     # --- plain text ---------------------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -193,17 +223,17 @@ class ChatTokenizer:
                                      add_generation_prompt=add_generation_prompt, **variables)
         return self.encode(text) if tokenize else text
 
-    def prompt_ids(self, prompt: str, **kwargs) -> list[int]:
-        """Ids of `prompt` as a single user turn followed by the assistant generation prompt."""
-        return self.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        tokenize=True, **kwargs)
+    def prompt_ids(self, prompt: str | list[dict], **kwargs) -> list[int]:
+        """Ids of `prompt` as a single user turn (or, a list of messages, as those turns: a system prompt, earlier
+        turns) followed by the assistant generation prompt."""
+        return self.apply_chat_template(prompt_turns(prompt), add_generation_prompt=True, tokenize=True, **kwargs)
 
-    def sft_length(self, prompt: str, response: str) -> int:
+    def sft_length(self, prompt: str | list[dict], response: str) -> int:
         """Tokens of the chat-templated (prompt, response) pair: the one length the over-long filter uses in
         training, rollout and evaluation."""
         return len(self.encode_sft(prompt, response)[0])
 
-    def encode_sft(self, prompt: str, response: str, **kwargs) -> tuple[list[int], list[int]]:
+    def encode_sft(self, prompt: str | list[dict], response: str, **kwargs) -> tuple[list[int], list[int]]:
         """Ids of the conversation [user: prompt, assistant: response] and UNSHIFTED labels: labels[t] = ids[t] on the
         assistant response tokens and its end-of-turn token, -100 elsewhere (system/user turns, the assistant header,
         anything the template writes after end-of-turn).
@@ -214,7 +244,7 @@ class ChatTokenizer:
         starts with "\n") but the rendered text still starts with the generation prompt's text, the ids are the
         prompt's ids followed by those of the rest of the text: the tokens a model sampling after the prompt emits.
         """
-        user = [{"role": "user", "content": prompt}]
+        user = prompt_turns(prompt)
         prefix_text = self.apply_chat_template(user, add_generation_prompt=True, **kwargs)
         text = self.apply_chat_template(user + [{"role": "assistant", "content": response}], **kwargs)
         prefix, ids = self.encode(prefix_text), self.encode(text)

@@ -7,6 +7,8 @@
     if __name__ == "__main__":
         main_cli(main, "train.py")
 
+SIGTERM is raised as `Terminated` (exit 143) and Ctrl-C as KeyboardInterrupt (exit 130), so both run the same
+cleanup as an exception: no temporary is left behind.
 Expected failures -- a UserError (bad input, flag or file), an OSError naming its file (missing file, disk full,
 read-only output), a decode error -- print ONE line `<script>: error: <message>` on stderr and exit 2. Anything
 else is a bug and keeps its traceback. `--debug` (or OPR_DEBUG=1 in the environment, which run.py passes on to
@@ -15,6 +17,7 @@ its steps) shows the traceback of expected failures too. Under torchrun only ran
 import argparse
 import errno
 import os
+import signal
 import sys
 import time
 
@@ -46,7 +49,13 @@ ENVIRONMENT_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, err
 
 
 def user_message(e: BaseException) -> str | None:
-    """The one-line message for an expected failure, or None for a bug (which keeps its traceback)."""
+    """The one-line message for an expected failure, or None for a bug (which keeps its traceback). A newline in it
+    (a path or value that holds one) is written as \\n, so that the message stays one line."""
+    msg = _message(e)
+    return None if msg is None else msg.replace("\r", "\\r").replace("\n", "\\n")
+
+
+def _message(e: BaseException) -> str | None:
     if isinstance(e, UserError):
         return str(e)
     if isinstance(e, OSError) and (e.filename is not None or e.errno in ENVIRONMENT_ERRNOS):
@@ -59,8 +68,18 @@ def user_message(e: BaseException) -> str | None:
     if isinstance(e, UnicodeDecodeError):
         return f"input is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8"
     if type(e).__name__ == "SafetensorError":
-        return f"unreadable safetensors file: {e}"
+        return f"safetensors file: {e}"  # reading or writing: model.checkpoint names the file where it can
     return None
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so that the same cleanup (temporaries removed, nothing
+    half-written) runs; not an Exception, so no `except Exception` takes it for an error to report."""
+
+
+def _raise_terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short (SIGKILL still can)
+    raise Terminated()
 
 
 def debug_requested(argv=None) -> bool:
@@ -70,8 +89,10 @@ def debug_requested(argv=None) -> bool:
 
 def main_cli(main, name: str):
     """Run `main()` as a script: expected failures -> one line on stderr and exit 2 (a failed run.py step: 1),
-    Ctrl-C -> exit 130, bugs -> the traceback. Returns nothing; exits with main's return code when it is an int."""
+    Ctrl-C -> exit 130, SIGTERM -> exit 143 (both after the cleanup an exception gets), bugs -> the traceback. Returns nothing; exits with main's return code when it is an int."""
     debug = debug_requested()
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # one started ignoring it (nohup) stays ignoring it
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         rc = main()
     except KeyboardInterrupt:
@@ -79,6 +100,11 @@ def main_cli(main, name: str):
             raise
         print(f"{name}: interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
+    except Terminated:
+        if debug:
+            raise
+        print(f"{name}: stopped by SIGTERM", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGTERM)
     except Exception as e:
         msg = user_message(e)
         if msg is None or debug:
@@ -100,6 +126,7 @@ class Parser(argparse.ArgumentParser):
                           help="show the full traceback of an error (also: OPR_DEBUG=1)")
 
     def error(self, message):
+        message = message.replace("\r", "\\r").replace("\n", "\\n")  # one line, whatever the value held
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -122,10 +149,10 @@ def float_in(lo: float = None, hi: float = None, lo_open: bool = False):
     def check(v: float, s: str) -> float:
         if v != v or v in (float("inf"), float("-inf")):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {s!r}")
-        if lo is not None and (v <= lo if lo_open else v < lo):
-            raise argparse.ArgumentTypeError(f"must be {'>' if lo_open else '>='} {lo:g}, got {s}")
+        if lo is not None and (v <= lo if lo_open else v < lo):  # v, not s: s may hold spaces and newlines
+            raise argparse.ArgumentTypeError(f"must be {'>' if lo_open else '>='} {lo:g}, got {v:g}")
         if hi is not None and v > hi:
-            raise argparse.ArgumentTypeError(f"must be <= {hi:g}, got {s}")
+            raise argparse.ArgumentTypeError(f"must be <= {hi:g}, got {v:g}")
         return v
 
     def parse(s: str) -> float:
@@ -139,18 +166,23 @@ def float_in(lo: float = None, hi: float = None, lo_open: bool = False):
     return parse
 
 
-def comma_list(item):
+def comma_list(item, unique: bool = False):
     """A comma-separated list of values, each parsed by `item` (an argparse type); returned as the original string
-    so callers keep their own parsing, after every element was checked."""
+    so callers keep their own parsing, after every element was checked. unique: a value given twice (as parsed:
+    0.1 and 0.10 are one) is refused, for lists that a repeat would silently run or count twice."""
     def parse(s: str) -> str:
         parts = [x.strip() for x in s.split(",")]
         if not all(parts):
             raise argparse.ArgumentTypeError(f"empty element in {s!r}")
+        seen = set()
         for x in parts:
             try:
-                item(x)
+                v = item(x)
             except argparse.ArgumentTypeError as e:
                 raise argparse.ArgumentTypeError(f"{e} (in {s!r})") from None
+            if unique and v in seen:
+                raise argparse.ArgumentTypeError(f"{x} appears twice in {s!r}")
+            seen.add(v)
         return s
     parse.__name__ = "list"
     return parse

@@ -10,6 +10,7 @@ and the numerics. Each step runs as a process of its own (a fork of the zygote o
 into `steps/KEY.tmp`, which is fsynced and renamed to `steps/KEY` and recorded in manifest.json when the step
 succeeds. Signals: see run.py's docstring ("Stopping").
 """
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -165,8 +166,10 @@ class Pipeline:
     def lock_run_dir(self):
         """Create the run directory and hold its run.lock (flock) for as long as this driver or any step it started
         lives, so a second run.py on the same directory is refused instead of racing them."""
+        created = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.run_dir / "run.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = self.run_dir / "run.lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + 5  # the steps of a driver killed a moment ago may still be exiting
         while True:
             try:
@@ -179,8 +182,16 @@ class Pipeline:
                     raise UserError(f"{self.run_dir}: in use by another run.py (pid {holder}) or a step it started; "
                                     f"stop it or wait for it, then re-run") from None
                 time.sleep(0.2)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:  # a full disk: say where, and leave no empty run.lock (nor a run directory) behind
+            os.close(fd)
+            lock.unlink(missing_ok=True)
+            if created:
+                with contextlib.suppress(OSError):
+                    self.run_dir.rmdir()
+            raise OSError(e.errno, e.strerror, str(lock)) from None
         self.lock_fd = fd
         self.manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
 

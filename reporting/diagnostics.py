@@ -21,6 +21,10 @@ that label is below COLLAPSE_RATE of the gold answers (a test set that is itself
 answering it "C" throughout is a collapse; answering it "Anna sah ..." throughout is off-format, not a collapse to
 "A"). top_label / top_rate are that most frequent letter answer and its share of all responses.
 
+A task of a manifest that declares its labels (data/manifest.py) is a classification task over those labels: a
+response's label is data.metrics.read_label's, and it is in format when it is a label alone (answer_text, end
+punctuation dropped, equal to one regardless of case); the rest is as for letters.
+
 A first-character rule (the lenient and the paper conventions) reads any text as a label: a model that forgot a
 letter task and answers it "Anna sah Bücher in Bern ." scores as if it had answered "A". So each classification task
 also reports its OFF-FORMAT answers: non-empty responses that are not a letter alone (answer_shape: after an
@@ -38,7 +42,7 @@ most frequent off-format response (its first EXAMPLE_CHARS characters).
 import string
 from collections import Counter
 
-from data.metrics import answer_letter, answer_text
+from data.metrics import answer_letter, answer_text, read_label
 from data.tasks import get_task
 
 # ---- thresholds of the warnings --------------------------------------------------------------------------------
@@ -53,7 +57,8 @@ CLASSIFICATION_METRICS = ("letter_accuracy",)  # tasks whose answer is a label (
 
 
 def is_classification(task: str) -> bool:
-    return get_task(task).metric in CLASSIFICATION_METRICS
+    t = get_task(task)
+    return t.metric in CLASSIFICATION_METRICS or t.labels is not None
 
 
 def _by_count(kc: tuple) -> tuple:
@@ -109,22 +114,31 @@ def diagnose(task: str, records: list) -> dict:
         "length_capped": sum(r["finish_reason"] == "length" for r in records) / n,
         "mean_tokens": sum(r["num_tokens"] for r in records) / n,
     }
-    if is_classification(task):
-        pred = Counter(answer_letter(r["prediction"]) for r in records)
-        gold = Counter(answer_letter(r["gold"]) for r in records)
+    labels = get_task(task).labels
+    if labels is not None:  # a manifest's own label set
+        label_of = lambda text: read_label(text, labels)  # noqa: E731
+        in_format = [answer_text(r["prediction"]).rstrip(".!?;: ").lower() in {x.lower() for x in labels}
+                     for r in records]
+    elif is_classification(task):
+        label_of = answer_letter
         sentences = {answer_letter(r["gold"]) for r in records if answer_shape(r["gold"]) == "sentence"}
         in_format = [is_letter_answer(r["prediction"], sentences) for r in records]
-        top, top_n = _mode(Counter(answer_letter(r["prediction"]) for r, ok in zip(records, in_format) if ok))
+    if is_classification(task):
+        pred = Counter(label_of(r["prediction"]) for r in records)
+        gold = Counter(label_of(r["gold"]) for r in records)
+        top, top_n = _mode(Counter(label_of(r["prediction"]) for r, ok in zip(records, in_format) if ok))
         gold_major = max(gold.values()) / n
         off = [r for r, ok in zip(records, in_format) if not ok and r["prediction"].strip()]
         example = _mode(Counter(r["prediction"].strip()[:EXAMPLE_CHARS] for r in off))[0]
-        first, gold_off = (Counter(answer_letter(r[k]) for r in off) for k in ("prediction", "gold"))
+        first, gold_off = (Counter(label_of(r[k]) for r in off) for k in ("prediction", "gold"))
         chance = sum(first[c] * gold_off[c] for c in first) / len(off) / n if off else 0.0
         out.update(labels=_ranked(pred, n), gold_labels=_ranked(gold, n), top_label=top, top_rate=top_n / n,
                    gold_majority_rate=gold_major,
                    collapsed=bool(top) and top_n / n >= COLLAPSE_RATE and gold[top] / n < COLLAPSE_RATE,
                    off_format=len(off) / n, off_format_hits=sum(r["score"] > 0 for r in off) / n,
                    off_format_chance=chance, off_format_example=example)
+        if labels is not None:
+            out["declared_labels"] = list(labels)
     return out
 
 
@@ -141,7 +155,8 @@ def warnings(diag: dict) -> list:
                    f"of the gold answers; gold majority class {diag['gold_majority_rate']:.0%})")
     if diag.get("off_format", 0.0) >= OFF_FORMAT_WARN:
         hits, chance = diag["off_format_hits"], diag.get("off_format_chance")  # results.json of earlier code lack it
-        out.append(f"{diag['off_format']:.0%} of answers are not a letter (most often {diag['off_format_example']!r})"
+        shape = "a declared label" if "declared_labels" in diag else "a letter"
+        out.append(f"{diag['off_format']:.0%} of answers are not {shape} (most often {diag['off_format_example']!r})"
                    + (f", {_share(hits)} of answers score by their first character alone" if hits else "")
                    + (f" (chance {_share(chance)})" if hits and chance is not None else ""))
     if diag["empty"] >= EMPTY_WARN:

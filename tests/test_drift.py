@@ -222,6 +222,24 @@ def test_drift_refuses_checkpoints_with_different_tokenizers(ckpts, data_root, t
     assert not (tmp_path / "d").exists()
 
 
+def test_drift_refuses_a_non_finite_kl_and_writes_nothing(ckpts, data_root, tmp_path, monkeypatch):
+    import drift
+    import model.logprobs
+    from pipeline.cli import InputError
+    real = model.logprobs.response_stats
+
+    def overflowing(*a, **kw):  # what an overflow in either model gives
+        rows = real(*a, **kw)
+        rows[0]["kl"] = rows[0]["kl"] + [float("nan")]
+        return rows
+    monkeypatch.setattr(model.logprobs, "response_stats", overflowing)
+    with pytest.raises(InputError, match="non-finite KL or NLL on FOMC example 0"):
+        drift.main([str(a) for a in ["--ckpt", ckpts / "cur", "--ref", ckpts / "prev", "--data", data_root, "--tasks",
+                                     "FOMC", "--max-new-tokens", "2", "--limit", "1", "--engine", "native", "--quiet",
+                                     "--out", tmp_path / "d"]])
+    assert not (tmp_path / "d").exists()
+
+
 # --- buffer_nll.py --------------------------------------------------------------------------------------------------
 
 def test_buffer_nll_equals_transformers_per_token_nll(ckpts, tmp_path):

@@ -162,6 +162,6 @@ def test_checkpoint_without_tokenizer_fails_naming_it(ckpt, data_root, tmp_path)
     assert r.returncode != 0
     assert f"{bare}: tokenizer.json not found" in r.stderr
     assert not (bare / "eval").exists()
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
         evaluate("--ckpt", tmp_path / "missing", "--data", data_root, "--out", tmp_path / "ev")
     assert not (tmp_path / "ev").exists()

@@ -39,6 +39,34 @@ def test_plan_steps_is_deterministic_and_seeded():
     assert plan_steps(50, 8, 2, seed=1) == a[:2 * per_epoch]
 
 
+def listed_plan(n, gb, epochs, seed):
+    """plan_steps as it was when it built the whole list: the lazy plan must give the very same batches."""
+    steps = []
+    for epoch in range(epochs):
+        order = list(range(n))
+        random.Random(seed * 1000003 + epoch).shuffle(order)
+        steps += [order[i:i + gb] for i in range(0, n, gb)]
+    return steps
+
+
+@pytest.mark.parametrize("n,gb,epochs,seed", [(37, 8, 3, 0), (8, 8, 2, 1), (5, 16, 2, 7), (100, 7, 4, 3), (1, 1, 5, 0)])
+def test_lazy_plan_is_the_listed_plan(n, gb, epochs, seed):
+    want, plan = listed_plan(n, gb, epochs, seed), plan_steps(n, gb, epochs, seed)
+    assert len(plan) == len(want) and [plan[i] for i in range(len(plan))] == want and list(plan) == want
+    assert [plan[-i] for i in range(1, len(want) + 1)] == [want[-i] for i in range(1, len(want) + 1)]
+    k = len(want) // 2 + 1
+    assert list(plan[:k]) == want[:k] and len(plan[:k]) == k and plan[1:k:2] == want[1:k:2]
+    with pytest.raises(IndexError):
+        plan[len(want)]
+
+
+def test_a_huge_plan_costs_nothing_up_front():
+    plan = plan_steps(4, 2, 10**12, 0)
+    order = list(range(4))
+    random.Random(10**12 - 1).shuffle(order)  # the last epoch's order
+    assert len(plan) == 2 * 10**12 and plan[-2:] == [order[:2], order[2:]] and len(plan[:5]) == 5
+
+
 # --- pack --------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])

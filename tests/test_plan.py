@@ -191,3 +191,36 @@ def test_memory_model_for_qwen25_7b_on_8_gpus():
     state = sum(v for k, v in m.items() if "sharded" in k)
     assert state == pytest.approx(16 * 7_615_487_488 / 8)
     assert m["total"] > 80e9 > m["total_checkpointed"]
+
+
+# --- plan.py's failures: one line naming the flag or path, exit 2, like every script ----------------------------------
+@pytest.mark.parametrize("argv, named", [
+    ([], "pass --paper"),
+    (["--paper", "--plan-gpus", "0"], "--plan-gpus"),
+    (["--paper", "--plan-mfu", "0"], "--plan-mfu"),
+    (["--paper", "--plan-mfu", "1.5"], "--plan-mfu"),
+    (["--paper", "--plan-gen-tok-s", "-5"], "--plan-gen-tok-s"),
+    (["--paper", "--plan-train-tok-s", "0"], "--plan-train-tok-s"),
+    (["--paper", "--plan-peak-tflops", "nan"], "--plan-peak-tflops"),
+    (["--paper", "--plan-overhead-s", "-1"], "--plan-overhead-s"),
+    (["--paper", "--micro-tokens", "0"], "--micro-tokens"),
+    (["--paper", "--eval-repeats", "0"], "--eval-repeats"),
+    (["--paper", "--config", "{tmp}/nope"], "{tmp}/nope: no such checkpoint directory"),
+    (["--paper", "--trace", "{tmp}/nope"], "--trace {tmp}/nope: no such directory"),
+    (["--paper", "--trace", "{tmp}"], "--trace {tmp}: holds none"),
+])
+def test_plan_failures_are_one_line(tmp_path, argv, named):
+    r = subprocess.run([sys.executable, str(REPO / "plan.py"), *(a.format(tmp=tmp_path) for a in argv)], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("plan.py: error: ") and len(r.stderr.splitlines()) == 1, r.stderr
+    assert named.format(tmp=tmp_path) in r.stderr and r.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_dry_run_checks_the_planner_flags(env, tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "run.py"), "--model", str(env["base"]), *FLAGS, "--out",
+                        str(tmp_path / "run"), "--dry-run", "--plan-gpus", "0"], cwd=REPO, env=env["env"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "--plan-gpus" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()

@@ -110,6 +110,21 @@ def edited_config(env, tmp: Path, **changes) -> Path:
     return ck
 
 
+def nan_ckpt(env, tmp: Path, value=float("nan")) -> Path:
+    from safetensors.torch import load_file, save_file
+    ck = copy_ckpt(env, tmp)
+    w = load_file(ck / "model.safetensors")
+    w["model.layers.0.mlp.up_proj.weight"][0, 0] = value
+    save_file(w, ck / "model.safetensors", metadata={"format": "pt"})
+    return ck
+
+
+def symlink_loop(tmp: Path) -> Path:
+    (tmp / "loop").symlink_to(tmp / "loop2")
+    (tmp / "loop2").symlink_to(tmp / "loop")
+    return tmp / "loop"
+
+
 def no_file(env, tmp, path_in_ckpt) -> Path:
     ck = copy_ckpt(env, tmp)
     (ck / path_in_ckpt).unlink()
@@ -181,6 +196,9 @@ CASES = [
     flag("score", score_args, "--rho", "0"),
     flag("score", score_args, "--n", "0"),
     flag("score", score_args, "--budget", "-1"),
+    ("score--task-budgets-twice", "score", lambda env, tmp: (
+        [a for a in score_args(env, tmp) if a not in ("--budget", "2")] + ["--task-budgets", "FOMC=1,FOMC=2"],
+        "--task-budgets: task 'FOMC' appears twice")),
     flag("run", run_args, "--global-batch", "0"),
     flag("run", run_args, "--max-new-tokens", "0"),
     flag("run", run_args, "--rho", "5"),
@@ -189,6 +207,9 @@ CASES = [
     flag("run", run_args, "--seeds", "a"),
     flag("run", run_args, "--jobs", "0"),
     flag("run", run_args, "--eval-limit", "0"),
+    flag("run", run_args, "--seeds", "0,0"),
+    flag("run", run_args, "--rho", "0.1,0.10"),
+    ("run--methods-twice", "run", lambda env, tmp: (run_args(env, tmp) + ["--methods", "sft,sft"], "--methods")),
     ("run--methods", "run", lambda env, tmp: (run_args(env, tmp) + ["--methods", "sft,nope"], "--methods")),
     ("run--epochs-count", "run", lambda env, tmp: (run_args(env, tmp) + ["--epochs", "1,2,3"], "--epochs")),
     # --- bad input files: the file (and record / field) is named -------------------------------------------------
@@ -209,10 +230,37 @@ CASES = [
     ("train-config-non-utf8", "train", lambda env, tmp: (
         train_args(env, tmp, model=(lambda ck: (write(ck, "config.json", b"\xff{}"), ck)[1])(copy_ckpt(env, tmp))),
         str(tmp / "ck" / "config.json"))),
+    ("train-config-wrong-type", "train", lambda env, tmp: (
+        train_args(env, tmp, model=edited_config(env, tmp, hidden_size="abc")),
+        str(tmp / "ck" / "config.json") + ": hidden_size must be a positive integer")),
+    ("rollout-config-negative", "rollout", lambda env, tmp: (
+        gen_args(env, tmp, ckpt=edited_config(env, tmp, num_hidden_layers=-1)),
+        str(tmp / "ck" / "config.json") + ": num_hidden_layers")),
+    ("evaluate-config-heads-do-not-divide", "evaluate", lambda env, tmp: (
+        gen_args(env, tmp, ckpt=edited_config(env, tmp, num_attention_heads=3, num_key_value_heads=3, head_dim=None)),
+        str(tmp / "ck" / "config.json") + ": hidden_size 128 is not a multiple of num_attention_heads 3")),
+    ("drift-config-nan-eps", "drift", lambda env, tmp: (
+        drift_args(env, tmp, ckpt=edited_config(env, tmp, rms_norm_eps=float("nan"))), "rms_norm_eps")),
+    ("train-config-vs-weights", "train", lambda env, tmp: (
+        train_args(env, tmp, model=edited_config(env, tmp, intermediate_size=100)),
+        "'model.layers.0.mlp.gate_proj.weight' has shape (384, 128), expected (100, 128)")),
+    ("rollout-tokenizer-beyond-vocab", "rollout", lambda env, tmp: (
+        gen_args(env, tmp, ckpt=edited_config(env, tmp, vocab_size=100)),
+        str(tmp / "ck" / "tokenizer.json") + ": token ids reach")),
+    ("train-template-fails", "train", lambda env, tmp: (
+        train_args(env, tmp, model=(lambda ck: (write(ck, "chat_template.jinja", "{{ raise_exception('no') }}"),
+                                                ck)[1])(copy_ckpt(env, tmp))),
+        str(tmp / "ck" / "chat_template.jinja") + ": the chat template fails on a probe")),
     ("rollout-no-tokenizer", "rollout", lambda env, tmp: (gen_args(env, tmp, ckpt=no_file(env, tmp, "tokenizer.json")),
                                                           "tokenizer.json")),
     ("rollout-truncated-weights", "rollout", lambda env, tmp: (gen_args(env, tmp, ckpt=truncated_ckpt(env, tmp)),
                                                                str(tmp / "ck" / "model.safetensors"))),
+    ("rollout-ckpt-is-a-file", "rollout", lambda env, tmp: (
+        gen_args(env, tmp, ckpt=write(tmp, "some_file.json", "{}")), str(tmp / "some_file.json") + ": is a file")),
+    ("rollout-ckpt-symlink-loop", "rollout", lambda env, tmp: (
+        gen_args(env, tmp, ckpt=symlink_loop(tmp)), "Too many levels of symbolic links")),
+    ("train-data-symlink-loop", "train", lambda env, tmp: (
+        train_args(env, tmp, data=symlink_loop(tmp)), str(tmp / "loop") + ": Too many levels of symbolic links")),
     ("rollout-missing-ckpt", "rollout", lambda env, tmp: (gen_args(env, tmp, ckpt=tmp / "nope"), str(tmp / "nope"))),
     ("rollout-not-a-trace-root", "rollout", lambda env, tmp: (gen_args(env, tmp, data=tmp), str(tmp))),
     ("rollout-bad-train-json", "rollout", lambda env, tmp: (
@@ -230,6 +278,18 @@ CASES = [
     ("score-bad-logprobs", "score", lambda env, tmp: (score_args(env, tmp, rollouts=write(
         tmp, "r.jsonl", '{"task": "FOMC", "idx": 0, "prompt": "p", "response": "A", "logprobs": ["x"]}\n')),
         str(tmp / "r.jsonl") + ": record 0 (line 1): field 'logprobs'")),
+    ("score-inf-logprob", "score", lambda env, tmp: (score_args(env, tmp, "--scorer", "sc", rollouts=write(
+        tmp, "r.jsonl", '{"task": "FOMC", "idx": 0, "prompt": "p", "response": "A", "logprobs": [Infinity]}\n')),
+        str(tmp / "r.jsonl") + ": record 0 (line 1): field 'logprobs' holds inf")),
+    ("score-nan-logprob", "score", lambda env, tmp: (score_args(env, tmp, "--scorer", "sc", rollouts=write(
+        tmp, "r.jsonl", '{"task": "FOMC", "idx": 0, "prompt": "p", "response": "A", "logprobs": [-1, NaN]}\n')),
+        "field 'logprobs' holds nan")),
+    ("rollout-nan-weights", "rollout", lambda env, tmp: (gen_args(env, tmp, ckpt=nan_ckpt(env, tmp)),
+                                                         "'model.layers.0.mlp.up_proj.weight' holds NaN")),
+    ("evaluate-inf-weights", "evaluate", lambda env, tmp: (
+        gen_args(env, tmp, ckpt=nan_ckpt(env, tmp, float("inf"))), "'model.layers.0.mlp.up_proj.weight' holds inf")),
+    ("train-nan-weights", "train", lambda env, tmp: (train_args(env, tmp, model=nan_ckpt(env, tmp)),
+                                                     str(tmp / "ck" / "model.safetensors") + ": weight")),
     ("score-unknown-task", "score", lambda env, tmp: (score_args(env, tmp, rollouts=write(
         tmp, "r.jsonl", '{"task": "Nope", "idx": 0, "prompt": "p", "response": "A", "logprobs": []}\n')),
         str(tmp / "r.jsonl"))),
@@ -299,6 +359,42 @@ def test_write_errors_name_the_file(env, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_json_outputs_are_strict_json(tmp_path):
+    from data.jsonl import write_json
+    from pipeline.cli import InputError
+    with pytest.raises(InputError, match=r"s.json: refusing to write a non-finite number \(all.kl\[1\] is nan\)"):
+        write_json(tmp_path / "s.json", {"all": {"kl": [0.5, float("nan")]}})
+    with pytest.raises(InputError, match=r"b.jsonl: record 1: refusing .* \(score is -inf\)"):
+        write_jsonl(tmp_path / "b.jsonl", [{"score": 1.0}, {"score": float("-inf")}])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_while_saving_a_checkpoint_names_the_file(env, tmp_path):
+    """The weights (3.6 MB) hit the file-size limit (EFBIG: like ENOSPC, a write error safetensors reported as an
+    'unreadable safetensors file' naming no path); the logs before them fit."""
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    r = subprocess.run([sys.executable, str(REPO / "train.py"), *map(str, train_args(env, tmp_path)), "--epochs", "1",
+                        "--global-batch", "2", "--max-len", "128"], cwd=REPO, env=env["env"], capture_output=True,
+                       text=True, preexec_fn=limit, timeout=600)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    line, = [l for l in r.stderr.splitlines() if "error" in l]
+    assert "model.safetensors: File too large" in line and f"{tmp_path}/.out.tmp-" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.partial"]
+
+
+def test_run_py_on_a_full_disk_names_the_lock_and_leaves_nothing(env, tmp_path):
+    def limit():  # not a byte may be written: the first write is run.lock's pid
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    r = subprocess.run([sys.executable, str(REPO / "run.py"), *map(str, run_args(env, tmp_path))], cwd=REPO,
+                       env=env["env"], capture_output=True, text=True, preexec_fn=limit, timeout=600)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"run.py: error: {tmp_path / 'run' / 'run.lock'}: File too large" in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs a /sys to stand in for a read-only location")
 def test_unwritable_output_is_one_line(env):
     out = Path("/sys/opr-reliability-test/buffer.jsonl")
@@ -332,6 +428,17 @@ def test_train_replaces_only_its_own_checkpoint(env, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "mine.jsonl"]
 
 
+def test_work_is_bounded_by_the_data_not_by_a_flags_value(env, tmp_path):
+    """A huge --epochs streams its steps (it used to build them all first, past 1 GB); a budget below one example's
+    length packs each example alone, and the efficiency counts that micro-batch at its own length (was 5137.5 %)."""
+    out = tmp_path / "ck"
+    t = time.monotonic()
+    r = tiny_train(env, out, "--epochs", "1000000000", "--max-steps", "2", "--micro-tokens", "1")
+    assert r.returncode == 0 and time.monotonic() - t < 120, r.stderr[-3000:]
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["steps"] == 2 and summary["packing_efficiency"] == 1.0 and "efficiency 100.0%" in r.stdout
+
+
 # ---- resume after the final checkpoint ------------------------------------------------------------------------------
 def test_resume_of_a_final_checkpoint_says_so(env, tmp_path):
     out = tmp_path / "ck"
@@ -343,6 +450,60 @@ def test_resume_of_a_final_checkpoint_says_so(env, tmp_path):
     r = tiny_train(env, out, "--resume", "--seed", "3")  # another run's settings: not silently retrained
     assert r.returncode == 2 and "--seed" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+# ---- signals and what a killed process left behind ------------------------------------------------------------------
+SLOW_SAVE = """
+import sys, time
+import model.checkpoint as c
+real = c.save_file
+def slow(*a, **kw):  # the weights are half on disk: SIGTERM lands inside the final save
+    real(*a, **kw)
+    print("SAVING", flush=True)
+    time.sleep(120)
+c.save_file = slow
+import train
+from pipeline.cli import main_cli
+sys.argv = ["train.py", *sys.argv[1:]]
+main_cli(train.main, "train.py")
+"""
+
+
+def test_sigterm_during_the_final_save_leaves_no_temporary(env, tmp_path):
+    out = tmp_path / "ck"
+    p = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, "--model", env["base"], "--data",
+                          env["data"] / "C-STANCE" / "train.json", "--out", out, "--epochs", "1", "--global-batch",
+                          "2", "--max-len", "128", "--quiet"], cwd=REPO, env=env["env"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stdout:
+            if line.startswith("SAVING"):
+                break
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert any(n.name.startswith(".ck.tmp-") for n in tmp_path.iterdir())  # the save is under way
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 143 and "Traceback" not in err and "train.py: stopped by SIGTERM" in err, err[-3000:]
+    assert sorted(n.name for n in tmp_path.iterdir()) == ["ck.partial"], "a hidden temporary was left behind"
+
+
+def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
+    from data.jsonl import write_json
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    live = os.getppid()
+    stale = [tmp_path / f".s.json.tmp-{dead}-x1.tmp", tmp_path / f".ck.tmp-{dead}-x2"]
+    kept = [tmp_path / f".s.json.tmp-{live}-x3.tmp", tmp_path / f".ck.old-{dead}"]  # live; old copy, no ck yet
+    for p in stale + kept:
+        p.mkdir() if not p.name.endswith(".tmp") else p.write_text("half")
+    write_json(tmp_path / "s.json", {})
+    assert not stale[0].exists() and all(p.exists() for p in kept)
+    from data.jsonl import remove_stale_temporaries
+    (tmp_path / "ck").mkdir()  # the swap finished: the moved-aside old copy goes too
+    remove_stale_temporaries(tmp_path / "ck")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ck", "s.json", kept[0].name])
 
 
 # ---- run.py: failed steps, killed drivers, concurrent drivers ------------------------------------------------------

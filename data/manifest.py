@@ -1,0 +1,280 @@
+"""A task manifest: the user's own stream of tasks, in place of TRACE's eight.
+
+    ROOT/tasks.json (or any file given as --task-spec FILE; directories are relative to the file's own):
+    {"tasks": [
+      {"name": "Tickets", "dir": "tickets", "metric": "label_accuracy", "labels": ["refund", "bug"], "epochs": 3,
+       "max_new_tokens": 4},
+      {"name": "Chat", "metric": "exact_match", "epochs": 2, "system": "Answer in one word.", "temperature": 0},
+      {"name": "SQL", "metric": "my_scorer:sql_match", "epochs": 2, "held_out": 0.2}
+    ]}
+
+Fields: name (letters, digits, . _ + -), metric, epochs (required); dir (default: the name), max_new_tokens and
+temperature (default: the run's), system (a system prompt before every prompt), labels (the allowed answers:
+label_accuracy needs them, every gold answer must be one, and the collapse diagnostics count them), held_out (the
+share of train held out, seeded, as the test split of a task without one; default 0.1).
+Metrics: data.metrics.METRICS by name, label_accuracy, or `module:function`, a scorer (prediction, gold, record) ->
+number in [0, 100] imported from the manifest's directory or the Python path.
+A split is `<dir>/<split>.json` (a JSON list), `.jsonl` or `.parquet` (with pyarrow); a record is
+{"prompt", "answer" | "response" | "completion"}, chat {"messages": [...]} (the turns before the last assistant turn
+are the prompt, that turn the answer) or {"instruction", "input", "output"} (the prompt is the instruction, a blank
+line and the input).
+
+use_manifest(root, spec) makes the manifest's tasks the ones every script sees (data.tasks.use_tasks); without one
+the TRACE table stays, untouched. Every problem is one InputError naming the manifest, the task and the field.
+"""
+import importlib.util
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+from data.jsonl import read_records, read_text
+from data.metrics import METRICS, import_scorer
+from data.tasks import Task, active_tasks, use_tasks
+from pipeline.cli import InputError, Parser
+
+MANIFEST = "tasks.json"
+FORMATS = (".json", ".jsonl", ".parquet")
+FIELDS = {"name": str, "dir": str, "metric": str, "epochs": int, "max_new_tokens": int, "temperature": (int, float),
+          "system": str, "labels": list, "held_out": (int, float)}
+HELD_OUT_SEED = 0  # the held-out test split is a function of the train file alone
+
+
+def manifest_path(root, spec=None) -> Path | None:
+    """--task-spec when given, else ROOT/tasks.json when it exists, else None (TRACE's table)."""
+    if spec:
+        return Path(spec).resolve()
+    path = Path(root) / MANIFEST if root else None
+    return path.resolve() if path and path.is_file() else None
+
+
+def use_manifest(root, spec=None) -> Path | None:
+    """Load and check the manifest of `root` (or `spec`) and make its tasks the active ones; None and TRACE's table
+    when there is none. Returns the manifest's path."""
+    path = manifest_path(root, spec)
+    use_tasks(load_manifest(path) if path else None)
+    return path
+
+
+def use_manifest_from_argv(argv=None) -> Path | None:
+    """use_manifest for a script's --data and --task-spec, before its parser checks --tasks against the names."""
+    pre = Parser(add_help=False)  # a flag without its value: one error line, as the script's own parser gives
+    pre.add_argument("--data")
+    pre.add_argument("--task-spec")
+    known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return use_manifest(known.data, known.task_spec)
+
+
+def load_manifest(path: Path) -> dict:
+    """{name: data.tasks.Task} in the manifest's order, every field checked (module docstring)."""
+    if not path.is_file():
+        raise InputError(f"{path}: task manifest not found")
+    try:
+        doc = json.loads(read_text(path))
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: malformed JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
+    entries = doc.get("tasks") if isinstance(doc, dict) else doc
+    if not isinstance(entries, list) or not entries:
+        raise InputError(f'{path}: expected {{"tasks": [{{"name", "metric", "epochs", ...}}, ...]}} with one task '
+                         f"or more")
+    if str(path.parent) not in sys.path:  # user scorers live next to their data
+        sys.path.append(str(path.parent))
+    tasks = {}
+    for i, entry in enumerate(entries):
+        t = check_entry(path, i, entry)
+        if t.name.lower() in (n.lower() for n in tasks):
+            raise InputError(f"{path}: task {t.name!r}, field 'name': declared twice")
+        tasks[t.name] = t
+    return tasks
+
+
+def check_entry(path: Path, i: int, entry) -> Task:
+    if not isinstance(entry, dict):
+        raise InputError(f"{path}: task {i}: expected an object with name, metric, epochs")
+    where = f"{path}: task {entry.get('name', i)!r}"
+    for field in ("name", "metric", "epochs"):
+        if field not in entry:
+            raise InputError(f"{where}, field {field!r}: missing")
+    for field, value in entry.items():
+        want = FIELDS.get(field)
+        if want is None:
+            raise InputError(f"{where}, field {field!r}: unknown field (known: {', '.join(FIELDS)})")
+        if isinstance(value, bool) or not isinstance(value, want):
+            raise InputError(f"{where}, field {field!r}: expected {getattr(want, '__name__', 'a number')}, "
+                             f"got {value!r}")
+    name = entry["name"]
+    if not re.fullmatch(r"[A-Za-z0-9._+-]+", name) or name.lower() == "all":
+        raise InputError(f"{where}, field 'name': use letters, digits and . _ + - (it names files and --tasks items)")
+    for field, lo in (("epochs", 1), ("max_new_tokens", 1), ("temperature", 0)):
+        if field in entry and entry[field] < lo:
+            raise InputError(f"{where}, field {field!r}: must be >= {lo}, got {entry[field]}")
+    if not 0 < entry.get("held_out", 0.1) < 1:
+        raise InputError(f"{where}, field 'held_out': must be in (0, 1), got {entry['held_out']}")
+    labels = entry.get("labels")
+    if labels is not None and (not labels or not all(isinstance(x, str) and x.strip() == x and x for x in labels)
+                               or len({x.lower() for x in labels}) != len(labels)):
+        raise InputError(f"{where}, field 'labels': expected distinct non-empty strings without surrounding spaces")
+    metric = entry["metric"]
+    if ":" in metric:
+        try:
+            import_scorer(metric)
+        except Exception as e:  # any import-time failure of the user's module is theirs to fix
+            raise InputError(f"{where}, field 'metric': cannot import scorer {metric!r} from {path.parent} or the "
+                             f"Python path: {type(e).__name__}: {e}") from None
+    elif metric == "label_accuracy":
+        if labels is None:
+            raise InputError(f"{where}, field 'labels': metric label_accuracy needs the label set")
+    elif metric not in METRICS:
+        raise InputError(f"{where}, field 'metric': unknown metric {metric!r} (known: {', '.join(METRICS)}, "
+                         f"label_accuracy, or module:function)")
+    task_dir = (path.parent / entry.get("dir", name)).resolve()
+    if find_split(task_dir, "train") is None:
+        raise InputError(f"{where}, field 'dir': {task_dir} has no train split (train.json, train.jsonl or "
+                         f"train.parquet)")
+    return Task(name, metric, entry["epochs"], dir=str(task_dir), max_new_tokens=entry.get("max_new_tokens"),
+                temperature=entry.get("temperature"), system=entry.get("system"),
+                labels=tuple(labels) if labels else None, held_out=entry.get("held_out", 0.1), manifest=str(path))
+
+
+# ---- the data of a manifest's task --------------------------------------------------------------------------------
+def find_split(task_dir: Path, split: str) -> Path | None:
+    return next((p for p in (Path(task_dir) / f"{split}{ext}" for ext in FORMATS) if p.is_file()), None)
+
+
+def split_file(task: Task, split: str) -> Path:
+    """The file a split is read from: the train file for a held-out test split; the .json path when none exists
+    (its error then names it)."""
+    found = find_split(task.dir, split)
+    if found is None and split == "test":
+        return find_split(task.dir, "train")
+    return found or Path(task.dir) / f"{split}.json"
+
+
+def held_out(task: Task) -> dict | None:
+    """How a task without a test split gets one: {"from", "n_test", "n_train", "fraction", "seed"}; None when it has
+    a test split."""
+    if find_split(task.dir, "test") is not None:
+        return None
+    n = len(read_file(split_file(task, "train")))
+    if n < 2:
+        raise InputError(f"{task.manifest}: task {task.name!r}, field 'dir': no test split and {n} train record(s): "
+                         f"nothing to hold out")
+    n_test = min(n - 1, max(1, round(task.held_out * n)))
+    return {"from": "train", "n_test": n_test, "n_train": n - n_test, "fraction": task.held_out, "seed": HELD_OUT_SEED}
+
+
+def read_split(task: Task, split: str) -> list[tuple]:
+    """[(idx, prompt, answer, record)] of one split: idx is the record's position in its file (a held-out test record
+    keeps its train file position), the prompt a string or, with a system prompt or earlier turns, a message list."""
+    path = split_file(task, split)
+    rows = [(i, *to_example(task, where, r), r) for i, (where, r) in enumerate(read_file(path))]
+    info = held_out(task) if split in ("train", "test") else None
+    if info:
+        test = set(random.Random(info["seed"]).sample(range(len(rows)), info["n_test"]))
+        rows = [row for row in rows if (row[0] in test) == (split == "test")]
+    return rows
+
+
+def read_file(path: Path) -> list[tuple[str, dict]]:
+    """(where, record) pairs of a JSON list, JSON Lines or Parquet file."""
+    if path.suffix != ".parquet":
+        return read_records(path, required=(), locate=True)
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise InputError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow), or convert the file to "
+                         f"JSON Lines") from None
+    return [(f"{path}: record {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
+
+
+def to_example(task: Task, where: str, r: dict) -> tuple:
+    """(prompt, answer) of one record in any of the formats (module docstring), with the task's system prompt."""
+    def text(field, record=r, at=where):
+        if not isinstance(record.get(field), str):
+            raise InputError(f"{at}: field {field!r} must be a string")
+        return record[field]
+    if "messages" in r:
+        msgs = r["messages"]
+        if not isinstance(msgs, list) or len(msgs) < 2 or not all(isinstance(m, dict) for m in msgs):
+            raise InputError(f"{where}: field 'messages' must be a list of two or more {{role, content}} objects")
+        for j, m in enumerate(msgs):
+            text("role", m, f"{where}: message {j}"), text("content", m, f"{where}: message {j}")
+        if msgs[-1]["role"] != "assistant":
+            raise InputError(f"{where}: field 'messages': the last message must be the assistant's answer")
+        prompt = [{"role": m["role"], "content": m["content"]} for m in msgs[:-1]]
+        if len(prompt) == 1 and prompt[0]["role"] == "user":
+            prompt = prompt[0]["content"]  # one user turn: the same prompt as a {"prompt", "answer"} record
+        answer = msgs[-1]["content"]
+    elif "instruction" in r:
+        extra = r.get("input") or ""
+        if not isinstance(extra, str):
+            raise InputError(f"{where}: field 'input' must be a string")
+        prompt, answer = text("instruction") + (f"\n\n{extra}" if extra else ""), text("output")
+    elif "prompt" in r:
+        field = next((f for f in ("answer", "response", "completion") if f in r), "answer")
+        prompt, answer = text("prompt"), text(field)
+    else:
+        raise InputError(f"{where}: no 'prompt', 'messages' or 'instruction' field (formats: prompt/answer, "
+                         f"prompt/response, prompt/completion, chat messages, instruction/input/output)")
+    if task.labels is not None and answer.strip() not in task.labels:
+        raise InputError(f"{task.manifest}: task {task.name!r}, field 'labels': {where} has the gold answer "
+                         f"{answer[:40]!r}, not one of {', '.join(task.labels)}")
+    if task.system is not None:
+        turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if turns[0]["role"] != "system":
+            prompt = [{"role": "system", "content": task.system}] + turns
+    return prompt, answer
+
+
+# ---- what run.py keys and passes on -------------------------------------------------------------------------------
+STEP_FIELDS = {  # step kind -> the task fields its output depends on (the files' contents are keyed by digest)
+    "data": ("system", "held_out"),
+    "rollout": ("system", "held_out", "max_new_tokens"),
+    "eval": ("system", "held_out", "metric", "labels", "max_new_tokens", "temperature"),
+    "score": ("system", "held_out", "metric", "labels"),
+}
+
+
+def step_fields(tasks, kind: str) -> dict | None:
+    """{task: {field: value}} of the manifest's tasks that a step of `kind` depends on; None without a manifest, so
+    TRACE's step keys stay as they were."""
+    table = active_tasks()
+    if not any(table[t].manifest for t in tasks):
+        return None
+    fields = STEP_FIELDS[kind]
+    return {t: {f: list(v) if isinstance(v := getattr(table[t], f), tuple) else v for f in fields} for t in tasks}
+
+
+def scorer_file(task: Task) -> Path | None:
+    """The source file of a task's own scorer: part of the keys of the steps that score with it."""
+    if ":" not in task.metric:
+        return None
+    spec = importlib.util.find_spec(task.metric.partition(":")[0])
+    return Path(spec.origin) if spec and spec.origin and Path(spec.origin).is_file() else None
+
+
+def check_scorer(task: Task, example):
+    """A user's scorer run once on a gold answer against itself, so that one that fails or returns a non-number
+    stops the run before any step."""
+    if ":" not in task.metric:
+        return
+    from data.metrics import score
+    try:
+        score(task.name, example.answer, example.answer, example.prompt, record=example.record)
+    except InputError:
+        raise
+    except Exception as e:
+        raise InputError(f"{task.manifest}: task {task.name!r}, field 'metric': {task.metric} failed on record "
+                         f"{example.idx} of its train split: {type(e).__name__}: {e}") from None
+
+
+def sampling_groups(task_of: list, temperature: float, max_new_tokens: int, evaluation: bool) -> dict:
+    """{(temperature, max_new_tokens): [job index]}: the jobs that one generate call can sample together, each task
+    with its own cap (and, in evaluations, its own temperature); one group for TRACE's tasks."""
+    table, groups = active_tasks(), {}
+    for i, name in enumerate(task_of):
+        t = table[name]
+        temp = t.temperature if evaluation and t.temperature is not None else temperature
+        groups.setdefault((temp, t.max_new_tokens or max_new_tokens), []).append(i)
+    return groups

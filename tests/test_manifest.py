@@ -1,0 +1,299 @@
+"""Task manifests (data/manifest.py): a user's own stream of tasks, metrics and record formats.
+
+Unit tests: every record format gives the same examples, the system prompt and chat turns reach the chat template,
+a task without a test split gets a seeded held-out one, each kind of bad input is one InputError naming the manifest,
+task and field, the new metrics, label diagnostics, and a manifest of the embedded benchmark that reproduces the TRACE
+table's examples and scores. End to end (one run.py run on a tiny random model, then an edited manifest): a made-up
+three-task stream (a classification task with its own labels, a chat task scored by exact match, a task with its own
+scorer and no test split) through sft, replay and opr-ru; the report shows the matrix, the diagnostics count the
+declared labels, and an edit of one task's settings re-runs exactly the steps that depend on it.
+"""
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from data import manifest
+from data.manifest import check_scorer, load_manifest, use_manifest
+from data.metrics import exact_match, label_accuracy, score, token_f1
+from data.tasks import TASKS, get_task, parse_tasks, use_tasks
+from data.trace import load_task, task_file
+from pipeline.cli import InputError
+from reporting.diagnostics import diagnose, warnings
+
+REPO = Path(__file__).resolve().parents[1]
+LABELS = ["refund", "bug", "praise"]
+SCORER = '''def length_match(prediction, gold, record):
+    """100 when the prediction has as many words as the gold answer, else 0."""
+    return 100.0 if len(prediction.split()) == len(gold.split()) else 0.0
+'''
+
+
+@pytest.fixture(autouse=True)
+def trace_table():
+    yield
+    use_tasks(None)  # a test's manifest must not leak into the next test
+
+
+def write(path: Path, records, jsonl=True):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r) + "\n" for r in records) if jsonl else json.dumps(records)
+    path.write_text(text)
+
+
+def make_stream(root: Path, n_train=8, n_test=4, scorer_module="stream_scorer") -> Path:
+    """Three made-up tasks: Tickets (labels, prompt/answer JSON), Chat (chat messages with a system turn, exact
+    match), Words (instruction/input/output, its own scorer, no test split). Returns the manifest path."""
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma"]
+    tickets = [{"prompt": f"Ticket: my {w} order #{i} " + ["wants money back", "crashes", "is great"][i % 3],
+                "answer": LABELS[i % 3]} for i, w in enumerate(words * 3)]
+    chat = [{"messages": [{"role": "system", "content": "Answer with one word."},
+                          {"role": "user", "content": f"Repeat: {w}"},
+                          {"role": "assistant", "content": w}]} for w in words * 3]
+    instr = [{"instruction": "Say the word twice.", "input": w, "output": f"{w} {w}"} for w in words * 3]
+    write(root / "tickets" / "train.json", tickets[:n_train], jsonl=False)
+    write(root / "tickets" / "test.json", tickets[n_train:n_train + n_test], jsonl=False)
+    write(root / "chat" / "train.jsonl", chat[:n_train])
+    write(root / "chat" / "test.jsonl", chat[n_train:n_train + n_test])
+    write(root / "words" / "train.jsonl", instr[:n_train + n_test])
+    (root / f"{scorer_module}.py").write_text(SCORER)
+    spec = {"tasks": [
+        {"name": "Tickets", "dir": "tickets", "metric": "label_accuracy", "labels": LABELS, "epochs": 1,
+         "max_new_tokens": 3},
+        {"name": "Chat", "dir": "chat", "metric": "exact_match", "epochs": 1, "temperature": 0},
+        {"name": "Words", "dir": "words", "metric": f"{scorer_module}:length_match", "epochs": 1, "held_out": 0.25,
+         "system": "You repeat words."},
+    ]}
+    (root / "tasks.json").write_text(json.dumps(spec, indent=1))
+    return root / "tasks.json"
+
+
+def test_manifest_tasks_formats_and_held_out_split(tmp_path):
+    path = make_stream(tmp_path, scorer_module="scorer_a")
+    assert use_manifest(tmp_path) == path
+    assert parse_tasks(None) == ["Tickets", "Chat", "Words"] and parse_tasks("words,tickets") == ["Words", "Tickets"]
+    tickets = load_task(tmp_path, "Tickets", "train")
+    assert tickets[0].prompt.startswith("Ticket:") and tickets[0].answer == "refund"
+    chat = load_task(tmp_path, "Chat", "test")
+    assert chat[0].prompt == [{"role": "system", "content": "Answer with one word."},
+                              {"role": "user", "content": "Repeat: gamma"}] and chat[0].answer == "gamma"
+    train, test = load_task(tmp_path, "Words", "train"), load_task(tmp_path, "Words", "test")
+    assert (len(train), len(test)) == (9, 3)  # 12 records, 0.25 held out
+    assert sorted(e.idx for e in train + test) == list(range(12))  # idx: the position in train.jsonl
+    assert test == load_task(tmp_path, "Words", "test")  # seeded
+    assert train[0].prompt[0] == {"role": "system", "content": "You repeat words."}
+    word = train[0].answer.split()[0]
+    assert train[0].prompt[1]["content"] == f"Say the word twice.\n\n{word}" and train[0].answer == f"{word} {word}"
+    assert task_file(tmp_path, "Words", "test") == tmp_path / "words" / "train.jsonl"
+    assert manifest.held_out(get_task("Words")) == {"from": "train", "n_test": 3, "n_train": 9, "fraction": 0.25,
+                                                    "seed": 0}
+    assert score("Words", "a b", "x y", record=test[0].record) == 100.0
+    assert score("Tickets", "Refund.", "refund") == 100.0 and score("Chat", "The Gamma!", "gamma") == 100.0
+    use_manifest(tmp_path / "elsewhere")  # no manifest: TRACE's table again
+    assert parse_tasks(None) == list(TASKS)
+
+
+def test_record_formats_give_the_same_examples(tmp_path):
+    rows = [("What is 1+1?", "2"), ("Name a colour.", "red")]
+    formats = {"a": [{"prompt": p, "answer": a} for p, a in rows],
+               "b": [{"prompt": p, "response": a} for p, a in rows],
+               "c": [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": a}]}
+                     for p, a in rows],
+               "d": [{"instruction": p, "output": a} for p, a in rows]}
+    for name, records in formats.items():
+        write(tmp_path / name / "train.jsonl", records)
+    (tmp_path / "tasks.json").write_text(json.dumps({"tasks": [{"name": n, "metric": "exact_match", "epochs": 1}
+                                                               for n in formats]}))
+    use_manifest(tmp_path)
+    got = {n: [(e.prompt, e.answer) for e in load_task(tmp_path, n, "train")] for n in formats}
+    assert all(v == got["a"] for v in got.values())
+
+
+def test_parquet_split(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    (tmp_path / "t").mkdir()
+    pq.write_table(pa.Table.from_pylist([{"prompt": "p", "answer": "a"}] * 3), tmp_path / "t" / "train.parquet")
+    (tmp_path / "tasks.json").write_text(json.dumps({"tasks": [{"name": "T", "metric": "exact_match", "epochs": 1}]}))
+    use_manifest(tmp_path)
+    assert [(e.prompt, e.answer) for e in load_task(tmp_path, "T", "train")] == [("p", "a")] * 3
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s["tasks"][1].update(metric="bleu"), "task 'Chat', field 'metric': unknown metric 'bleu'"),
+    (lambda s: s["tasks"][2].update(metric="no_such_module:f"), "task 'Words', field 'metric': cannot import"),
+    (lambda s: s["tasks"][1].update(name="Tickets"), "task 'Tickets', field 'name': declared twice"),
+    (lambda s: s["tasks"][0].update(dir="nowhere"), "task 'Tickets', field 'dir':"),
+    (lambda s: s["tasks"][0].pop("labels"), "task 'Tickets', field 'labels': metric label_accuracy needs"),
+    (lambda s: s["tasks"][0].update(epochs=0), "task 'Tickets', field 'epochs': must be >= 1"),
+    (lambda s: s["tasks"][0].update(epoch=2), "task 'Tickets', field 'epoch': unknown field"),
+    (lambda s: s["tasks"][0].update(name="a,b"), "field 'name': use letters"),
+])
+def test_bad_manifest_is_one_line_naming_task_and_field(tmp_path, edit, message):
+    path = make_stream(tmp_path, scorer_module="scorer_b")
+    spec = json.loads(path.read_text())
+    edit(spec)
+    path.write_text(json.dumps(spec))
+    with pytest.raises(InputError, match=r"tasks\.json: ") as e:
+        load_manifest(path)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_gold_outside_labels_and_bad_scorer_are_caught(tmp_path):
+    path = make_stream(tmp_path, scorer_module="scorer_c")
+    spec = json.loads(path.read_text())
+    spec["tasks"][0]["labels"] = ["refund", "bug"]
+    path.write_text(json.dumps(spec))
+    use_manifest(tmp_path)
+    with pytest.raises(InputError, match=r"task 'Tickets', field 'labels': .*train.json: record 2 has the gold "
+                                         r"answer 'praise', not one of refund, bug"):
+        load_task(tmp_path, "Tickets", "train")
+    (tmp_path / "scorer_d.py").write_text("def f(prediction, gold, record):\n    return 'yes'\n")
+    spec["tasks"][0]["labels"] = LABELS
+    spec["tasks"][2]["metric"] = "scorer_d:f"
+    path.write_text(json.dumps(spec))
+    use_manifest(tmp_path)
+    with pytest.raises(InputError, match=r"task 'Words', field 'metric': scorer_d:f returned 'yes'"):
+        check_scorer(get_task("Words"), load_task(tmp_path, "Words", "train")[0])
+
+
+def test_new_metrics():
+    assert exact_match("  The answer: Paris. ", "answer paris") == 100.0 and exact_match("", "") == 0.0
+    assert token_f1("the cat sat", "a cat sat down") == pytest.approx(100 * 2 * 1 * (2 / 3) / (1 + 2 / 3))
+    assert label_accuracy("Answer: bug, clearly", "bug", LABELS) == 100.0
+    assert label_accuracy("bugs", "bug", LABELS) == 0.0
+
+
+def test_diagnostics_use_the_declared_labels(tmp_path):
+    make_stream(tmp_path, scorer_module="scorer_e")
+    use_manifest(tmp_path)
+    records = [{"prediction": "praise", "gold": g, "finish_reason": "stop", "num_tokens": 1, "score": 0.0}
+               for g in ["refund", "bug", "refund", "bug"] * 5]
+    d = diagnose("Tickets", records)
+    assert d["declared_labels"] == LABELS and d["labels"] == {"praise": 1.0} and d["collapsed"]
+    assert d["top_label"] == "praise" and warnings(d)[0].startswith("predictions collapsed to 'praise'")
+    off = [dict(r, prediction="I think so") for r in records]
+    assert diagnose("Tickets", off)["off_format"] == 1.0
+    assert "not a declared label" in warnings(diagnose("Tickets", off))[0]
+
+
+def test_a_manifest_of_the_embedded_benchmark_reproduces_the_trace_table(tmp_path):
+    """The README's example: the embedded benchmark described by a manifest gives the same examples and scores."""
+    from data.embedded import write_benchmark
+    write_benchmark(tmp_path, n_train=6, n_eval=2, n_test=3)
+    trace = {t: (load_task(tmp_path, t, "train"), load_task(tmp_path, t, "test")) for t in TASKS}
+    (tmp_path / "tasks.json").write_text(json.dumps({"tasks": [
+        {"name": t.name, "metric": t.metric, "epochs": t.epochs} for t in TASKS.values()]}))
+    use_manifest(tmp_path)
+    for t in TASKS:
+        train, test = load_task(tmp_path, t, "train"), load_task(tmp_path, t, "test")
+        assert (train, test) == trace[t] and get_task(t).epochs == TASKS[t].epochs
+        for scoring in ("lenient", "paper", "trace"):
+            assert [score(t, e.answer[:3], e.answer, e.prompt, scoring) for e in test] == \
+                   [score(t, e.answer[:3], e.answer, e.prompt, scoring) for e in trace[t][1]]
+
+
+# ---- end to end ----------------------------------------------------------------------------------------------------
+def run(base: Path, data: Path, out: Path, env: dict, *extra) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "run.py"), "--model", str(base), "--data", str(data), "--methods",
+           "sft,replay,opr-ru", "--global-batch", "4", "--lr", "1e-4", "--max-new-tokens", "6", "--rho", "0.5",
+           "--eval-repeats", "1", "--drift-limit", "0", "--jobs", "2", "--quiet", "--out", str(out), *extra]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory):
+    from model.base import write_random_tiny
+    root = tmp_path_factory.mktemp("stream")
+    write_random_tiny(root / "base")
+    make_stream(root / "data", scorer_module="e2e_scorer")
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(root / "cache"))
+    r = run(root / "base", root / "data", root / "run", env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return dict(root=root, env=env, out=root / "run", stdout=r.stdout)
+
+
+def test_run_on_a_manifest_stream(e2e):
+    out = e2e["out"]
+    results = json.loads((out / "results.json").read_text())
+    assert results["tasks"] == ["Tickets", "Chat", "Words"]
+    assert results["meta"]["held_out"] == {"Words": {"from": "train", "n_test": 3, "n_train": 9, "fraction": 0.25,
+                                                     "seed": 0}}
+    assert "Words has no test split: 3 of its train records held out" in e2e["stdout"]
+    for m in ("sft", "replay", "opr-ru"):
+        run0 = results["methods"][m]["seeds"]["0"]
+        assert [len(row) for row in run0["matrix"]] == [1, 2, 3]
+        assert all(d["Tickets"]["declared_labels"] == LABELS for d in run0["diagnostics"])
+        assert "declared_labels" not in run0["diagnostics"][-1]["Chat"]
+    report = (out / "report.md").read_text()
+    assert "Tickets" in report and "Words" in report and "opr-ru" in report
+    # the chat task's prompts reached the model as chat turns, system prompt included
+    preds = [json.loads(x) for x in next((out / "steps").glob("s0-eval*")).joinpath(
+        "eval", "predictions.jsonl").read_text().splitlines()]
+    chat = [p for p in preds if p["task"] == "Chat"]
+    assert chat and chat[0]["prompt"][0] == {"role": "system", "content": "Answer with one word."}
+    tickets = [p for p in preds if p["task"] == "Tickets"]
+    assert all(p["num_tokens"] <= 3 for p in tickets)  # the task's own max_new_tokens
+
+
+def test_an_edited_manifest_reruns_exactly_the_steps_it_affects(e2e):
+    data, out = e2e["root"] / "data", e2e["out"]
+    spec = json.loads((data / "tasks.json").read_text())
+    before = set(json.loads((out / "manifest.json").read_text()))
+    spec["tasks"][1]["max_new_tokens"] = 4  # Chat: changes its evaluations and the rollouts that answer it
+    (data / "tasks.json").write_text(json.dumps(spec))
+    try:
+        r = run(e2e["root"] / "base", data, out, e2e["env"])
+    finally:
+        spec["tasks"][1].pop("max_new_tokens")
+        (data / "tasks.json").write_text(json.dumps(spec))
+    assert r.returncode == 0, r.stderr[-3000:]
+    new = Counter(k.rsplit("-", 1)[0] for k in set(json.loads((out / "manifest.json").read_text())) - before)
+    # every evaluation reads Chat (row 1 too: a(1, 2) for FWT); the rollout after stage 2 answers it, and its buffer
+    # trains opr-ru's stage 3; training before, gold replay and the stage-1 rollout stay as they were
+    assert new == Counter({"s0-eval": 1, "s1-eval": 1, "s2-eval": 3, "s3-eval": 3, "s2-rollout": 1, "s2-ru-top": 1,
+                           "s3-train-Words": 1}), new
+
+
+def test_bad_manifest_stops_run_py_before_anything_is_created(e2e, tmp_path):
+    data = tmp_path / "data"
+    path = make_stream(data, scorer_module="e2e_scorer_bad")
+    spec = json.loads(path.read_text())
+    spec["tasks"][2]["metric"] = "e2e_scorer_bad:no_such_function"
+    path.write_text(json.dumps(spec))
+    r = run(e2e["root"] / "base", data, tmp_path / "out", e2e["env"])
+    assert r.returncode == 2 and not (tmp_path / "out").exists()
+    assert r.stderr.strip().splitlines() == [f"run.py: error: {path}: task 'Words', field 'metric': cannot import "
+                                             f"scorer 'e2e_scorer_bad:no_such_function' from {data} or the Python "
+                                             f"path: AttributeError: module 'e2e_scorer_bad' has no function "
+                                             f"'no_such_function'"]
+
+
+def test_dry_run_prices_a_manifest_stream(e2e, tmp_path):
+    r = run(e2e["root"] / "base", e2e["root"] / "data", tmp_path / "plan", e2e["env"], "--dry-run", "--tasks",
+            "Words,Tickets")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tasks Words,Tickets" in r.stdout and "s1-train-Words" in r.stdout and not (tmp_path / "plan").exists()
+
+
+def test_evaluate_reads_a_task_spec_outside_the_data_root(e2e, tmp_path):
+    """--task-spec FILE: the directories are the file's; each task keeps its own cap and scorer."""
+    spec = json.loads((e2e["root"] / "data" / "tasks.json").read_text())
+    for t in spec["tasks"]:
+        t["dir"] = str(e2e["root"] / "data" / t["dir"])
+    spec["tasks"][2]["metric"] = "exact_match"
+    (tmp_path / "stream.json").write_text(json.dumps(spec))
+    out = tmp_path / "eval"
+    r = subprocess.run([sys.executable, str(REPO / "evaluate.py"), "--ckpt", str(e2e["root"] / "base"), "--task-spec",
+                        str(tmp_path / "stream.json"), "--tasks", "Words,Tickets", "--limit", "2",
+                        "--max-new-tokens", "5", "--out", str(out), "--quiet"],
+                       cwd=REPO, env=e2e["env"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    preds = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [p["task"] for p in preds] == ["Words", "Words", "Tickets", "Tickets"]
+    assert all(p["num_tokens"] <= (3 if p["task"] == "Tickets" else 5) for p in preds)
+    assert all(p["score"] == exact_match(p["prediction"], p["gold"]) for p in preds if p["task"] == "Words")
