@@ -63,6 +63,11 @@ data.metrics.cl_metrics (FWT needs row0 and next_task), once per seed; statistic
 fewer stages than there are tasks (a run in progress): its ACC/BWT then cover the stages it has, and the tasks it
 has not reached show as "-".
 
+Methods in ACC_ONLY (mtl) show their ACC, OP and accuracy matrix only: each row of their matrix is a separate joint
+run from the base, so BWT, FWT and forgetting, which compare rows, measure nothing. summarize() leaves those fields
+undefined for them (results.json keeps its cl_metrics unchanged); the tables print "—" there, and the BWT and
+forgetting figures, the paired ΔBWT and the forgetting-vs-drift points leave them out.
+
 The file is organised in sections (checks, numbers, tables and report text, figures and writing, command line): a
 new part of the report adds its numbers, its table and its figure to the matching sections and its fields to the
 schema above.
@@ -88,6 +93,7 @@ from reporting.stats import (BOOTSTRAP_B, BOOTSTRAP_SEED, LEVEL, bootstrap_acc_b
 REFERENCE = "replay"              # the baseline of the "delta vs replay" figure
 REFERENCES = ("replay", "sft")    # paired-difference tables, in this order, for those present in the run
 NOISE_MIN_SEEDS = 3               # "where the seed noise comes from" for methods with at least this many seeds
+ACC_ONLY = ("mtl",)               # rows are independent joint runs: only ACC (and the matrix) is shown
 EXAMPLE_MEAN_TOL = 1e-3           # per-example scores must average to their matrix entry (run.py rounds them to 1e-4)
 FIGURES = {  # file name -> what it shows (paper figure)
     "fig_matrix.png": "accuracy matrices: score of each task (column) after each stage (row)",
@@ -95,8 +101,10 @@ FIGURES = {  # file name -> what it shows (paper figure)
                             "before it is trained (stage 0 = the base model)",
     "fig_loss.png": "training loss per step, each stage stretched to unit width (paper Fig. 4)",
     "fig_delta_vs_replay.png": f"final per-task score minus the '{REFERENCE}' method's (paper Fig. 5)",
-    "fig_bwt_acc.png": "BWT vs ACC, one point per method (paper Fig. 1, right)",
-    "fig_forgetting.png": "per-task forgetting (best earlier score - final score) per method; FWT in the legend",
+    "fig_bwt_acc.png": "BWT vs ACC, one point per method (paper Fig. 1, right); mtl left out: its rows are separate "
+                       "runs",
+    "fig_forgetting.png": "per-task forgetting (best earlier score - final score) per method; FWT in the legend; mtl "
+                          "left out",
 }
 MECHANISM_FIGURES = {  # drawn when results.json holds run.py's mechanism probes
     "fig_drift.png": "per-update KL(pi_i || pi_i-1) on the prior tasks' held-out prompts, per stage (paper Eq. 1's "
@@ -104,6 +112,11 @@ MECHANISM_FIGURES = {  # drawn when results.json holds run.py's mechanism probes
     "fig_drift_vs_forgetting.png": "per-task forgetting a(i, j) - a(i-1, j) against the KL on task j's prompts",
     "fig_loss_sources.png": "training loss per step on the stage's own examples (solid) and on replayed ones (dashed)",
 }
+
+
+def acc_only(label: str) -> bool:
+    """True for a method (label "method" or "method@rho") whose BWT, FWT and forgetting mean nothing (ACC_ONLY)."""
+    return label.split("@")[0] in ACC_ONLY
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -190,7 +203,8 @@ def summarize(results) -> dict:
     {"seeds": [seed, ...], "stages": n,                      # n = stages trained (rows of the matrix)
      "acc": {"mean", "std", "n"}, "bwt": {"mean", "std", "n"},  # std: sample std over seeds, None with one seed;
                                                              # bwt mean/std None when n == 1
-     "per_seed": {seed: {"acc", "bwt"}},
+     "per_seed": {seed: {"acc", "bwt"}},                   # bwt None for an ACC_ONLY method
+     "acc_only": bool,                                     # ACC_ONLY: bwt, fwt, forgetting(_mean), bwt_trace undefined
      "final": {task: {"mean", "std", "n"}},                # last row, for the n tasks trained so far
      "matrix": [[mean]] and "matrix_std": [[std]],    # ragged like the input (row i has i+1 entries)
      "fwt", "forgetting_mean", "op", "bwt_trace": {"mean", "std", "n"},   # mean None where undefined (FWT: no row 0)
@@ -227,7 +241,13 @@ def summarize(results) -> dict:
             "row0": [statistics.fmean(r["row0"][j] for r in runs) for j in range(len(tasks))] if with_row0 else None,
             "next_task": [statistics.fmean(r["next_task"][i] for r in runs) for i in range(min(n, len(tasks) - 1))]
             if with_row0 else None,
+            "acc_only": acc_only(m),
         }
+        if acc_only(m):  # each row its own joint run from the base: nothing that compares rows is defined
+            for k in ("bwt", "fwt", "forgetting_mean", "bwt_trace"):
+                out[m][k] = {"mean": None, "std": None, "n": len(seeds)}
+            out[m]["forgetting"] = {}
+            out[m]["per_seed"] = {k: {"acc": v["acc"], "bwt": None} for k, v in per_seed.items()}
     return out
 
 
@@ -279,7 +299,8 @@ def uncertainty(results, summary=None, B: int = BOOTSTRAP_B, seed: int = BOOTSTR
         acc = bwt = None
         if boot:
             acc = _seed_mean([per_seed[m][k]["acc"] for k in s["seeds"]])
-            bwt = _seed_mean([per_seed[m][k]["bwt"] for k in s["seeds"]]) if s["stages"] > 1 else None
+            bwt = (_seed_mean([per_seed[m][k]["bwt"] for k in s["seeds"]])
+                   if s["stages"] > 1 and not s["acc_only"] else None)
         out["methods"][m] = {"acc_test": _interval(acc), "bwt_test": _interval(bwt)}
 
     for ref in [r for r in REFERENCES if r in summary]:
@@ -289,7 +310,7 @@ def uncertainty(results, summary=None, B: int = BOOTSTRAP_B, seed: int = BOOTSTR
                 continue
             entry = {}
             for metric in ("acc", "bwt"):
-                if metric == "bwt" and s["stages"] < 2:
+                if metric == "bwt" and (s["stages"] < 2 or s["acc_only"] or summary[ref]["acc_only"]):
                     continue
                 d = paired_differences({k: v[metric] for k, v in s["per_seed"].items()},
                                        {k: v[metric] for k, v in summary[ref]["per_seed"].items()})
@@ -327,13 +348,13 @@ def _noise_minus(a: dict, b: dict) -> dict:
                 [x - y for x, y in zip(a[k][1], b[k][1])]) for k in a}
 
 
-def _noise_of(parts: list, n: int) -> dict:
-    """noise_sources of ACC and BWT (None with one stage) from one _noise_parts entry per seed; the test-prompt part
-    only when every seed has per-example scores."""
+def _noise_of(parts: list, n: int, with_bwt: bool = True) -> dict:
+    """noise_sources of ACC and BWT (None with one stage or without with_bwt) from one _noise_parts entry per seed;
+    the test-prompt part only when every seed has per-example scores."""
     out = {}
     for key in ("acc", "bwt"):
         values, examples = [p[key][0] for p in parts], [p[key][1] for p in parts]
-        out[key] = None if key == "bwt" and n < 2 else noise_sources(
+        out[key] = None if key == "bwt" and (n < 2 or not with_bwt) else noise_sources(
             values, None if any(x is None for x in examples) else examples)
     return out
 
@@ -347,7 +368,7 @@ def noise_numbers(results, summary=None) -> dict:
     summary = summary or summarize(results)
     parts = {m: {k: _noise_parts(results["methods"][m]["seeds"][k], s["stages"]) for k in s["seeds"]}
              for m, s in summary.items()}
-    out = {m: _noise_of(list(parts[m].values()), s["stages"])
+    out = {m: _noise_of(list(parts[m].values()), s["stages"], not s["acc_only"])
            for m, s in summary.items() if len(s["seeds"]) >= NOISE_MIN_SEEDS}
     for ref in [r for r in REFERENCES if r in summary]:
         for m, s in summary.items():
@@ -355,7 +376,8 @@ def noise_numbers(results, summary=None) -> dict:
             if (m == ref or s["stages"] != summary[ref]["stages"] or len(paired) < NOISE_MIN_SEEDS
                     or f"{ref} − {m}" in out):  # the same spread as its mirror
                 continue
-            out[f"{m} − {ref}"] = _noise_of([_noise_minus(parts[m][k], parts[ref][k]) for k in paired], s["stages"])
+            out[f"{m} − {ref}"] = _noise_of([_noise_minus(parts[m][k], parts[ref][k]) for k in paired], s["stages"],
+                                            not (s["acc_only"] or summary[ref]["acc_only"]))
     return out
 
 
@@ -379,9 +401,12 @@ def diagnostic_flags(results) -> list:
 # Tables and report text
 
 
-def _fmt(ms: dict, with_std: bool = True) -> str:
+NOT_SHOWN = "—"  # an ACC_ONLY method's BWT, FWT, forgetting: defined by the formula, meaningless for it
+
+
+def _fmt(ms: dict, with_std: bool = True, undefined: str = "-") -> str:
     if ms["mean"] is None:
-        return "-"
+        return undefined
     if with_std and ms["std"] is not None:
         return f"{ms['mean']:.2f} ± {ms['std']:.2f}"
     return f"{ms['mean']:.2f}"
@@ -417,10 +442,11 @@ def format_table(results, summary=None, unc=None) -> str:
               (["BWT 95% CI"] if with_ci else []) + ["FWT", "forgetting"] + tasks)
     rows = []
     for m, s in summary.items():
-        ci = unc["methods"][m]
+        ci, na = unc["methods"][m], NOT_SHOWN if s["acc_only"] else "-"
         rows.append([m, str(len(s["seeds"])), _fmt(s["acc"])] + ([_ci(ci["acc_test"])] if with_ci else []) +
-                    [_fmt(s["bwt"])] + ([_ci(ci["bwt_test"])] if with_ci else []) +
-                    [_fmt(s["fwt"]), _fmt(s["forgetting_mean"])] +
+                    [_fmt(s["bwt"], undefined=na)] + ([_ci(ci["bwt_test"]) if not s["acc_only"] else na]
+                                                      if with_ci else []) +
+                    [_fmt(s["fwt"], undefined=na), _fmt(s["forgetting_mean"], undefined=na)] +
                     [_fmt(s["final"][t], with_std=False) if t in s["final"] else "-" for t in tasks])
     return _markdown(header, rows)
 
@@ -445,7 +471,8 @@ def delta_table(summary, unc, ref: str) -> str:
         row = [m, str(entry["acc"]["n"]) if "acc" in entry else "0"]
         for metric in ("acc", "bwt"):
             d = entry.get(metric)
-            row += (["-"] * 4 if d is None else
+            na = NOT_SHOWN if metric == "bwt" and summary[m]["acc_only"] else "-"
+            row += ([na] * 4 if d is None else
                     [f"{d['mean']:+.2f}", _ci(d["seeds"], True) + ("†" if d.get("seeds_source") == "preset" else ""),
                      _ci(d["test"], True), _verdict(d)])
         rows.append(row)
@@ -455,15 +482,16 @@ def delta_table(summary, unc, ref: str) -> str:
 def noise_tables(tasks, nn: dict) -> list:
     """Two Markdown tables from noise_numbers: per method (and paired difference) the seed std of ACC and BWT, the
     share of their variance that is test-prompt noise and the floor no test-set size goes below; then each task's
-    seed std of its final score (of its difference) with its share of ACC's (ΔACC's) variance."""
-    def part(ns):
+    seed std of its final score (of its difference) with its share of ACC's (ΔACC's) variance. An ACC_ONLY method's
+    BWT (and its differences') shows as NOT_SHOWN."""
+    def part(ns, label=""):
         if ns is None:
-            return ["-", "-", "-"]
+            return [NOT_SHOWN if any(acc_only(x) for x in label.split(" − ")) else "-"] * 3
         if ns["prompt"] is None:
             return [f"{ns['std']:.2f}", "-", "-"]
         share = ns["prompt"] / ns["std"] ** 2 if ns["std"] > 0 else 0.0
         return [f"{ns['std']:.2f}", f"{share:.0%}", f"{ns['floor']:.2f}"]
-    rows = [[m, str(v["acc"]["n"]), *part(v["acc"]), *part(v["bwt"])] for m, v in nn.items()]
+    rows = [[m, str(v["acc"]["n"]), *part(v["acc"]), *part(v["bwt"], m)] for m, v in nn.items()]
     first = _markdown(["method or Δ", "seeds", "ACC std", "of it test prompts", "ACC floor", "BWT std",
                        "of it test prompts", "BWT floor"], rows)
     n_tasks = max(len(v["acc"]["task_std"]) for v in nn.values())
@@ -504,8 +532,9 @@ def transfer_table(tasks, summary) -> str:
     lines = ["| method | OP (TRACE) | BWT (TRACE, 1/N) | " + " | ".join(f"forgetting {t}" for t in forg_tasks) + " |",
              "|---|---:|---:|" + "---:|" * len(forg_tasks)]
     for m, s in summary.items():
-        cells = [_fmt(s["op"]), _fmt(s["bwt_trace"])] + [_fmt(s["forgetting"][t], with_std=False)
-                                                         if t in s["forgetting"] else "-" for t in forg_tasks]
+        na = NOT_SHOWN if s["acc_only"] else "-"
+        cells = [_fmt(s["op"]), _fmt(s["bwt_trace"], undefined=na)] + [
+            _fmt(s["forgetting"][t], with_std=False) if t in s["forgetting"] else na for t in forg_tasks]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -620,6 +649,12 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
     elif max(n_seeds) == 1:
         out.append("- One seed: the spread over seeds (training order, replay draws, sampling) is not measured; "
                    "the only uncertainty shown is the test-set bootstrap.")
+    shown_acc_only = [m for m, s in summary.items() if s["acc_only"]]
+    if shown_acc_only:
+        out.append(f"- {', '.join(shown_acc_only)}: ACC only ({NOT_SHOWN} for BWT, FWT and forgetting here and below). "
+                   f"Row i of its matrix is a separate joint run from the base on tasks 1..i, so differences between "
+                   f"rows compare different runs, not one model before and after a stage; its last row is the "
+                   f"multi-task reference for ACC.")
     partial = [m for m, s in summary.items() if s["stages"] < len(tasks)]
     if partial:
         out.append(f"- Not all {len(tasks)} stages finished for: " +
@@ -667,7 +702,12 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
                 "- Δ rows: the same for the per-seed paired difference (method − reference). Its seed std sets the "
                 "width of the seed interval in 'Paired differences' (half-width = t × std / √seeds); its floor is "
                 "what that std stays at however many test prompts there are."]
-    out += ["", "## TRACE's conventions and per-task forgetting", "", transfer_table(tasks, summary)]
+    out += ["", "## TRACE's conventions and per-task forgetting", "", transfer_table(tasks, summary), "",
+            "- OP = ACC. BWT (TRACE, 1/N) sums the same differences as BWT but divides by all N tasks, the last one's "
+            "zero term included (TRACE's eq. 2, the official OPR code's tools/show_result.py): (N-1)/N of BWT. "
+            "Compare numbers printed by the official code with it; the OPR paper's Table 1 BWT is the 1/(N-1) "
+            "form (its appendix matrices give it), i.e. the main table's BWT. Forgetting per task: best earlier "
+            "score minus final score."]
     out += ["", "## Accuracy matrices and answers (mean over seeds)", ""]
     for m, s in summary.items():
         out += [f"### {m}", "", matrix_table(tasks, s), ""]
@@ -824,7 +864,7 @@ def plot_bwt_acc(summary, path: Path):
     plt = _plt()
     fig, ax = plt.subplots(figsize=(4.5, 3.6))
     for m, s in summary.items():
-        if s["bwt"]["mean"] is None:  # one stage: BWT undefined
+        if s["bwt"]["mean"] is None:  # one stage, or an ACC_ONLY method: no BWT
             continue
         ax.errorbar(s["bwt"]["mean"], s["acc"]["mean"], xerr=s["bwt"]["std"], yerr=s["acc"]["std"], fmt="o",
                     capsize=3, label=m)
@@ -840,6 +880,7 @@ def plot_bwt_acc(summary, path: Path):
 def plot_forgetting(tasks, summary, path: Path):
     import numpy as np
     plt = _plt()
+    summary = {m: s for m, s in summary.items() if not s["acc_only"]}
     shown = tasks[:max(s["stages"] for s in summary.values()) - 1]
     width = 0.8 / max(1, len(summary))
     fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(shown)), 3.2))
@@ -863,7 +904,8 @@ def plot_forgetting(tasks, summary, path: Path):
 def drift_numbers(results) -> dict:
     """From the runs' "drift" entries: per method and stage the seed-mean of the mean sequence KL and of the KL per
     token over the prior tasks' prompts, the (KL on task j, a(i, j) - a(i-1, j)) points of every seed, stage i >= 2
-    and prior task j, and their Pearson and Spearman correlations. Empty when no run has drift entries."""
+    and prior task j (not of ACC_ONLY methods, whose rows are separate runs), and their Pearson and Spearman
+    correlations. Empty when no run has drift entries."""
     tasks = results["tasks"]
     per_stage, points = {}, []
     for m, entry in results["methods"].items():
@@ -872,7 +914,7 @@ def drift_numbers(results) -> dict:
             for d in run.get("drift") or []:
                 by_stage.setdefault(d["stage"], []).append(d["all"])
                 i = d["stage"] - 1  # matrix row of stage d["stage"]
-                if i >= len(run["matrix"]):
+                if i >= len(run["matrix"]) or acc_only(m):
                     continue
                 for j, t in enumerate(tasks[:i]):
                     if t in d["tasks"]:

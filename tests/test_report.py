@@ -226,6 +226,63 @@ def test_command_line_rebuilds_the_report_from_results_json(tmp_path):
         assert p.stderr.count("\n") == 1 and not (bad / "report.md").exists()
 
 
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # the bars are not drawn
+def test_mtl_shows_only_its_acc(tmp_path, monkeypatch):
+    """mtl's rows are separate joint runs from the base, so only its ACC (OP, matrix, final scores) is shown: "—" for
+    BWT, FWT and forgetting in every table, no ΔBWT, no BWT noise, no point in the BWT, forgetting and
+    forgetting-vs-drift figures. The other methods' numbers do not change, and results.json is only read."""
+    res = with_examples(copy.deepcopy(RESULTS))
+    for k, run in enumerate([{"matrix": [[85.0], [80.0, 78.0], [79.0, 77.0, 93.0]]},
+                             {"matrix": [[87.0], [82.0, 80.0], [81.0, 79.0, 95.0]]},
+                             {"matrix": [[86.0], [81.0, 79.0], [80.0, 78.0, 94.0]]}]):
+        run["row0"], run["next_task"] = [10.0, 20.0, 30.0], [25.0, 35.0]
+        run["example_scores"] = [[[v - 5.0, v + 5.0, v - 5.0, v + 5.0] for v in row] for row in run["matrix"]]
+        res["methods"].setdefault("mtl", {"seeds": {}})["seeds"][str(k)] = run
+    res["methods"]["replay"]["seeds"]["2"] = copy.deepcopy(res["methods"]["replay"]["seeds"]["1"])
+    before = json.dumps(res, sort_keys=True)
+    s = summarize(res)
+    m = s["mtl"]
+    assert m["acc_only"] and not s["replay"]["acc_only"]
+    assert m["acc"] == {"mean": 84.0, "std": 1.0, "n": 3}  # seeds 249/3, 255/3, 252/3
+    assert m["op"]["mean"] == pytest.approx(m["acc"]["mean"])
+    for k in ("bwt", "fwt", "forgetting_mean", "bwt_trace"):
+        assert m[k]["mean"] is None and m[k]["std"] is None
+    assert m["forgetting"] == {} and all(v["bwt"] is None for v in m["per_seed"].values())
+    assert summarize({**res, "methods": {k: v for k, v in res["methods"].items() if k != "mtl"}})["replay"] == \
+        s["replay"]
+    unc = uncertainty(res, s)
+    assert unc["methods"]["mtl"]["bwt_test"] is None and unc["methods"]["mtl"]["acc_test"] is not None
+    assert "bwt" not in unc["deltas"]["replay"]["mtl"] and "acc" in unc["deltas"]["replay"]["mtl"]
+    nn = report.noise_numbers(res, s)
+    assert nn["mtl"]["bwt"] is None and nn["mtl − replay"]["bwt"] is None and nn["replay"]["bwt"] is not None
+
+    row = [c.strip() for c in format_table(res, s, unc).splitlines()[4].strip("|").split("|")]
+    assert row[0] == "mtl" and row[2] == "84.00 ± 1.00" and row[4:8] == ["—", "—", "—", "—"]
+    md = write_report(res, tmp_path, s, unc).read_text()
+    assert json.dumps(res, sort_keys=True) == before
+    assert "- mtl: ACC only (— for BWT, FWT and forgetting" in md
+    delta = next(line for line in md.splitlines() if line.startswith("| mtl ") and "+" in line)
+    assert [c.strip() for c in delta.strip("|").split("|")][6:] == ["—"] * 4
+    assert "| mtl | 84.00 ± 1.00 | — | — | — |" in md  # TRACE's table: OP only
+    noise_row = next(line for line in md.splitlines() if line.startswith("| mtl − replay "))
+    assert [c.strip() for c in noise_row.strip("|").split("|")][5:] == ["—"] * 3
+    assert "main table's BWT" in md  # which BWT the paper's Table 1 numbers compare with
+    for name in ("fig_bwt_acc.png", "fig_forgetting.png"):
+        assert_png(tmp_path / name)
+    drawn = []  # the methods each figure draws
+    report._plt()
+    import matplotlib.axes
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", lambda self, *a, label=None, **k: drawn.append(label))
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda self, *a, label=None, **k: drawn.append(label))
+    report.plot_bwt_acc(s, tmp_path / "x.png")
+    report.plot_forgetting(TASKS, s, tmp_path / "y.png")
+    assert drawn == ["replay", "opr-ru", "replay", "opr-ru"]  # no FWT in the legend: RESULTS has no row 0
+
+    mech = mechanism_results()
+    mech["methods"]["mtl"] = copy.deepcopy(mech["methods"]["sft"])
+    assert {p["method"] for p in report.drift_numbers(mech)["points"]} == {"sft", "opr-ru"}
+
+
 # --- the mechanism section: drift, forgetting vs drift, buffer loss ------------------------------------------------
 
 def mechanism_results():
