@@ -124,9 +124,9 @@ def main(argv=None):
     # 3. all generations in one call (one model load, full batches)
     t0 = time.perf_counter()
     flat, outs = [p for p in prompts for _ in range(K)], [None] * len(jobs)
-    for (temperature, cap), ix in sampling_groups([ex.task for ex, _ in jobs], args.temperature, args.max_new_tokens,
+    for temperature, (ix, caps) in sampling_groups([ex.task for ex, _ in jobs], args.temperature, args.max_new_tokens,
                                                   evaluation=True).items():  # one group unless a manifest says so
-        got = generate(ckpt, [flat[i] for i in ix], temperature=temperature, max_new_tokens=cap, seed=args.seed,
+        got = generate(ckpt, [flat[i] for i in ix], temperature=temperature, max_new_tokens=caps, seed=args.seed,
                        engine=engine, tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,
                        progress=not args.quiet)
         for i, o in zip(ix, got):

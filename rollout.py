@@ -149,9 +149,9 @@ def main(argv=None):
     # 3. one sampled response per prompt, with raw log-probs
     t0 = time.perf_counter()
     outs = [None] * len(prompts)
-    for (temperature, cap), ix in sampling_groups([ex.task for ex in examples], args.temperature, args.max_new_tokens,
+    for temperature, (ix, caps) in sampling_groups([ex.task for ex in examples], args.temperature, args.max_new_tokens,
                                                   evaluation=False).items():  # one group unless a manifest says so
-        got = generate(ckpt, [prompts[i] for i in ix], temperature=temperature, max_new_tokens=cap, seed=args.seed,
+        got = generate(ckpt, [prompts[i] for i in ix], temperature=temperature, max_new_tokens=caps, seed=args.seed,
                        engine=engine, tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,
                        progress=not args.quiet)
         for i, o in zip(ix, got):

@@ -8,7 +8,8 @@
 # Each part takes under 10 minutes on one H100 (the device tool's limit per command), so a lent machine runs it as
 # three calls, e.g. `bash bench/gpu_check.sh $OUT tests`, then `... bench`, then `... run`.
 #   tests  python -m pytest -m gpu tests (bf16 training vs the CPU, attention and CE backends, the engine's CUDA graphs
-#          vs its eager step, log-probs vs the trainer, FSDP2 on NCCL) and the engine's CPU-free tests
+#          vs its eager step, log-probs vs the trainer, FSDP2 on NCCL), then tests/test_engine.py (the engine against
+#          its reference sampler; on the CPU, as everywhere)
 #   bench  bench/bench_gpu.py: training MFU of Qwen2.5-0.5B, -1.5B and the 7B width cut to 4 layers (trace mix, no
 #          activation checkpointing, the best backends here); the engine on the Qwen2.5-1.5B shape at batch 1 / 32 /
 #          256 and on the rollout mix, CUDA graphs on (and off at batch 32); the engine/trainer log-prob gap with a bf16
@@ -35,7 +36,8 @@ fi
   git log -1 --format='commit %h %s' 2>/dev/null; } > "$OUT/machine.txt" 2>&1
 rc=0
 case ",$PARTS," in *,tests,*)
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_engine.py 2>&1 | tee "$OUT/tests.txt"
+    { r=0; python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py || r=1
+      python3 -m pytest -q -p no:cacheprovider tests/test_engine.py || r=1; exit $r; } 2>&1 | tee "$OUT/tests.txt"
     rc=$((rc | ${PIPESTATUS[0]}));;
 esac
 case ",$PARTS," in *,bench,*)
@@ -46,13 +48,15 @@ cfg = json.load(open("bench/configs/qwen2.5-7b/config.json"))
 cfg["num_hidden_layers"] = 4  # the paper model's width, 4 of its 28 layers: one H100 holds it with AdamW
 json.dump(cfg, open(f"{sys.argv[1]}/config.json", "w"))
 EOF
-    { python3 bench/bench_gpu.py --configs qwen2.5-0.5b,qwen2.5-1.5b,"$q7b4" --mixes trace --ac off \
-          --rollout-batches '' --rollout-mix-prompts 0 --out "$OUT/bench.jsonl" --timeout 240
+    ( r=0
+      python3 bench/bench_gpu.py --configs qwen2.5-0.5b,qwen2.5-1.5b,"$q7b4" --mixes trace --ac off \
+          --rollout-batches '' --rollout-mix-prompts 0 --out "$OUT/bench.jsonl" --timeout 240 || r=1
       python3 bench/bench_gpu.py --configs qwen2.5-1.5b --mixes '' --rollout-batches 1,32,256 --out "$OUT/bench.jsonl" \
-          --timeout 240
+          --timeout 240 || r=1
       python3 bench/bench_gpu.py --configs qwen2.5-1.5b --mixes '' --rollout-batches 32 --rollout-mix-prompts 0 \
-          --rollout-graphs off --out "$OUT/bench.jsonl" --timeout 240
-      python3 bench/bench_logprob_gap.py --prompts 128; } 2>&1 | tee "$OUT/bench.txt"
+          --rollout-graphs off --out "$OUT/bench.jsonl" --timeout 240 || r=1
+      python3 bench/bench_logprob_gap.py --prompts 128 || r=1
+      exit $r ) 2>&1 | tee "$OUT/bench.txt"
     rc=$((rc | ${PIPESTATUS[0]}));;
 esac
 case ",$PARTS," in *,run,*)

@@ -270,11 +270,14 @@ def check_scorer(task: Task, example):
 
 
 def sampling_groups(task_of: list, temperature: float, max_new_tokens: int, evaluation: bool) -> dict:
-    """{(temperature, max_new_tokens): [job index]}: the jobs that one generate call can sample together, each task
-    with its own cap (and, in evaluations, its own temperature); one group for TRACE's tasks."""
+    """{temperature: ([job index], [its max_new_tokens])}: the jobs that one generate call samples together (the
+    engine takes a length cap per prompt), each task with its own cap and, in evaluations, its own temperature; one
+    group for TRACE's tasks."""
     table, groups = active_tasks(), {}
     for i, name in enumerate(task_of):
         t = table[name]
         temp = t.temperature if evaluation and t.temperature is not None else temperature
-        groups.setdefault((temp, t.max_new_tokens or max_new_tokens), []).append(i)
+        ix, caps = groups.setdefault(temp, ([], []))
+        ix.append(i)
+        caps.append(t.max_new_tokens or max_new_tokens)
     return groups

@@ -11,11 +11,13 @@ sequences are kept in slots 0..n-1, so a decode step reads the views [:n] (no ga
 frees its slot at once, a waiting prompt is admitted into it, and only when nothing waits is the highest live slot
 moved down into the hole (one sequence's columns copied, never the whole batch's).
 
-The schedule (nano-vllm's, simplified). Prompts wait sorted by length, longest first (an out-of-memory shows in the
-first prefill), identical prompts next to each other. Each iteration admits waiting prompts into free slots (at most
+The schedule (nano-vllm's, simplified). Prompts wait in token order, so that prompts sharing a prefix (a task's
+instruction, evaluation's repeats) meet. Each iteration admits waiting prompts into free slots (at most
 `max_prefill_tokens` prompt tokens per iteration: one packed varlen forward, only the last position of each prompt
-through lm_head), then runs one decode step of every live sequence. Identical prompts admitted together are
-prefilled once: the others copy the first one's cache columns and its last logits (evaluation's repeats).
+through lm_head), then runs one decode step of every live sequence. A prompt that shares a prefix with a resident
+sequence or an earlier admission copies that prefix's cache columns and prefills only the rest. The KV cache is
+allocated once per engine (grown when a call needs longer sequences), so CUDA graphs captured in one call serve the
+next.
 
 The decode step is a pure function of static-shape tensors: tokens, positions, per-row sampling keys and counters
 of the `n` live rows padded up to a batch bucket, attention over the first `span` cache columns (a multiple of
@@ -35,6 +37,7 @@ import time
 from collections import deque
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import varlen_attention
@@ -61,7 +64,7 @@ def hash32(x):
 def gumbel(keys, counters, vocab: int):
     """Gumbel noise [n, vocab] (fp64) for rows with int64 keys [n] (any non-negative value < 2^63) drawing their
     counters[n]-th token: a function of (key, counter, vocabulary id) only."""
-    row = hash32(hash32(keys & M32) ^ hash32((keys >> 32) & M32))
+    row = hash32(hash32(keys & M32) ^ ((keys >> 32) & M32))  # not symmetric in the halves: (s, i) != (i, s)
     row = hash32(row ^ (counters & M32))
     bits = hash32(row[:, None] ^ torch.arange(vocab, device=keys.device))
     u = (bits.double() + 0.5) * 2.0 ** -32  # in (0, 1)
@@ -103,14 +106,18 @@ class Engine:
         self.device, self.dtype = w.device, w.dtype
         cuda = self.device.type == "cuda"
         self.max_seqs = max_seqs
-        self.graphs = (cuda and os.environ.get("OPR_ENGINE_GRAPHS", "1") != "0") if graphs is None else graphs
+        # not under torch.distributed (train.py's SDFT): capturing beside NCCL's watchdog is fragile, and each capture
+        # empties the allocator's cache, which training's memory relies on
+        if graphs is None:
+            graphs = cuda and os.environ.get("OPR_ENGINE_GRAPHS", "1") != "0" and not dist.is_initialized()
+        self.graphs = graphs
         self.key_bucket = key_bucket or (256 if cuda else 1)
         self.max_prefill_tokens = max_prefill_tokens or (16384 if cuda else 4096)
         fuse = (not any(p.requires_grad for p in model.parameters())) if fuse is None else fuse
         self.layers = [_layer_weights(block, fuse) for block in model.model.layers]
         self.lm_head = w.float() if lm_head_fp32 else w
         self.inv_freq = rope_inv_freq(self.cfg, self.device)
-        self._graphs = {}
+        self._graphs, self.K = {}, None
 
     # -- the model, as the engine runs it --------------------------------------------------------------------------
     def _block(self, L, x, cos, sin, attend):
@@ -159,15 +166,16 @@ class Engine:
             if not cached:
                 return varlen_attention(q, k, v, cu, max(lens)).flatten(1)
             out, at = [], 0
+            hkv, g = k.shape[1], q.shape[1] // k.shape[1]
             for (slot, b, e), n in zip(docs, lens):  # the new tokens attend to the slot's columns 0..e-1
-                qd = q[at:at + n].transpose(0, 1)[None]
+                # [n, Hq, D] -> [1, Hkv, G * n, D]: each kv head's G query heads as G * n queries (see decode_step)
+                qd = q[at:at + n].view(n, hkv, g, -1).permute(1, 2, 0, 3).reshape(1, hkv, g * n, -1)
                 kd, vd = self.k[i][slot:slot + 1, :, :e], self.v[i][slot:slot + 1, :, :e]
-                mask = None if b == 0 else \
-                    torch.arange(e, device=q.device)[None, :] <= torch.arange(b, e, device=q.device)[:, None]
-                out.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, is_causal=b == 0,
-                                                          enable_gqa=True)[0].transpose(0, 1))
+                mask = (torch.arange(e, device=q.device)[None, :] <= torch.arange(b, e, device=q.device)[:, None])
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask.repeat(g, 1))
+                out.append(od.view(hkv, g, n, -1).permute(2, 0, 1, 3).reshape(n, -1))
                 at += n
-            return torch.cat(out).flatten(1)
+            return torch.cat(out)
         x = self.model.model.embed_tokens(ids)
         cos, sin = self._cos_sin(pos)
         for L in self.layers:
@@ -185,8 +193,10 @@ class Engine:
         def attend(i, q, k, v):
             self.k[i][rows, :, pos] = k
             self.v[i][rows, :, pos] = v
-            out = F.scaled_dot_product_attention(q[:, :, None], self.k[i][:n, :, :span], self.v[i][:n, :, :span],
-                                                 attn_mask=mask, enable_gqa=True)
+            # the G query heads of each kv head as G queries of one head (q head h reads kv head h // G, as
+            # enable_gqa does): a boolean mask with enable_gqa sends CUDA to the math kernel, this shape does not
+            qg = q.view(n, k.shape[1], -1, q.shape[-1])
+            out = F.scaled_dot_product_attention(qg, self.k[i][:n, :, :span], self.v[i][:n, :, :span], attn_mask=mask)
             return out.reshape(n, -1)
         x = self.model.model.embed_tokens(tokens)
         cos, sin = self._cos_sin(pos)
@@ -207,7 +217,7 @@ class Engine:
         if not self.graphs:
             return self.decode_step(tokens, pos, keys, counters, span, temperature)
         n = tokens.shape[0]
-        key = (n, span)
+        key = (n, span, temperature)
         if key not in self._graphs:
             static = [t.clone() for t in (tokens, pos, keys, counters)]
             stream = torch.cuda.Stream()
@@ -216,7 +226,7 @@ class Engine:
                 self.decode_step(*static, span, temperature)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self.decode_step(*static, span, temperature)
             self._graphs[key] = (graph, static, out)
         graph, static, out = self._graphs[key]
@@ -226,7 +236,8 @@ class Engine:
         return out
 
     def allocate(self, cols: int):
-        """The KV cache for sequences of up to `cols` tokens (and no CUDA graphs yet: they capture its addresses)."""
+        """The KV cache for sequences of up to `cols` tokens (and no CUDA graphs yet: they capture its addresses). It
+        stays with the engine: the next call reuses it, and the graphs captured over it, when its sequences fit."""
         shape = (len(self.layers), self.max_seqs, self.cfg.num_key_value_heads, cols, self.cfg.head_dim)
         # zeros, not empty: a masked column still enters attention's weighted sum (0 * NaN would be NaN)
         self.K = torch.zeros(shape, device=self.device, dtype=self.dtype)
@@ -257,7 +268,8 @@ class Engine:
         keys = row_keys(len(prompts), seed, seeds)
         max_len = max(len(p) + c for p, c in zip(prompts, caps))
         cols = -(-max_len // self.key_bucket) * self.key_bucket
-        self.allocate(cols)
+        if self.K is None or self.K.shape[3] < cols:  # else the cache (and the graphs that read it) serve again
+            self.allocate(cols)
 
         out_tokens = [[] for _ in prompts]
         out_logprobs = [[] for _ in prompts]
@@ -308,16 +320,14 @@ class Engine:
             step_done(list(live), tokens[:n].tolist(), logprobs[:n].tolist())  # the step's one host sync
         if bar is not None:
             bar.close()
-        self.K = self.V = self.k = self.v = None
-        self._graphs = {}
         return [{"token_ids": out_tokens[i], "logprobs": out_logprobs[i], "finish_reason": finish[i]}
                 for i in range(len(prompts))]
 
     def _admit(self, waiting: deque, prompts, first_slot: int, keys, temperature):
         """Prefill the next waiting prompts into slots first_slot.. and sample their first tokens. A prompt that
-        is a repeat, or shares a prefix of at least BLOCK tokens, of a resident sequence or with a prompt admitted before it in
-        this call, copies that prefix's cache columns and prefills only the rest (an identical prompt: its last
-        token). Documents whose prefix comes from this call are prefilled in a later wave than their donor.
+        repeats, or shares a prefix of at least BLOCK tokens with, a resident sequence or a prompt admitted before it
+        in this call copies that prefix's cache columns and prefills only the rest (a repeat: its last token).
+        Documents whose prefix comes from this call are prefilled in a later wave than their donor.
         Returns [(prompt index, token, raw log-prob)] in slot order."""
         take, n_tok = [], 0
         while waiting and first_slot + len(take) < self.max_seqs:
@@ -364,7 +374,8 @@ class Engine:
                 slot = min(slots)
                 other = self._prompt[slot]
                 n = next((i for i, (a, b) in enumerate(zip(prompt, other)) if a != b), min(len(prompt), len(other)))
-                return slot, min(n, len(prompt) - 1)
+                n = min(n, len(prompt) - 1)
+                return (slot, n) if n > 0 else (None, 0)
         return None, 0
 
     def _index(self, slot: int, prompt):

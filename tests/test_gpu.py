@@ -227,25 +227,37 @@ def test_vllm_raw_logprobs_equal_the_trainers_model(setup, cuda_models):
     assert diffs.max() <= 0.15 and diffs.mean() <= 0.03, (diffs.max().item(), diffs.mean().item())
 
 
-def test_engine_cuda_graphs_give_the_eager_steps_tokens(setup):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_cuda_graphs_give_the_eager_steps_tokens(setup, dtype):
     """The captured decode step (CUDA graphs per batch bucket and span, pad rows in free slots) against the same
-    engine run eagerly: continuous batching through 6 slots, 40 prompts, stops. fp32, where only the GEMM shapes
-    differ (a bucket pads rows), so tokens must agree and log-probs within fp32 rounding."""
+    engine run eagerly: continuous batching through 6 slots, 40 prompts of 2-300 tokens (spans 256 and 512), repeats
+    and a shared 40-token instruction (prefix copies on CUDA), stops, two calls over one engine (the second replays
+    the first's graphs). fp32: only GEMM shapes differ (a bucket pads rows), so tokens agree and log-probs within
+    fp32 rounding; bf16: the same kernels round alike in both, tokens may part after a near-tie, log-probs close."""
     from model.checkpoint import load_model
     from model.engine import Engine
-    model = load_model(setup["base"], device="cuda", dtype=torch.float32)
+    model = load_model(setup["base"], device="cuda", dtype=dtype)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 250, (int(torch.randint(2, 40, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(40)]
+    instruction = torch.randint(3, 250, (40,), generator=g).tolist()
+    prompts = [torch.randint(3, 250, (int(torch.randint(2, 300, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(30)]
+    prompts += [instruction + [5 + i, 9] for i in range(6)] + [prompts[3]] * 4
     runs = {}
     for graphs in (True, False):
         eng = Engine(model, max_seqs=6, graphs=graphs)
-        runs[graphs] = eng.generate(prompts, temperature=1.0, max_new_tokens=20, stop_ids={7, 11}, seed=1,
-                                    progress=False)
-    assert [o["token_ids"] for o in runs[True]] == [o["token_ids"] for o in runs[False]]
-    diff = max(abs(a - b) for x, y in zip(runs[True], runs[False]) for a, b in zip(x["logprobs"], y["logprobs"]))
-    assert diff <= 1e-4, diff
-    assert any(o["finish_reason"] == "stop" for o in runs[True])
+        for call in range(2):
+            runs[graphs, call] = eng.generate(prompts, temperature=1.0, max_new_tokens=100, stop_ids={7, 11}, seed=1,
+                                              progress=False)
+        assert len(eng._graphs) > 1 if graphs else not eng._graphs
+    ref = runs[False, 0]
+    for key, outs in runs.items():
+        same = [o["token_ids"] == r["token_ids"] for o, r in zip(outs, ref)]
+        diffs = [abs(a - b) for o, r, eq in zip(outs, ref, same) if eq for a, b in zip(o["logprobs"], r["logprobs"])]
+        if dtype == torch.float32:
+            assert all(same) and max(diffs) <= 1e-4, (key, max(diffs))
+        else:
+            assert sum(same) >= 0.8 * len(same) and sorted(diffs)[len(diffs) // 2] <= 0.02, (key, sum(same))
+    assert any(o["finish_reason"] == "stop" for o in ref) and any(o["finish_reason"] == "length" for o in ref)
 
 
 def test_engine_per_prompt_seeds_do_not_depend_on_the_batch_on_cuda(cuda_models):
