@@ -30,7 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
-from data.manifest import use_manifest_from_argv
+from data.manifest import add_task_spec, use_manifest_from_argv
 from data.tasks import task_names
 from pipeline.cli import InputError, Parser, float_in, int_at_least, main_cli
 
@@ -67,9 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE,
                    help="native engine: sequences decoded at once, i.e. the KV cache's rows (continuous batching: "
                         "a finished one is replaced at once); default: 64 on the CPU, 256 on a GPU")
-    p.add_argument("--task-spec", default=None,
-                   help="task manifest (default: <data>/tasks.json when present, else the TRACE task table; README, "
-                        "'Your own tasks')")
+    add_task_spec(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     use_manifest_from_argv(argv)  # the manifest's task names are what --tasks checks against
     return p.parse_args(argv)

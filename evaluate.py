@@ -27,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-from data.manifest import use_manifest_from_argv
+from data.manifest import add_task_spec, use_manifest_from_argv
 from data.tasks import task_names
 from pipeline.cli import Parser, UserError, float_in, int_at_least, main_cli
 
@@ -75,9 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE,
                    help="native engine: sequences decoded at once, i.e. the KV cache's rows (continuous batching: "
                         "a finished one is replaced at once); default: 64 on the CPU, 256 on a GPU")
-    p.add_argument("--task-spec", default=None,
-                   help="task manifest (default: <data>/tasks.json when present, else the TRACE task table; README, "
-                        "'Your own tasks')")
+    add_task_spec(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     use_manifest_from_argv(argv)  # the manifest's task names are what --tasks checks against
     return p.parse_args(argv)
@@ -91,12 +89,11 @@ def main(argv=None):
 
     from data.embedded import ensure_embedded
     from data.jsonl import check_output, write_json, write_jsonl
-    from data.manifest import sampling_groups
     from data.metrics import score
     from data.tasks import parse_tasks
     from data.trace import load_filtered, tasks_in
     from model.checkpoint import load_config, weight_files
-    from model.sampling import generate, resolve_engine
+    from model.sampling import generate_tasks, resolve_engine
     from model.tokenizer import ChatTokenizer
 
     ckpt = Path(args.ckpt)
@@ -123,14 +120,10 @@ def main(argv=None):
 
     # 3. all generations in one call (one model load, full batches)
     t0 = time.perf_counter()
-    flat, outs = [p for p in prompts for _ in range(K)], [None] * len(jobs)
-    for temperature, (ix, caps) in sampling_groups([ex.task for ex, _ in jobs], args.temperature, args.max_new_tokens,
-                                                  evaluation=True).items():  # one group unless a manifest says so
-        got = generate(ckpt, [flat[i] for i in ix], temperature=temperature, max_new_tokens=caps, seed=args.seed,
-                       engine=engine, tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,
-                       progress=not args.quiet)
-        for i, o in zip(ix, got):
-            outs[i] = o
+    outs = generate_tasks(ckpt, [p for p in prompts for _ in range(K)], [ex.task for ex, _ in jobs],
+                          temperature=args.temperature, max_new_tokens=args.max_new_tokens, evaluation=True,
+                          seed=args.seed, engine=engine, tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,
+                          progress=not args.quiet)
     wall = time.perf_counter() - t0
 
     # 4. per-example scores

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from data.manifest import use_manifest_from_argv
+from data.manifest import add_task_spec, use_manifest_from_argv
 from data.tasks import task_names
 from pipeline.cli import Parser, UserError, float_in, int_at_least, main_cli
 
@@ -78,9 +78,7 @@ def parse_args(argv=None):
                         "a finished one is replaced at once); default: 64 on the CPU, 256 on a GPU")
     p.add_argument("--check-logprobs", type=int_at_least(0), default=CHECK_LOGPROBS, metavar="K",
                    help="re-score K random rollouts with the trainer's forward pass and compare log-probs (0 = off)")
-    p.add_argument("--task-spec", default=None,
-                   help="task manifest (default: <data>/tasks.json when present, else the TRACE task table; README, "
-                        "'Your own tasks')")
+    add_task_spec(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     use_manifest_from_argv(argv)  # the manifest's task names are what --tasks checks against
     return p.parse_args(argv)
@@ -120,11 +118,10 @@ def main(argv=None):
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     from data.embedded import ensure_embedded
     from data.jsonl import check_output, write_json, write_jsonl
-    from data.manifest import sampling_groups
     from data.tasks import parse_tasks
     from data.trace import load_filtered, tasks_in
     from model.checkpoint import load_config, weight_files
-    from model.sampling import generate, resolve_engine
+    from model.sampling import generate_tasks, resolve_engine
     from model.tokenizer import ChatTokenizer
 
     ckpt = Path(args.ckpt)
@@ -148,14 +145,9 @@ def main(argv=None):
 
     # 3. one sampled response per prompt, with raw log-probs
     t0 = time.perf_counter()
-    outs = [None] * len(prompts)
-    for temperature, (ix, caps) in sampling_groups([ex.task for ex in examples], args.temperature, args.max_new_tokens,
-                                                  evaluation=False).items():  # one group unless a manifest says so
-        got = generate(ckpt, [prompts[i] for i in ix], temperature=temperature, max_new_tokens=caps, seed=args.seed,
-                       engine=engine, tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,
-                       progress=not args.quiet)
-        for i, o in zip(ix, got):
-            outs[i] = o
+    outs = generate_tasks(ckpt, prompts, [ex.task for ex in examples], temperature=args.temperature,
+                          max_new_tokens=args.max_new_tokens, evaluation=False, seed=args.seed, engine=engine,
+                          tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids, progress=not args.quiet)
     wall = time.perf_counter() - t0
 
     # 4. rollout records

@@ -40,7 +40,7 @@ import math
 import statistics
 from pathlib import Path
 
-from data.manifest import use_manifest_from_argv
+from data.manifest import add_task_spec, use_manifest_from_argv
 from data.tasks import task_names
 from pipeline.cli import InputError, Parser, float_in, int_at_least, main_cli
 
@@ -87,9 +87,7 @@ def parse_args(argv=None):
                                                "buffer is replaced, any other file is refused")
     p.add_argument("--overwrite", action="store_true", help="replace the file at --out even if score.py did not "
                                                            "write it")
-    p.add_argument("--task-spec", default=None,
-                   help="task manifest (default: <data>/tasks.json when present, else the TRACE task table; README, "
-                        "'Your own tasks')")
+    add_task_spec(p)
     use_manifest_from_argv(argv)  # the manifest's task names are what --tasks checks against
     args = p.parse_args(argv)
     if args.budget is not None and (args.rho is not None or args.n is not None):

@@ -57,6 +57,13 @@ def use_manifest(root, spec=None) -> Path | None:
     return path
 
 
+def add_task_spec(p):
+    """The scripts' --task-spec flag."""
+    p.add_argument("--task-spec", default=None,
+                   help="task manifest (default: <data>/tasks.json when present, else the TRACE task table; README, "
+                        "'Your own tasks')")
+
+
 def use_manifest_from_argv(argv=None) -> Path | None:
     """use_manifest for a script's --data and --task-spec, before its parser checks --tasks against the names."""
     pre = Parser(add_help=False)  # a flag without its value: one error line, as the script's own parser gives

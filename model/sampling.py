@@ -47,3 +47,16 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, ma
     model = load_model(ckpt_dir, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
     return native_generate(model, prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                            seed=seed, batch_size=batch_size, progress=progress)
+
+
+def generate_tasks(ckpt_dir, prompts: list[list[int]], tasks: list[str], *, temperature: float, max_new_tokens: int,
+                   evaluation: bool, **kw) -> list[dict]:
+    """generate() for prompts of several tasks (tasks[i]: prompt i's task): each task with its own length cap and, in
+    evaluations, its own temperature when the task manifest gives them (data.manifest.sampling_groups); one call per
+    temperature, one call in all for TRACE's tasks. Outputs in prompt order."""
+    from data.manifest import sampling_groups
+    outs = [None] * len(prompts)
+    for temp, (ix, caps) in sampling_groups(tasks, temperature, max_new_tokens, evaluation).items():
+        for i, o in zip(ix, generate(ckpt_dir, [prompts[i] for i in ix], temperature=temp, max_new_tokens=caps, **kw)):
+            outs[i] = o
+    return outs

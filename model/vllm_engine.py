@@ -70,6 +70,8 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float, max_new_
     import vllm
 
     llm = vllm.LLM(**llm_kwargs(vllm, ckpt_dir, tp=tp, seed=seed))
+    if not isinstance(max_new_tokens, int) and len(set(max_new_tokens)) == 1:
+        max_new_tokens = max_new_tokens[0]  # one cap for all: one SamplingParams, as before per-prompt caps
     if isinstance(max_new_tokens, int):
         params = sampling_params(vllm, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     else:

@@ -133,36 +133,35 @@ def test_seed_reproduces_and_differs(model):
     assert run(0) != run(1)
 
 
-def test_repeated_prompts_prefill_once_and_sample_apart(model, monkeypatch):
+@pytest.fixture
+def prefilled(monkeypatch):
+    """The number of tokens of every prefill forward the engine runs."""
+    sizes = []
+    real = Engine._prefill
+
+    def counting(self, ids, *args):
+        sizes.append(ids.numel())
+        return real(self, ids, *args)
+    monkeypatch.setattr(Engine, "_prefill", counting)
+    return sizes
+
+
+def test_repeated_prompts_prefill_once_and_sample_apart(model, prefilled):
     """Identical prompts admitted together are prefilled once (the others copy the first one's cache columns and
     prefill only their last token, for its logits) and give exactly what prefilling each would: the same tokens as
     the reference, each repeat with its own draws."""
     prompts = [PROMPTS[0]] * 4 + [PROMPTS[3]] * 3 + [PROMPTS[1]]
-    prefilled = []
-    real = Engine._prefill
-
-    def counting(self, ids, *args):
-        prefilled.append(ids.numel())
-        return real(self, ids, *args)
-    monkeypatch.setattr(Engine, "_prefill", counting)
     outs = generate(model, prompts, temperature=1.0, max_new_tokens=8, seed=2, batch_size=8, progress=False)
     assert prefilled == [len(PROMPTS[0]) + len(PROMPTS[3]) + len(PROMPTS[1]), 3 + 2]  # leaders, then repeats
     assert_same(outs, reference(model, prompts, temperature=1.0, max_new_tokens=8, seed=2))
     assert len({tuple(o["token_ids"]) for o in outs[:4]}) > 1  # the repeats are separate samples
 
 
-def test_shared_prefixes_prefill_once(model, monkeypatch):
+def test_shared_prefixes_prefill_once(model, prefilled):
     """Prompts that share a prefix of >= 16 tokens (a task's instruction) copy it from a sequence in the cache, or
     from one admitted before them, and prefill only the rest: the same tokens as prefilling everything."""
     instruction = [(7 * i) % 90 + 3 for i in range(37)]
     prompts = [instruction + [i + 1, 2 * i + 5] for i in range(10)] + [instruction[:20] + [1, 2, 3]] + PROMPTS[:2]
-    prefilled = []
-    real = Engine._prefill
-
-    def counting(self, ids, *args):
-        prefilled.append(ids.numel())
-        return real(self, ids, *args)
-    monkeypatch.setattr(Engine, "_prefill", counting)
     outs = generate(model, prompts, temperature=1.0, max_new_tokens=6, seed=9, batch_size=4, progress=False)
     assert sum(prefilled) < sum(len(p) for p in prompts) - 8 * 32  # most of the 37-token instruction is shared
     assert_same(outs, reference(model, prompts, temperature=1.0, max_new_tokens=6, seed=9))
