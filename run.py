@@ -58,6 +58,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import drift
@@ -78,6 +79,10 @@ from reporting.diagnostics import diagnose
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("sft", "replay", "opr-ru", "opr-sc", "opr-low", "opr-random", "mtl", "sdft", "sft-kl")
+# the OPR methods' buffers: which score ranks the rollouts (ru: the task metric, sc: mean log-prob) and what of the
+# ranking the buffer keeps (the top, the lowest, a random subset)
+OPR_BUFFERS = {"opr-ru": ("ru", "top"), "opr-sc": ("sc", "top"), "opr-low": ("ru", "low"),
+               "opr-random": ("ru", "random")}
 # CPU threads per step: float results depend on the thread count, so it is pinned (and part of every step's key)
 # rather than derived from the core count; 1 is also the fastest for the tiny model's small ops. Overridden by
 # --threads, or by an OMP_NUM_THREADS the caller set explicitly.
@@ -232,6 +237,275 @@ def main(argv=None):
     args = parse_args(argv)
     if hasattr(signal, "SIGUSR1"):  # kill -USR1 PID: every thread's stack to stderr, then on (see the docstring)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    preset, cfg, methods, rhos, seeds = configure(args)
+    run_dir = check_output(Path(args.out or f"runs/{preset}").resolve(), "run", args.overwrite)
+    inputs = load_inputs(args, preset, cfg, methods)  # built once before anything runs in parallel, and checked
+    pipe, engine_name = make_pipeline(args, run_dir)
+    steps = Steps(pipe, cfg, inputs, args, engine_name)
+
+    # plan every (rho, method, seed) chain, then the mechanism probes on each
+    row0 = {seed: steps.evaluate(None, 0, inputs.tasks, seed) for seed in seeds}  # the base on every task
+    runs = {}  # label -> seed -> list of (train_key, eval_key)
+    for rho in rhos:
+        for method in methods:  # methods without a replay buffer train the same chain whatever rho
+            label = method if len(rhos) == 1 or method in ("sft", "mtl", "sdft", "sft-kl") else f"{method}@{rho:g}"
+            if label not in runs:
+                runs[label] = {seed: plan_chain(steps, method, seed, rho) for seed in seeds}
+    probes = plan_probes(steps, runs)
+
+    print(f"run.py: preset {preset}, base {inputs.base}, data {inputs.data_root}, tasks {','.join(inputs.tasks)}, "
+          f"methods {','.join(runs)}, seeds {seeds}; {len(pipe.steps)} steps ({len(pipe.committed())} "
+          f"already done) in {run_dir}", flush=True)
+    if args.dry_run:  # the cost planner: nothing runs and nothing is written
+        return plan.print_plan(pipe.steps, runs, cfg, inputs.train_sets, inputs.tok, inputs.data_root, inputs.base,
+                               args)
+    pipe.lock_run_dir()  # creates the run directory: everything above is checked
+    pipe.digests.save()
+    t0 = time.time()
+    pipe.execute()
+
+    meta = run_meta(args, preset, cfg, rhos, inputs, pipe, engine_name)
+    results = collect(pipe, runs, row0, inputs.tasks, meta, probes)
+    write_json(run_dir / "results.json", results)
+    print_report(results, run_dir)
+    write_timing(pipe, run_dir)
+    print(f"run.py: done in {time.time() - t0:.0f}s; report: {run_dir / 'report.md'}")
+
+
+def plan_chain(steps: "Steps", method: str, seed: int, rho: float) -> list:
+    """One method's chain on one seed, the module docstring's stage loop: [(train_key, eval_key)] for stages 1..N.
+    Stage i trains task i on the last stage's checkpoint with the buffer built after it (mtl: the base on tasks 1..i
+    jointly) and is evaluated on tasks 1..i+1; then the buffer for stage i+1: replay draws gold examples of tasks
+    1..i, opr-* roll the new checkpoint out on their training prompts and score the rollouts into it."""
+    tasks, epochs = steps.inputs.tasks, steps.inputs.epochs
+    chain, prev, buffer_key = [], None, None
+    for i, task in enumerate(tasks):
+        stage, seen = i + 1, tasks[:i + 1]
+        if method == "mtl":  # row i: the base trained jointly on tasks 1..i (the upper bound so far)
+            n_ep = round(sum(epochs[t] for t in seen) / len(seen))
+            t_key = steps.train(None, stage, seen, None, seed, n_epochs=n_ep)
+        else:
+            t_key = steps.train(prev, stage, [task], buffer_key, seed, objective_flags(method, steps.cfg))
+        chain.append((t_key, steps.evaluate(t_key, stage, tasks[:i + 2], seed)))  # + task i+1, for FWT
+        prev, buffer_key = t_key, None
+        if stage == len(tasks):
+            break
+        next_task = tasks[i + 1]  # its training-set size sets the budget of the buffer it trains with
+        if method == "replay":
+            buffer_key = steps.gold_buffer(stage, seen, seed, next_task, rho)
+        elif method in OPR_BUFFERS:
+            scorer, mode = OPR_BUFFERS[method]
+            rollouts = steps.rollout(t_key, stage, seen, seed)
+            buffer_key = steps.score(rollouts, stage, seen, scorer, mode, seed, next_task, rho)
+    return chain
+
+
+def objective_flags(method: str, cfg: dict) -> list:
+    """train.py's --objective flags of a method (sft's objective, the default, for all but sft-kl and sdft)."""
+    return {"sft-kl": ["--objective", "sft-kl", "--sft-kl-beta", str(cfg["sft_kl_beta"])],
+            "sdft": ["--objective", "sdft", "--sdft-teacher", cfg["sdft_teacher"], "--sdft-alpha",
+                     str(cfg["sdft_alpha"]), "--sdft-kl", cfg["sdft_kl"], "--sdft-temperature",
+                     str(cfg["sdft_temperature"]), "--sdft-max-new-tokens",
+                     str(cfg["sdft_max_new_tokens"])]}.get(method, [])
+
+
+def plan_probes(steps: "Steps", runs: dict) -> dict:
+    """The paper's mechanism, measured on every chain: the per-update KL(pi_i || pi_i-1) on the prior tasks' held-out
+    prompts after every stage i >= 2 (drift.py; none when cfg's drift_limit is 0), and each replay buffer's per-token
+    NLL under the checkpoint that built it (score.py records it for OPR buffers; buffer_nll.py computes it for gold
+    ones). Returns label -> seed -> {"drift": [(stage, key)], "buffers": [(stage, key)], "rollouts": [(stage, key)]}."""
+    pipe, tasks = steps.pipe, steps.inputs.tasks
+    probes = {}
+    for label, by_seed in runs.items():
+        for seed, chain in by_seed.items():
+            found = probes.setdefault(label, {}).setdefault(seed, dict(drift=[], buffers=[], rollouts=[]))
+            for i in range(1, len(chain)):  # chain[i] is stage i + 1; its buffer was built after stage i
+                cur, prev = chain[i][0], chain[i - 1][0]
+                if steps.cfg["drift_limit"]:
+                    found["drift"].append((i + 1, steps.drift(cur, prev, i + 1, tasks[:i], seed)))
+                for dep in pipe.steps[cur]["deps"]:
+                    if pipe.steps[dep]["kind"] == "score":  # OPR: score.py wrote buffer_stats.json
+                        found["buffers"].append((i, dep))
+                        found["rollouts"].append((i, pipe.steps[dep]["deps"][0]))
+                    elif pipe.steps[dep]["kind"] == "replay":
+                        found["buffers"].append((i, steps.gold_nll(prev, dep, i)))
+    return probes
+
+
+class Steps:
+    """The step builders: each adds one step to the pipeline, keyed by what changes its numbers (its settings, the
+    keys of the steps it reads, the files it reads), with the command that runs it, and returns its key. A step
+    planned twice (e.g. stage 1 of every method) is one step."""
+
+    def __init__(self, pipe: Pipeline, cfg: dict, inputs: "Inputs", args, engine_name: str):
+        self.pipe, self.cfg, self.inputs = pipe, cfg, inputs
+        gpus = args.gpus
+        # the base checkpoint: every chain starts from it, and gold replay uses its tokenizer
+        self.base_files = [inputs.base]
+        self.engine = ["--engine", engine_name, "--tp", str(max(gpus, 1))]
+        self.py = [sys.executable]
+        self.trainer = args.launcher.split() if args.launcher else self.py if gpus <= 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+        self.gen = ["--temperature", str(cfg["temperature"]), "--max-new-tokens", str(cfg["max_new_tokens"]),
+                    "--quiet"]
+        self.spec_flag = ["--task-spec", str(inputs.task_spec)] if args.task_spec else []
+        self.common_data = ["--data", str(inputs.data_root), "--max-len", str(cfg["max_len"]), *self.spec_flag]
+        # what generation depends on (keys eval/rollout steps): not the method list or rho, so adding a method or a
+        # rho to a run re-uses the evaluations and rollouts of the checkpoints it shares
+        self.gen_spec = dict(engine=self.engine, **{k: cfg[k] for k in ("temperature", "max_new_tokens", "max_len")})
+        # on GPUs: recomputing blocks in backward saves memory and leaves the numbers as they are
+        # (tests/test_train.py): not part of the key
+        self.ac = ["--activation-checkpointing"] if cfg["activation_checkpointing"] and gpus else []
+
+    def files(self, split, task_list):
+        return [task_file(self.inputs.data_root, t, split) for t in task_list]
+
+    @staticmethod
+    def scorers(task_list):  # a user's own scorer is read like a data file by the steps that score with it
+        return [f for f in (scorer_file(get_task(t)) for t in task_list) if f]
+
+    @staticmethod
+    def with_fields(spec, task_list, kind):  # a manifest's task settings; absent without one (TRACE's keys)
+        fields = step_fields(task_list, kind)
+        return spec if fields is None else dict(spec, task_fields=fields)
+
+    def train(self, prev, stage, task_list, buffer_key, seed, extra=(), n_epochs=None):
+        """train.py on the checkpoint of `prev` (None: the base) with the train splits of `task_list` and the buffer
+        of `buffer_key` (None: no replay); extra: train.py flags (the objective)."""
+        cfg, train_sets, base = self.cfg, self.inputs.train_sets, self.inputs.base
+        name = f"s{stage}-train-{task_list[-1] if len(task_list) == 1 else 'joint'}"
+        spec = dict(tasks=task_list, seed=seed, lr=cfg["lr"], gb=cfg["global_batch"], extra=list(extra),
+                    ep=n_epochs or self.inputs.epochs[task_list[-1]], max_len=cfg["max_len"], mt=cfg["micro_tokens"],
+                    max_train=cfg["max_train"])
+        if cfg["warmup"]:  # absent when 0, so the keys of runs made before the flag existed stay valid
+            spec["warmup"] = cfg["warmup"]
+        spec = self.with_fields(spec, task_list, "data")
+
+        def build(tmp, dirs):
+            records = [{"prompt": e.prompt, "response": e.answer, "task": e.task, "idx": e.idx}
+                       for t in task_list for e in train_sets[t]]
+            buffer = dirs[buffer_key] / "buffer.jsonl" if buffer_key else None
+            if buffer and buffer.stat().st_size:  # (empty: score.py found no rollout short enough to train on)
+                records += read_records(buffer, required=("prompt", "response"), types={"prompt": (str, list)})
+            write_jsonl(tmp / "mixture.jsonl", records)
+            model = dirs[prev] / "ckpt" if prev else base
+            return self.trainer + [
+                str(HERE / "train.py"), "--model", str(model), "--data", str(tmp / "mixture.jsonl"),
+                "--out", str(tmp / "ckpt"), "--epochs", str(spec["ep"]), "--lr", str(cfg["lr"]),
+                "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
+                "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", "0",
+                "--warmup", str(cfg["warmup"]), "--quiet", *extra, *self.ac]
+        return self.pipe.add("train", name, spec, [d for d in (prev, buffer_key) if d], build,
+                             reads=self.files("train", task_list) + ([] if prev else self.base_files))
+
+    def evaluate(self, train_key, stage, task_list, seed):
+        """Row `stage` of the matrix: the checkpoint of `train_key` (None: the base model, row 0) on `task_list`."""
+        cfg, base = self.cfg, self.inputs.base
+
+        def build(tmp, dirs):
+            limit = ["--limit", str(cfg["eval_limit"])] if cfg["eval_limit"] else []
+            ckpt = dirs[train_key] / "ckpt" if train_key else base
+            return self.py + [str(HERE / "evaluate.py"), "--ckpt", str(ckpt), *self.common_data,
+                              "--tasks", ",".join(task_list), "--out", str(tmp / "eval"), "--seed", str(seed),
+                              "--repeats", str(cfg["eval_repeats"]), "--scoring", cfg["scoring"], *self.gen,
+                              *self.engine, *limit]
+        spec = dict(tasks=task_list, seed=seed, gen=self.gen_spec, repeats=cfg["eval_repeats"],
+                    scoring=cfg["scoring"], rules=metrics.RULES, limit=cfg["eval_limit"])
+        return self.pipe.add("eval", f"s{stage}-eval", self.with_fields(spec, task_list, "eval"),
+                             [train_key] if train_key else [], build,
+                             reads=self.files("test", task_list) + self.scorers(task_list)
+                             + ([] if train_key else self.base_files))
+
+    def budget_args(self, prior, next_task, rho):
+        """(score.py flags, the budget) of the replay buffer built after the stage that trained prior[-1]."""
+        cfg = self.cfg
+        budget = replay_budget(cfg["replay_budget"], rho, prior, self.inputs.train_sizes, next_task)
+        if (budget["total"] if "total" in budget else sum(budget["per_task"].values())) == 0:
+            raise UserError(f"--rho {rho}: the replay buffer after stage {len(prior)} would hold 0 examples "
+                            f"({cfg['replay_budget']} budget, round(rho x training examples)); the replay methods "
+                            f"would train as sft does: raise --rho or the training set size")
+        if "per_task" in budget:
+            return ["--task-budgets", ",".join(f"{t}={k}" for t, k in budget["per_task"].items())], budget
+        return ["--budget", str(budget["total"])], budget
+
+    def rollout(self, train_key, stage, prior, seed):
+        """rollout.py: the checkpoint of `train_key` answers the training prompts of tasks `prior`."""
+        cfg = self.cfg
+
+        def build(tmp, dirs):
+            return self.py + [str(HERE / "rollout.py"), "--ckpt", str(dirs[train_key] / "ckpt"), *self.common_data,
+                              "--tasks", ",".join(prior), "--out", str(tmp / "rollouts.jsonl"), "--seed", str(seed),
+                              "--max-train", str(cfg["max_train"]), *self.gen, *self.engine]
+        spec = self.with_fields(dict(prior=prior, seed=seed, gen=self.gen_spec, max_train=cfg["max_train"]), prior,
+                                "rollout")
+        return self.pipe.add("rollout", f"s{stage}-rollout", spec, [train_key], build,
+                             reads=self.files("train", prior))
+
+    def score(self, rollout_key, stage, prior, scorer, mode, seed, next_task, rho):
+        """score.py: the OPR buffer of the rollouts of `rollout_key`, the top (or lowest, or a random subset) of the
+        budget by `scorer` (ru: the task metric, sc: mean log-prob)."""
+        cfg, data_root, base = self.cfg, self.inputs.data_root, self.inputs.base
+        flags, budget = self.budget_args(prior, next_task, rho)
+        scoring = ["--scoring", cfg["scoring"]]  # ru's metric (sc: only the RU-SC correlation in the stats)
+        draw = f"{seed}:{stage}"  # ties among equal scores drawn anew at every stage, as gold replay draws its examples
+
+        def build(tmp, dirs):  # --max-len and --tokenizer: only what train.py can train on
+            return self.py + [str(HERE / "score.py"), "--rollouts", str(dirs[rollout_key] / "rollouts.jsonl"),
+                              "--data", str(data_root), "--scorer", scorer, "--select", mode, *flags, *scoring,
+                              "--max-len", str(cfg["max_len"]), "--tokenizer", str(base),
+                              "--tasks", ",".join(prior), "--seed", draw, "--out", str(tmp / "buffer.jsonl"),
+                              *self.spec_flag]
+        spec = dict(scorer=scorer, mode=mode, budget=budget, seed=draw, scoring=cfg["scoring"], rules=metrics.RULES,
+                    max_len=cfg["max_len"])
+        return self.pipe.add("score", f"s{stage}-{scorer}-{mode}", self.with_fields(spec, prior, "score"),
+                             [rollout_key], build, reads=self.files("train", prior) + self.scorers(prior))
+
+    def gold_buffer(self, stage, prior, seed, next_task, rho):
+        """replay's buffer: a seeded random draw of the budget from the gold training examples of tasks `prior`."""
+        cfg, train_sets = self.cfg, self.inputs.train_sets
+        _, budget = self.budget_args(prior, next_task, rho)
+
+        def build(tmp, dirs):
+            counts = replay_counts(budget, {t: len(train_sets[t]) for t in prior})
+            picked = [{"prompt": e.prompt, "response": e.answer, "task": t, "idx": e.idx, "source": "gold"}
+                      for t in prior for e in select(train_sets[t], [0.0] * len(train_sets[t]), counts[t],
+                                                     "random", f"{seed}:{stage}:{t}")]
+            write_jsonl(tmp / "buffer.jsonl", picked)
+            return None
+        spec = dict(prior=prior, seed=seed, budget=budget, max_len=cfg["max_len"], max_train=cfg["max_train"])
+        return self.pipe.add("replay", f"s{stage}-gold", self.with_fields(spec, prior, "data"), [], build,
+                             reads=self.files("train", prior) + self.base_files)
+
+    def drift(self, cur_key, prev_key, stage, prior, seed):
+        """drift.py: KL(pi_cur || pi_prev) per update on the test prompts of tasks `prior`."""
+        cfg = self.cfg
+
+        def build(tmp, dirs):
+            return self.py + [str(HERE / "drift.py"), "--ckpt", str(dirs[cur_key] / "ckpt"), "--ref",
+                              str(dirs[prev_key] / "ckpt"), *self.common_data, "--tasks", ",".join(prior), "--out",
+                              str(tmp / "drift"), "--seed", str(seed), "--limit", str(cfg["drift_limit"]),
+                              "--max-new-tokens", str(cfg["max_new_tokens"]), "--quiet", *self.engine]
+        spec = dict(prior=prior, seed=seed, limit=cfg["drift_limit"], temperature=drift.TEMPERATURE,
+                    max_new_tokens=cfg["max_new_tokens"], max_len=cfg["max_len"], engine=self.engine)
+        return self.pipe.add("drift", f"s{stage}-drift", self.with_fields(spec, prior, "data"), [cur_key, prev_key],
+                             build, reads=self.files("test", prior))
+
+    def gold_nll(self, train_key, buffer_key, stage):
+        """buffer_nll.py: a gold buffer's per-token NLL under the checkpoint of `train_key`, which it followed."""
+        max_len = self.cfg["max_len"]
+
+        def build(tmp, dirs):
+            return self.py + [str(HERE / "buffer_nll.py"), "--ckpt", str(dirs[train_key] / "ckpt"), "--buffer",
+                              str(dirs[buffer_key] / "buffer.jsonl"), "--max-len", str(max_len), "--out",
+                              str(tmp / "buffer_stats.json"), "--quiet"]
+        return self.pipe.add("buffer-nll", f"s{stage}-buffer-nll", dict(max_len=max_len), [train_key, buffer_key],
+                             build)
+
+
+# ---- setup: the settings, the inputs, the pipeline ---------------------------------------------------------------
+def configure(args):
+    """The run's settings, checked: (preset, cfg, methods, rhos, seeds). The preset is the paper's with --model, else
+    --base's (tiny by default); cfg is its settings with the flags given in their place."""
     preset = "paper" if args.model else (args.base or "tiny")
     cfg = dict(PRESETS[preset])
     for k in ("methods", "rho", "lr", "warmup", "global_batch", "max_new_tokens", "n_train", "n_test", "eval_limit", "sft_kl_beta",
@@ -251,9 +525,26 @@ def main(argv=None):
         raise UserError("--n-train/--n-test size the embedded benchmark; with --data use --max-train "
                         "(training subsample per task) and --eval-limit (test prompts per task)")
     seeds = [int(s) for s in args.seeds.split(",")]
-    run_dir = check_output(Path(args.out or f"runs/{preset}").resolve(), "run", args.overwrite)
+    return preset, cfg, methods, rhos, seeds
 
-    # the base model and the data, built once before anything runs in parallel
+
+@dataclass
+class Inputs:
+    """The base model and the data every step reads, loaded and checked by load_inputs."""
+    base: Path                # the base checkpoint directory
+    data_root: Path
+    task_spec: Path | None    # the task manifest, if any (data/manifest.py)
+    tasks: list               # the task order
+    epochs: dict              # task -> epochs of its stage
+    held: dict                # task -> how its test split was held out of its train records (a manifest's)
+    tok: ChatTokenizer        # the base's
+    train_sizes: dict         # task -> training subsample size before the over-long filter (the budget rule's n)
+    train_sets: dict          # task -> the training examples that fit max_len
+
+
+def load_inputs(args, preset: str, cfg: dict, methods: list) -> Inputs:
+    """The base model and the data (the embedded ones built if need be), with everything a step will read checked
+    up front."""
     from data.embedded import ensure_embedded
     from model.base import ensure_base
     base = Path(args.model).resolve() if args.model else ensure_base(preset)
@@ -283,7 +574,12 @@ def main(argv=None):
     if task_spec and "sdft" in methods and any(not isinstance(e.prompt, str) for t in tasks for e in train_sets[t]):
         raise UserError(f"{task_spec}: sdft puts a prompt into its teacher's user turn: it needs single-turn prompts, "
                         f"without a system prompt or earlier turns")
+    return Inputs(base, data_root, task_spec, tasks, epochs, held, tok, train_sizes, train_sets)
 
+
+def make_pipeline(args, run_dir: Path):
+    """(the Pipeline, the engine's name): the steps' environment (pinned threads, the CPU's numerics), how many run
+    at once, and the numerics that are part of every step's key."""
     gpus = args.gpus
     threads = args.threads or pinned_threads(os.environ.get("OMP_NUM_THREADS"))
     jobs = 1 if gpus else (args.jobs or max(1, (os.cpu_count() or 2) // threads))  # GPU steps share the devices
@@ -307,217 +603,30 @@ def main(argv=None):
     # "auto" resolved here, so the keys say which engine sampled (vLLM needs GPUs: a CPU run samples natively)
     engine_name = resolve_engine(args.engine) if gpus or args.engine != "auto" else "native"
     pipe.use_zygote &= gpus == 0 and engine_name != "vllm"  # CUDA and vLLM start in processes of their own
-    base_files = [base]  # the base checkpoint: every chain starts from it, and gold replay uses its tokenizer
+    return pipe, engine_name
 
-    def files(split, task_list):
-        return [task_file(data_root, t, split) for t in task_list]
 
-    def scorers(task_list):  # a user's own scorer is read like a data file by the steps that score with it
-        return [f for f in (scorer_file(get_task(t)) for t in task_list) if f]
-
-    def with_fields(spec, task_list, kind):  # a manifest's task settings; absent without one (TRACE's keys)
-        fields = step_fields(task_list, kind)
-        return spec if fields is None else dict(spec, task_fields=fields)
-    engine = ["--engine", engine_name, "--tp", str(max(gpus, 1))]
-    py = [sys.executable]
-    trainer = args.launcher.split() if args.launcher else py if gpus <= 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
-    gen = ["--temperature", str(cfg["temperature"]), "--max-new-tokens", str(cfg["max_new_tokens"]), "--quiet"]
-    spec_flag = ["--task-spec", str(task_spec)] if args.task_spec else []
-    common_data = ["--data", str(data_root), "--max-len", str(cfg["max_len"]), *spec_flag]
-    # what generation depends on (keys eval/rollout steps): not the method list or rho, so adding a method or a rho
-    # to a run re-uses the evaluations and rollouts of the checkpoints it shares
-    gen_spec = dict(engine=engine, **{k: cfg[k] for k in ("temperature", "max_new_tokens", "max_len")})
-
-    # on GPUs: recomputing blocks in backward saves memory and leaves the numbers as they are (tests/test_train.py):
-    # not part of the key
-    ac = ["--activation-checkpointing"] if cfg["activation_checkpointing"] and gpus else []
-
-    def train_step(prev, stage, task_list, buffer_key, seed, extra=(), n_epochs=None):
-        name = f"s{stage}-train-{task_list[-1] if len(task_list) == 1 else 'joint'}"
-        spec = dict(tasks=task_list, seed=seed, lr=cfg["lr"], gb=cfg["global_batch"], extra=list(extra),
-                    ep=n_epochs or epochs[task_list[-1]], max_len=cfg["max_len"], mt=cfg["micro_tokens"],
-                    max_train=cfg["max_train"])
-        if cfg["warmup"]:  # absent when 0, so the keys of runs made before the flag existed stay valid
-            spec["warmup"] = cfg["warmup"]
-        spec = with_fields(spec, task_list, "data")
-
-        def build(tmp, dirs):
-            records = [{"prompt": e.prompt, "response": e.answer, "task": e.task, "idx": e.idx}
-                       for t in task_list for e in train_sets[t]]
-            buffer = dirs[buffer_key] / "buffer.jsonl" if buffer_key else None
-            if buffer and buffer.stat().st_size:  # (empty: score.py found no rollout short enough to train on)
-                records += read_records(buffer, required=("prompt", "response"), types={"prompt": (str, list)})
-            write_jsonl(tmp / "mixture.jsonl", records)
-            model = dirs[prev] / "ckpt" if prev else base
-            return trainer + [str(HERE / "train.py"), "--model", str(model), "--data", str(tmp / "mixture.jsonl"),
-                              "--out", str(tmp / "ckpt"), "--epochs", str(spec["ep"]), "--lr", str(cfg["lr"]),
-                              "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
-                              "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", "0",
-                              "--warmup", str(cfg["warmup"]), "--quiet", *extra, *ac]
-        return pipe.add("train", name, spec, [d for d in (prev, buffer_key) if d], build,
-                        reads=files("train", task_list) + ([] if prev else base_files))
-
-    def eval_step(train_key, stage, task_list, seed):
-        """Row `stage` of the matrix: the checkpoint of `train_key` (None: the base model, row 0) on `task_list`."""
-        def build(tmp, dirs):
-            limit = ["--limit", str(cfg["eval_limit"])] if cfg["eval_limit"] else []
-            ckpt = dirs[train_key] / "ckpt" if train_key else base
-            return py + [str(HERE / "evaluate.py"), "--ckpt", str(ckpt), *common_data,
-                         "--tasks", ",".join(task_list), "--out", str(tmp / "eval"), "--seed", str(seed),
-                         "--repeats", str(cfg["eval_repeats"]), "--scoring", cfg["scoring"], *gen, *engine, *limit]
-        spec = dict(tasks=task_list, seed=seed, gen=gen_spec, repeats=cfg["eval_repeats"], scoring=cfg["scoring"],
-                    rules=metrics.RULES, limit=cfg["eval_limit"])
-        return pipe.add("eval", f"s{stage}-eval", with_fields(spec, task_list, "eval"),
-                        [train_key] if train_key else [], build,
-                        reads=files("test", task_list) + scorers(task_list) + ([] if train_key else base_files))
-
-    def budget_args(prior, next_task, rho):
-        """(score.py flags, the budget) of the replay buffer built after the stage that trained prior[-1]."""
-        budget = replay_budget(cfg["replay_budget"], rho, prior, train_sizes, next_task)
-        if (budget["total"] if "total" in budget else sum(budget["per_task"].values())) == 0:
-            raise UserError(f"--rho {rho}: the replay buffer after stage {len(prior)} would hold 0 examples "
-                            f"({cfg['replay_budget']} budget, round(rho x training examples)); the replay methods "
-                            f"would train as sft does: raise --rho or the training set size")
-        if "per_task" in budget:
-            return ["--task-budgets", ",".join(f"{t}={k}" for t, k in budget["per_task"].items())], budget
-        return ["--budget", str(budget["total"])], budget
-
-    def opr_buffer(train_key, stage, prior, scorer, mode, seed, next_task, rho):
-        def build_rollout(tmp, dirs):
-            return py + [str(HERE / "rollout.py"), "--ckpt", str(dirs[train_key] / "ckpt"), *common_data,
-                         "--tasks", ",".join(prior), "--out", str(tmp / "rollouts.jsonl"), "--seed", str(seed),
-                         "--max-train", str(cfg["max_train"]), *gen, *engine]
-        r_spec = with_fields(dict(prior=prior, seed=seed, gen=gen_spec, max_train=cfg["max_train"]), prior, "rollout")
-        r_key = pipe.add("rollout", f"s{stage}-rollout", r_spec, [train_key], build_rollout,
-                         reads=files("train", prior))
-
-        flags, budget = budget_args(prior, next_task, rho)
-        scoring = ["--scoring", cfg["scoring"]]  # ru's metric (sc: only the RU-SC correlation in the stats)
-        draw = f"{seed}:{stage}"  # ties among equal scores drawn anew at every stage, as gold replay draws its examples
-
-        def build_score(tmp, dirs):
-            return py + [str(HERE / "score.py"), "--rollouts", str(dirs[r_key] / "rollouts.jsonl"), "--data",
-                         str(data_root), "--scorer", scorer, "--select", mode, *flags, *scoring,
-                         "--max-len", str(cfg["max_len"]), "--tokenizer", str(base),  # only what train.py can train on
-                         "--tasks", ",".join(prior), "--seed", draw, "--out", str(tmp / "buffer.jsonl"), *spec_flag]
-        spec = dict(scorer=scorer, mode=mode, budget=budget, seed=draw, scoring=cfg["scoring"], rules=metrics.RULES,
-                    max_len=cfg["max_len"])
-        return pipe.add("score", f"s{stage}-{scorer}-{mode}", with_fields(spec, prior, "score"), [r_key], build_score,
-                        reads=files("train", prior) + scorers(prior))
-
-    def gold_buffer(stage, prior, seed, next_task, rho):
-        _, budget = budget_args(prior, next_task, rho)
-
-        def build(tmp, dirs):
-            counts = replay_counts(budget, {t: len(train_sets[t]) for t in prior})
-            picked = [{"prompt": e.prompt, "response": e.answer, "task": t, "idx": e.idx, "source": "gold"}
-                      for t in prior for e in select(train_sets[t], [0.0] * len(train_sets[t]), counts[t],
-                                                     "random", f"{seed}:{stage}:{t}")]
-            write_jsonl(tmp / "buffer.jsonl", picked)
-            return None
-        spec = dict(prior=prior, seed=seed, budget=budget, max_len=cfg["max_len"], max_train=cfg["max_train"])
-        return pipe.add("replay", f"s{stage}-gold", with_fields(spec, prior, "data"), [], build,
-                        reads=files("train", prior) + base_files)
-
-    # plan every (rho, method, seed) chain
-    runs = {}  # label -> seed -> list of (train_key, eval_key)
-    row0 = {seed: eval_step(None, 0, tasks, seed) for seed in seeds}  # the base on every task, shared by all methods
-    for rho in rhos:
-        for method in methods:
-            label = method if len(rhos) == 1 or method in ("sft", "mtl", "sdft", "sft-kl") else f"{method}@{rho:g}"
-            if label in runs:
-                continue
-            runs[label] = {}
-            for seed in seeds:
-                chain = []
-                if method == "mtl":  # row i: the base trained jointly on tasks 1..i (the upper bound so far)
-                    for i in range(len(tasks)):
-                        seen = tasks[:i + 1]
-                        n_ep = round(sum(epochs[t] for t in seen) / len(seen))
-                        t_key = train_step(None, i + 1, seen, None, seed, n_epochs=n_ep)
-                        chain.append((t_key, eval_step(t_key, i + 1, tasks[:i + 2], seed)))
-                    runs[label][seed] = chain
-                    continue
-                extra = {"sft-kl": ["--objective", "sft-kl", "--sft-kl-beta", str(cfg["sft_kl_beta"])],
-                         "sdft": ["--objective", "sdft", "--sdft-teacher", cfg["sdft_teacher"], "--sdft-alpha",
-                                  str(cfg["sdft_alpha"]), "--sdft-kl", cfg["sdft_kl"], "--sdft-temperature",
-                                  str(cfg["sdft_temperature"]), "--sdft-max-new-tokens",
-                                  str(cfg["sdft_max_new_tokens"])]}.get(method, [])
-                prev, buffer_key = None, None
-                for i, task in enumerate(tasks):
-                    t_key = train_step(prev, i + 1, [task], buffer_key, seed, extra)
-                    chain.append((t_key, eval_step(t_key, i + 1, tasks[:i + 2], seed)))  # + task i+1, for FWT
-                    prev, buffer_key = t_key, None
-                    if i + 1 < len(tasks):
-                        next_task, prior = tasks[i + 1], tasks[:i + 1]
-                        if method == "replay":
-                            buffer_key = gold_buffer(i + 1, prior, seed, next_task, rho)
-                        elif method.startswith("opr-"):
-                            scorer, mode = {"opr-ru": ("ru", "top"), "opr-sc": ("sc", "top"),
-                                            "opr-low": ("ru", "low"), "opr-random": ("ru", "random")}[method]
-                            buffer_key = opr_buffer(t_key, i + 1, prior, scorer, mode, seed, next_task, rho)
-                runs[label][seed] = chain
-
-    # the paper's mechanism, measured on every chain: the per-update KL(pi_i || pi_i-1) on the prior tasks' held-out
-    # prompts after every stage i >= 2 (drift.py), and each replay buffer's per-token NLL under the checkpoint that
-    # built it (score.py records it for OPR buffers; buffer_nll.py computes it for gold ones)
-    def drift_step(cur_key, prev_key, stage, prior, seed):
-        def build(tmp, dirs):
-            return py + [str(HERE / "drift.py"), "--ckpt", str(dirs[cur_key] / "ckpt"), "--ref",
-                         str(dirs[prev_key] / "ckpt"), *common_data, "--tasks", ",".join(prior), "--out",
-                         str(tmp / "drift"), "--seed", str(seed), "--limit", str(cfg["drift_limit"]),
-                         "--max-new-tokens", str(cfg["max_new_tokens"]), "--quiet", *engine]
-        spec = dict(prior=prior, seed=seed, limit=cfg["drift_limit"], temperature=drift.TEMPERATURE,
-                    max_new_tokens=cfg["max_new_tokens"], max_len=cfg["max_len"], engine=engine)
-        return pipe.add("drift", f"s{stage}-drift", with_fields(spec, prior, "data"), [cur_key, prev_key], build,
-                        reads=files("test", prior))
-
-    def gold_nll_step(train_key, buffer_key, stage):
-        def build(tmp, dirs):
-            return py + [str(HERE / "buffer_nll.py"), "--ckpt", str(dirs[train_key] / "ckpt"), "--buffer",
-                         str(dirs[buffer_key] / "buffer.jsonl"), "--max-len", str(cfg["max_len"]), "--out",
-                         str(tmp / "buffer_stats.json"), "--quiet"]
-        return pipe.add("buffer-nll", f"s{stage}-buffer-nll", dict(max_len=cfg["max_len"]), [train_key, buffer_key],
-                        build)
-
-    probes = {}  # label -> seed -> {"drift": [(stage, key)], "buffers": [(stage, key)], "rollouts": [(stage, key)]}
-    for label, by_seed in runs.items():
-        for seed, chain in by_seed.items():
-            found = probes.setdefault(label, {}).setdefault(seed, dict(drift=[], buffers=[], rollouts=[]))
-            for i in range(1, len(chain)):  # chain[i] is stage i + 1; its buffer was built after stage i
-                cur, prev = chain[i][0], chain[i - 1][0]
-                if cfg["drift_limit"]:
-                    found["drift"].append((i + 1, drift_step(cur, prev, i + 1, tasks[:i], seed)))
-                for dep in pipe.steps[cur]["deps"]:
-                    if pipe.steps[dep]["kind"] == "score":  # OPR: score.py wrote buffer_stats.json
-                        found["buffers"].append((i, dep))
-                        found["rollouts"].append((i, pipe.steps[dep]["deps"][0]))
-                    elif pipe.steps[dep]["kind"] == "replay":
-                        found["buffers"].append((i, gold_nll_step(prev, dep, i)))
-
-    print(f"run.py: preset {preset}, base {base}, data {data_root}, tasks {','.join(tasks)}, methods "
-          f"{','.join(runs)}, seeds {seeds}; {len(pipe.steps)} steps ({len(pipe.committed())} "
-          f"already done) in {run_dir}", flush=True)
-    if args.dry_run:  # the cost planner: nothing runs and nothing is written
-        return plan.print_plan(pipe.steps, runs, cfg, train_sets, tok, data_root, base, args)
-    pipe.lock_run_dir()  # creates the run directory: everything above is checked
-    pipe.digests.save()
-    t0 = time.time()
-    pipe.execute()
-
-    meta = dict(preset=preset, base=str(base), data=str(data_root), cfg=cfg,
-                numerics=numerics, train_sizes=train_sizes)
+# ---- after the run: results.json, the report, the timing ---------------------------------------------------------
+def run_meta(args, preset: str, cfg: dict, rhos: list, inputs: Inputs, pipe: Pipeline, engine_name: str) -> dict:
+    """results.json's meta: the preset, base, data, settings, numerics and training-set sizes; the preset's seed noise
+    when the run is the one it was measured on; a manifest's path and held-out test splits."""
+    numerics, base = pipe.numerics, inputs.base
+    meta = dict(preset=preset, base=str(base), data=str(inputs.data_root), cfg=cfg,
+                numerics=numerics, train_sizes=inputs.train_sizes)
     weights = base / "model.safetensors"
-    noise = preset_seed_noise(preset, cfg, rhos, custom=bool(args.data or args.model or args.tasks or task_spec),
+    noise = preset_seed_noise(preset, cfg, rhos,
+                              custom=bool(args.data or args.model or args.tasks or inputs.task_spec),
                               numerics=numerics, engine=engine_name,
                               base_sha=pipe.digests.file(weights) if weights.exists() else None)
     if noise:
         meta["seed_noise"] = noise
-    if task_spec:
-        meta.update(task_spec=str(task_spec), held_out=held)
-    results = collect(pipe, runs, row0, tasks, meta, probes)
-    write_json(run_dir / "results.json", results)
+    if inputs.task_spec:
+        meta.update(task_spec=str(inputs.task_spec), held_out=inputs.held)
+    return meta
+
+
+def print_report(results: dict, run_dir: Path):
+    """report.md (and its figures) in the run directory; the table, and a count of flagged evaluations, printed."""
     import report
     summary = report.summarize(results)
     unc = report.uncertainty(results, summary)
@@ -529,8 +638,11 @@ def main(argv=None):
               f"off-format, empty or length-capped); all in {run_dir / 'report.md'}, the first:")
         for line in flagged[:3]:
             print(f"  {line}")
-    # what each kind of step cost (summed step seconds, a step counted in the run that executed it): timing.json,
-    # kept out of results.json so that the results stay a function of the command, its inputs and its seeds
+
+
+def write_timing(pipe: Pipeline, run_dir: Path):
+    """What each kind of step cost (summed step seconds, a step counted in the run that executed it): timing.json,
+    kept out of results.json so that the results stay a function of the command, its inputs and its seeds."""
     timing = {}
     for key, step in pipe.steps.items():
         t = timing.setdefault(step["kind"], {"steps": 0, "seconds": 0.0})
@@ -539,7 +651,6 @@ def main(argv=None):
     write_json(run_dir / "timing.json", timing)
     print("run.py: step seconds by kind: " + ", ".join(f"{k} {v['seconds']:.0f} s ({v['steps']})"
                                                        for k, v in timing.items()))
-    print(f"run.py: done in {time.time() - t0:.0f}s; report: {run_dir / 'report.md'}")
 
 
 def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool, numerics: dict, engine: str,

@@ -43,6 +43,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -373,6 +374,65 @@ def main(argv=None):
     args = parse_args(argv)
     kernels.retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     rank, world, device = setup_distributed()
+    stage = setup(args, rank, world, device)  # 1-3: the data, the model, the optimizer
+    if stage is None:  # --resume found the final checkpoint of these settings
+        dist.destroy_process_group()
+        return 0
+    # 4. the loop
+    bar = tqdm(total=len(stage.steps), initial=stage.start, disable=rank != 0 or args.quiet, desc="train", unit="step")
+    t_start = time.perf_counter()
+    for step in range(stage.start, len(stage.steps)):
+        t0 = time.perf_counter()
+        numbers = train_step(stage, step)
+        log_and_save(stage, step, numbers, time.perf_counter() - t0, bar)
+    bar.close()
+    save_final(stage, t_start)  # 5. the final weights
+    dist.destroy_process_group()
+
+
+@dataclass
+class Stage:
+    """What setup() prepared for the loop, and the loop's running totals."""
+    args: argparse.Namespace
+    rank: int
+    world: int
+    device: torch.device
+    compute_dtype: torch.dtype
+    out: Path                  # the final checkpoint
+    workdir: Path              # OUT.partial: training state and logs until the checkpoint is final
+    log_path: Path             # workdir/train_log.jsonl: one record per step
+    examples: list             # the tokenized mixture (data.packing.Example)
+    dropped: int               # examples longer than --max-len
+    lengths: list              # tokens of each example
+    prompt_ids: list | None    # sdft: the student's prompts x
+    teacher_ids: list | None   # sdft: the teacher's, x with the demonstration in context
+    stop_ids: set              # the tokenizer's end-of-turn ids (sdft's sampling)
+    has_replay: bool           # the mixture has task and replay examples: their losses are logged apart
+    steps: list                # the optimizer steps (lists of example indices), cut at --max-steps
+    settings: dict             # state_settings(args)
+    plan_id: str               # what a resumable training state must have been saved for
+    model: torch.nn.Module
+    teacher: torch.nn.Module | None  # sft-kl / sdft's teacher (None: sdft's "student" teacher is the model itself)
+    ema_rate: float | None     # the teacher's EMA rate (None: a frozen teacher, or none)
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    start: int                 # the first step to run (0, or where a resumed state stopped)
+    peak: float                # the device's peak FLOP/s, for the MFU
+    flops_per_token: float
+    tokens_seen: int = 0       # tokens trained on in this run
+    packed_tokens: int = 0     # tokens in micro-batches ...
+    packed_slots: int = 0      # ... of the budget's capacity: the packing efficiency
+
+    @property
+    def ema_teacher(self):
+        """The teacher when it is an EMA of the student: part of the resumable state."""
+        return self.teacher if self.ema_rate is not None else None
+
+
+def setup(args, rank: int, world: int, device) -> Stage | None:
+    """Steps 1-3 of the docstring: the mixture tokenized and its steps planned, the model (and teacher) built, the
+    optimizer and schedule, a resumed training state loaded; None when --resume finds OUT already the final
+    checkpoint of these settings (nothing to do)."""
     compute_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.model is None or args.data is None:
@@ -392,8 +452,7 @@ def main(argv=None):
             if rank == 0:
                 print(f"train.py: {out} is already the final checkpoint of these settings; nothing to resume",
                       flush=True)
-            dist.destroy_process_group()
-            return 0
+            return None
     check_output(out, "checkpoint", args.overwrite)  # replace only an earlier checkpoint of train.py
     check_output(workdir, "train-state", args.overwrite, flag="--out (its .partial directory)")
 
@@ -403,6 +462,7 @@ def main(argv=None):
     examples, dropped = tokenize_sft(records, tok, args.max_len)
     if not examples:
         raise InputError(f"no example of {args.data} fits --max-len {args.max_len}")
+    prompt_ids = teacher_ids = None
     if args.objective == "sdft":  # the student's prompt x, and the teacher's x with the demonstration in context
         kept = [r for r in records if tok.sft_length(r["prompt"], r["response"]) <= args.max_len]
         prompt_ids = [tok.prompt_ids(r["prompt"]) for r in kept]
@@ -467,145 +527,165 @@ def main(argv=None):
               + (f" (teacher {args.sdft_teacher}, KL {args.sdft_kl})" if args.objective == "sdft" else ""), flush=True)
         print(f"train.py: kernels: attention {attention.describe()}; cross-entropy {cross_entropy.get_backend()}",
               flush=True)
+    return Stage(args=args, rank=rank, world=world, device=device, compute_dtype=compute_dtype, out=out,
+                 workdir=workdir, log_path=log_path, examples=examples, dropped=dropped, lengths=lengths,
+                 prompt_ids=prompt_ids, teacher_ids=teacher_ids, stop_ids=tok.stop_ids, has_replay=has_replay,
+                 steps=steps, settings=settings, plan_id=plan_id, model=model, teacher=teacher, ema_rate=ema_rate,
+                 opt=opt, sched=sched, start=start, peak=peak, flops_per_token=flops_per_token)
 
-    # 4. the loop
-    bar = tqdm(total=len(steps), initial=start, disable=rank != 0 or args.quiet, desc="train", unit="step")
-    t_start, tokens_seen, packed_tokens, packed_slots = time.perf_counter(), 0, 0, 0
-    for step in range(start, len(steps)):
-        t0 = time.perf_counter()
-        batch = steps[step]
-        n_targets = sum(examples[i].n_targets for i in batch)  # the global token count: every rank plans it
-        step_tokens = sum(lengths[i] for i in batch)
-        micro = pack(batch, lengths, args.micro_tokens, world)[rank]
+
+def train_step(s: Stage, step: int) -> dict:
+    """Step 4 of the docstring, optimizer step `step` (0-based): its sequences packed into this rank's micro-batches
+    (sdft: the student's responses sampled first), gradients accumulated, clipped, AdamW and the schedule stepped,
+    an EMA teacher updated. Returns the step's numbers for the log: loss, kl, the per-source NLLs, grad_norm, lr,
+    tokens, target_tokens and (sdft) gen_seconds."""
+    args, rank, world, device, model, teacher = s.args, s.rank, s.world, s.device, s.model, s.teacher
+    examples, lengths = s.examples, s.lengths
+    batch = s.steps[step]
+    n_targets = sum(examples[i].n_targets for i in batch)  # the global token count: every rank plans it
+    step_tokens = sum(lengths[i] for i in batch)
+    micro = pack(batch, lengths, args.micro_tokens, world)[rank]
+    gen_seconds = None
+    if args.objective == "sdft":
+        # the student answers this rank's prompts; its responses replace the gold answers as training tokens
+        mine = [i for mb in micro for i in mb]
+        t_gen = time.perf_counter()
+        outs = sample_responses(model, [s.prompt_ids[i] for i in mine],
+                                [sample_seed(args.seed, step, i) for i in mine], args, s.stop_ids)
+        gen_seconds = time.perf_counter() - t_gen
+        micro, n_targets, step_tokens = on_policy_batches(mine, outs, s.prompt_ids, s.teacher_ids, args, device)
+        sizes = [sum(len(x.ids) for x, _ in mb) for mb in micro]
+    else:
+        sizes = [sum(lengths[i] for i in mb) for mb in micro]
+    s.packed_tokens += sum(sizes)
+    # an example longer than --micro-tokens fills a micro-batch of its own length, not of the budget
+    s.packed_slots += sum(max(args.micro_tokens, x) for x in sizes)
+    nll_sum = torch.zeros((), device=device)
+    kl_sum = torch.zeros((), device=device)
+    src_sum = torch.zeros(2, device=device)  # NLL sums of task and replay examples
+    for mb in micro:
         if args.objective == "sdft":
-            # the student answers this rank's prompts; its responses replace the gold answers as training tokens
-            mine = [i for mb in micro for i in mb]
-            t_gen = time.perf_counter()
-            outs = sample_responses(model, [prompt_ids[i] for i in mine],
-                                    [sample_seed(args.seed, step, i) for i in mine], args, tok.stop_ids)
-            gen_seconds = time.perf_counter() - t_gen
-            micro, n_targets, step_tokens = on_policy_batches(mine, outs, prompt_ids, teacher_ids, args, device)
-            sizes = [sum(len(s.ids) for s, _ in mb) for mb in micro]
-        else:
-            sizes = [sum(lengths[i] for i in mb) for mb in micro]
-        packed_tokens += sum(sizes)
-        # an example longer than --micro-tokens fills a micro-batch of its own length, not of the budget
-        packed_slots += sum(max(args.micro_tokens, x) for x in sizes)
-        nll_sum = torch.zeros((), device=device)
-        kl_sum = torch.zeros((), device=device)
-        src_sum = torch.zeros(2, device=device)  # NLL sums of task and replay examples
-        for mb in micro:
-            if args.objective == "sdft":
-                # the teacher (no gradient) reads prompt + demonstration + y; the student reads prompt + y and
-                # computes both sides' full-vocabulary log-probs chunk by chunk. FSDP leaves the root unit (lm_head)
-                # unsharded after a forward, so the teacher's full lm_head weight is at hand.
-                scorer = teacher if teacher is not None else model
-                ids, pos, tgt, cu, max_len = collate([t for _, t in mb], device)
-                with torch.no_grad():
-                    t_hidden = scorer(ids, pos, return_hidden=True, cu_seqlens=cu, max_seqlen=max_len)[tgt != IGNORE]
-                ids, pos, tgt, cu, max_len = collate([s for s, _ in mb], device)
-                kl = model(ids, pos, labels=tgt, teacher=(t_hidden, scorer.lm_head.weight.detach()),
-                           kl_direction=args.sdft_kl, kl_only=True, cu_seqlens=cu, max_seqlen=max_len)
-                loss = kl
-                kl_sum += kl.detach()
-                (loss / max(n_targets, 1)).backward()
-                continue
-            ids, pos, tgt, cu, max_len = collate([examples[i] for i in mb], device)
-            kw = dict(cu_seqlens=cu, max_seqlen=max_len)
-            mask, slot = replay_split([examples[i] for i in mb], device) if has_replay else (None, 0)
-            if teacher is None:
-                nll = model(ids, pos, labels=tgt, replay_mask=mask, **kw)
-            else:  # sft-kl: the teacher reads the same gold sequence
-                with torch.no_grad():
-                    t_hidden = teacher(ids, pos, return_hidden=True, **kw)[tgt != IGNORE]
-                t_weight = teacher.lm_head.weight
-                nll, kl = model(ids, pos, labels=tgt, teacher=(t_hidden, t_weight), kl_direction=args.sft_kl_direction,
-                                replay_mask=mask, **kw)
-                kl_sum += kl.detach()
-            if mask is None:
-                src_sum[slot] += nll.detach()
-            else:  # a micro-batch of both sources: the forward returned (task, replay) sums
-                src_sum += nll.detach()
-                nll = nll.sum()
-            loss = nll if teacher is None else nll + args.sft_kl_beta * kl
+            # the teacher (no gradient) reads prompt + demonstration + y; the student reads prompt + y and
+            # computes both sides' full-vocabulary log-probs chunk by chunk. FSDP leaves the root unit (lm_head)
+            # unsharded after a forward, so the teacher's full lm_head weight is at hand.
+            scorer = teacher if teacher is not None else model
+            ids, pos, tgt, cu, max_len = collate([t for _, t in mb], device)
+            with torch.no_grad():
+                t_hidden = scorer(ids, pos, return_hidden=True, cu_seqlens=cu, max_seqlen=max_len)[tgt != IGNORE]
+            ids, pos, tgt, cu, max_len = collate([x for x, _ in mb], device)
+            kl = model(ids, pos, labels=tgt, teacher=(t_hidden, scorer.lm_head.weight.detach()),
+                       kl_direction=args.sdft_kl, kl_only=True, cu_seqlens=cu, max_seqlen=max_len)
+            loss = kl
+            kl_sum += kl.detach()
             (loss / max(n_targets, 1)).backward()
-            nll_sum += nll.detach()
-        sums = torch.cat([torch.stack([nll_sum, kl_sum]), src_sum])
-        dist.all_reduce(sums)
-        train_loss, kl_mean, task_nll, replay_nll = (sums / max(n_targets, 1)).tolist()
-        if args.objective == "sdft":
-            train_loss = kl_mean  # the whole objective: there is no NLL term
-        if not math.isfinite(train_loss):
-            raise UserError(f"non-finite loss {train_loss} at step {step + 1}; stopping. The last good "
-                             f"training state (if any) is intact in {workdir / 'state'}")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if ema_teacher is not None:
-            # a forward with no backward can leave the teacher's units (always the root: embeddings, norm, lm_head)
-            # unsharded, as plain tensors: reshard so the EMA below updates the sharded parameters
-            for unit in fsdp_units(teacher):
-                unit.reshard()
-            with torch.no_grad():  # phi <- rate * theta + (1 - rate) * phi
-                for t_p, s_p in zip(teacher.parameters(), model.parameters()):
-                    t_p.lerp_(s_p, ema_rate)
+            continue
+        ids, pos, tgt, cu, max_len = collate([examples[i] for i in mb], device)
+        kw = dict(cu_seqlens=cu, max_seqlen=max_len)
+        mask, slot = replay_split([examples[i] for i in mb], device) if s.has_replay else (None, 0)
+        if teacher is None:
+            nll = model(ids, pos, labels=tgt, replay_mask=mask, **kw)
+        else:  # sft-kl: the teacher reads the same gold sequence
+            with torch.no_grad():
+                t_hidden = teacher(ids, pos, return_hidden=True, **kw)[tgt != IGNORE]
+            t_weight = teacher.lm_head.weight
+            nll, kl = model(ids, pos, labels=tgt, teacher=(t_hidden, t_weight), kl_direction=args.sft_kl_direction,
+                            replay_mask=mask, **kw)
+            kl_sum += kl.detach()
+        if mask is None:
+            src_sum[slot] += nll.detach()
+        else:  # a micro-batch of both sources: the forward returned (task, replay) sums
+            src_sum += nll.detach()
+            nll = nll.sum()
+        loss = nll if teacher is None else nll + args.sft_kl_beta * kl
+        (loss / max(n_targets, 1)).backward()
+        nll_sum += nll.detach()
+    sums = torch.cat([torch.stack([nll_sum, kl_sum]), src_sum])
+    dist.all_reduce(sums)
+    train_loss, kl_mean, task_nll, replay_nll = (sums / max(n_targets, 1)).tolist()
+    if args.objective == "sdft":
+        train_loss = kl_mean  # the whole objective: there is no NLL term
+    if not math.isfinite(train_loss):
+        raise UserError(f"non-finite loss {train_loss} at step {step + 1}; stopping. The last good "
+                         f"training state (if any) is intact in {s.workdir / 'state'}")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
+    lr = s.sched.get_last_lr()[0]
+    s.opt.step()
+    s.sched.step()
+    s.opt.zero_grad(set_to_none=True)
+    if s.ema_teacher is not None:
+        # a forward with no backward can leave the teacher's units (always the root: embeddings, norm, lm_head)
+        # unsharded, as plain tensors: reshard so the EMA below updates the sharded parameters
+        for unit in fsdp_units(teacher):
+            unit.reshard()
+        with torch.no_grad():  # phi <- rate * theta + (1 - rate) * phi
+            for t_p, s_p in zip(teacher.parameters(), model.parameters()):
+                t_p.lerp_(s_p, s.ema_rate)
+    return dict(loss=train_loss, kl=kl_mean, task_nll=task_nll, replay_nll=replay_nll, grad_norm=grad_norm, lr=lr,
+                tokens=step_tokens, target_tokens=n_targets, gen_seconds=gen_seconds)
 
-        tokens_seen += step_tokens
-        dt = time.perf_counter() - t0
-        record = {"step": step + 1, "loss": train_loss, "grad_norm": grad_norm, "lr": lr, "tokens": step_tokens,
-                  "target_tokens": n_targets, "tokens_per_s": step_tokens / dt,
-                  "mfu": step_tokens * flops_per_token / dt / peak / world}
-        if args.objective != "sft":
-            record["kl"] = kl_mean
-        if has_replay:  # per source: that source's NLL per response token of that source
-            n_replay = sum(examples[i].n_targets for i in batch if examples[i].replay)
-            record["loss_task"] = task_nll * n_targets / (n_targets - n_replay) if n_targets > n_replay else None
-            record["loss_replay"] = replay_nll * n_targets / n_replay if n_replay else None
-            record["target_tokens_replay"] = n_replay
-        if args.objective == "sdft":
-            record["gen_seconds"] = gen_seconds
-        if rank == 0:
-            with open(log_path, "a") as f:
-                f.write(dumps_strict(record, log_path) + "\n")
-            bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
-            bar.update()
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < len(steps):
-            save_state(model, opt, sched, step + 1, workdir, rank, plan_id, ema_teacher, settings)
-    bar.close()
 
-    # 5. final weights: gather the full state dict to rank 0 and write a Hugging Face checkpoint directory
+def log_and_save(s: Stage, step: int, numbers: dict, dt: float, bar):
+    """Step `step`'s record in train_log.jsonl (rank 0) and on the progress bar; the resumable training state every
+    --save-every steps (the last step's is the final checkpoint instead)."""
+    args, examples = s.args, s.examples
+    step_tokens, n_targets, train_loss = numbers["tokens"], numbers["target_tokens"], numbers["loss"]
+    s.tokens_seen += step_tokens
+    record = {"step": step + 1, "loss": train_loss, "grad_norm": numbers["grad_norm"], "lr": numbers["lr"],
+              "tokens": step_tokens, "target_tokens": n_targets, "tokens_per_s": step_tokens / dt,
+              "mfu": step_tokens * s.flops_per_token / dt / s.peak / s.world}
+    if args.objective != "sft":
+        record["kl"] = numbers["kl"]
+    if s.has_replay:  # per source: that source's NLL per response token of that source
+        n_replay = sum(examples[i].n_targets for i in s.steps[step] if examples[i].replay)
+        record["loss_task"] = (numbers["task_nll"] * n_targets / (n_targets - n_replay) if n_targets > n_replay
+                               else None)
+        record["loss_replay"] = numbers["replay_nll"] * n_targets / n_replay if n_replay else None
+        record["target_tokens_replay"] = n_replay
+    if args.objective == "sdft":
+        record["gen_seconds"] = numbers["gen_seconds"]
+    if s.rank == 0:
+        with open(s.log_path, "a") as f:
+            f.write(dumps_strict(record, s.log_path) + "\n")
+        bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{numbers['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+        bar.update()
+    if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < len(s.steps):
+        save_state(s.model, s.opt, s.sched, step + 1, s.workdir, s.rank, s.plan_id, s.ema_teacher, s.settings)
+
+
+def save_final(s: Stage, t_start: float):
+    """Step 5 of the docstring: the full state dict gathered to rank 0, written as a Hugging Face checkpoint
+    directory with the train log and train_summary.json; every rank learns whether that worked."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    args, steps, workdir = s.args, s.steps, s.workdir
+    full = get_model_state_dict(s.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     elapsed = time.perf_counter() - t_start
     # rank 0 writes; every rank learns whether that worked, so none waits forever on a failed rank 0
     error = None
-    if rank == 0:
+    if s.rank == 0:
         try:
-            summary = {"steps": len(steps), "examples": len(examples), "dropped_overlong": dropped,
-                       "tokens": sum(lengths[i] for batch in steps for i in batch), "trained_tokens_this_run": tokens_seen,
-                       "seconds": elapsed, "tokens_per_s": tokens_seen / max(elapsed, 1e-9),
-                       "packing_efficiency": packed_tokens / max(packed_slots, 1),
-                       "world_size": world, "args": vars(args)}
+            summary = {"steps": len(steps), "examples": len(s.examples), "dropped_overlong": s.dropped,
+                       "tokens": sum(s.lengths[i] for batch in steps for i in batch),
+                       "trained_tokens_this_run": s.tokens_seen,
+                       "seconds": elapsed, "tokens_per_s": s.tokens_seen / max(elapsed, 1e-9),
+                       "packing_efficiency": s.packed_tokens / max(s.packed_slots, 1),
+                       "world_size": s.world, "args": vars(args)}
             (workdir / "train_summary.json").write_text(dumps_strict(summary, workdir / "train_summary.json", indent=2) + "\n")
-            save_dtype = torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float32
-            save_checkpoint(full, args.model, out, dtype=save_dtype,
-                            extra_files=[log_path, workdir / "train_summary.json"])
+            save_dtype = torch.bfloat16 if s.compute_dtype == torch.bfloat16 else torch.float32
+            save_checkpoint(full, args.model, s.out, dtype=save_dtype,
+                            extra_files=[s.log_path, workdir / "train_summary.json"])
             shutil.rmtree(workdir, ignore_errors=True)
-            print(f"train.py: {len(steps)} steps, {tokens_seen} tokens in {elapsed:.1f}s "
-                  f"({summary['tokens_per_s']:.0f} tok/s), dropped {dropped} over-long, packing efficiency "
-                  f"{summary['packing_efficiency']:.1%} -> {out}", flush=True)
+            print(f"train.py: {len(steps)} steps, {s.tokens_seen} tokens in {elapsed:.1f}s "
+                  f"({summary['tokens_per_s']:.0f} tok/s), dropped {s.dropped} over-long, packing efficiency "
+                  f"{summary['packing_efficiency']:.1%} -> {s.out}", flush=True)
         except Exception as e:  # re-raised below, after the other ranks heard of it
             error = e
-    ok = torch.tensor(float(error is None), device=device)
+    ok = torch.tensor(float(error is None), device=s.device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if error is not None:
         raise error
     if not ok.item():
         raise UserError("rank 0 failed to write the final checkpoint (its error is above)")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
