@@ -41,7 +41,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
