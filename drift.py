@@ -42,7 +42,7 @@ MAX_LEN = 2048         # over-long filter on prompt+gold answer (chat-templated 
 SEED = 0               # sampling seed
 ENGINE = "auto"        # vllm when CUDA + vllm are present, else native
 TP = 1                 # vLLM tensor-parallel size
-BATCH_SIZE = None      # native engine: sequences alive at once (KV-cache rows); None: 64 on CPU, 256 on GPU
+BATCH_SIZE = None      # native engine: sequences alive at once (KV-cache rows); None: what the memory holds, <= 64 on CPU, <= 256 on GPU
 # -----------------------------------------------------------------------------------------------------------------
 
 
@@ -66,7 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int_at_least(1), default=TP, help="vLLM tensor-parallel size (default: %(default)s)")
     p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE,
                    help="native engine: sequences decoded at once, i.e. the KV cache's rows (continuous batching: "
-                        "a finished one is replaced at once); default: 64 on the CPU, 256 on a GPU")
+                        "a finished one is replaced at once); default: as many as a quarter of the free memory (CPU) or 60 %% "
+                        "of the GPU's holds, at most 64 on the CPU, 256 on a GPU")
     add_task_spec(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     use_manifest_from_argv(argv)  # the manifest's task names are what --tasks checks against

@@ -43,7 +43,7 @@ DATA_SEED = 0          # seed of that subsample: must equal training's
 SEED = 0               # sampling seed
 ENGINE = "auto"        # vllm when CUDA + vllm are present, else native
 TP = 1                 # vLLM tensor-parallel size
-BATCH_SIZE = None      # native engine: sequences alive at once (KV-cache rows); None: 64 on CPU, 256 on GPU
+BATCH_SIZE = None      # native engine: sequences alive at once (KV-cache rows); None: what the memory holds, <= 64 on CPU, <= 256 on GPU
 CHECK_LOGPROBS = 8     # rollouts re-scored by the trainer's forward pass (0 = no check)
 LOGPROB_TOL_MEAN = 0.01  # nats per token: warn above this mean |engine - trainer| (an SC score moves by at most it)
 LOGPROB_TOL_MAX = 0.5    # nats: warn when one token's log-prob is off by more (its probability by a factor 1.65)
@@ -75,7 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--data-seed", type=int, default=DATA_SEED, help="seed of the training subsample")
     p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE,
                    help="native engine: sequences decoded at once, i.e. the KV cache's rows (continuous batching: "
-                        "a finished one is replaced at once); default: 64 on the CPU, 256 on a GPU")
+                        "a finished one is replaced at once); default: as many as a quarter of the free memory (CPU) or 60 %% "
+                        "of the GPU's holds, at most 64 on the CPU, 256 on a GPU")
     p.add_argument("--check-logprobs", type=int_at_least(0), default=CHECK_LOGPROBS, metavar="K",
                    help="re-score K random rollouts with the trainer's forward pass and compare log-probs (0 = off)")
     add_task_spec(p)

@@ -225,7 +225,8 @@ def rollout_worker(args):
     caps = [a for _, a in lengths]
     from model.engine import Engine
     from model.generate import default_batch_size
-    engine = Engine(model, max_seqs=min(batch or default_batch_size(device), len(prompts)))
+    engine = Engine(model, max_seqs=min(batch or default_batch_size(model, max(n + a for n, a in lengths)),
+                                        len(prompts)))
     kw = dict(temperature=0.1, max_new_tokens=caps, progress=False)
 
     def timed():

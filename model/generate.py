@@ -5,7 +5,8 @@
 
 - A row that samples a stop id (kept in `token_ids`, like vLLM) or reaches `max_new_tokens` ends; its place in the
   batch goes to the next waiting prompt (continuous batching), so `batch_size` is the number of sequences alive at
-  once, i.e. the KV cache's rows: a memory budget, not a partition of the prompts.
+  once, i.e. the KV cache's rows: a memory budget, not a partition of the prompts (default: what the memory holds,
+  default_batch_size).
 - `logprobs[t]` is the RAW model log-prob of the sampled token: log_softmax of the logits before temperature, so it
   does not depend on the sampling temperature (vLLM's logprobs_mode="raw_logprobs").
 - Sampling is exact softmax(logits / temperature) sampling with counter-based noise keyed per prompt: (prompts,
@@ -14,16 +15,42 @@
   SDFT: a response is a function of its example and step, whichever rank samples it). temperature 0 is greedy.
   No top-k, no top-p, no repetition penalty.
 """
+import os
+
 import torch
 
 from model.engine import Engine
 from model.transformer import Transformer
 
 
-def default_batch_size(device) -> int:
-    """Live sequences when --batch-size is not given: 64 on the CPU (SmolLM2's decode step at 2 threads: 211 tokens/s
-    at 32 rows, 279 at 64, 329 at 128; the KV cache grows with it), 256 on a GPU (vLLM's default max_num_seqs)."""
-    return 256 if torch.device(device).type == "cuda" else 64
+MAX_ROWS = {"cpu": 64, "cuda": 256}  # live sequences at most: SmolLM2's decode step at 2 threads makes 211 tokens/s at
+# 32 rows, 279 at 64, 329 at 128 (BENCHMARKS.md, "Generation engine"); 256 is vLLM's default max_num_seqs
+KV_SHARE = {"cpu": 0.25, "cuda": 0.6}  # of the memory available now that the KV cache may take
+
+
+def default_batch_size(model: Transformer, cols: int) -> int:
+    """Live sequences when --batch-size is not given: as many as a KV cache of `cols` columns per row fits in
+    KV_SHARE of the memory available (the CPU's MemAvailable, the GPU's free memory), at most MAX_ROWS. Every row
+    is allocated for the longest prompt plus its cap, so long prompts get fewer rows: on a GPU, Llama-3.1-8B at
+    2,560 columns would need 86 GB for 256 rows."""
+    cfg, w = model.cfg, model.lm_head.weight
+    per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * cols * w.element_size()
+    if w.is_cuda:
+        kind, available = "cuda", torch.cuda.mem_get_info(w.device)[0]
+    else:
+        kind, available = "cpu", _mem_available()
+    return max(1, min(MAX_ROWS[kind], int(KV_SHARE[kind] * available // per_row)))
+
+
+def _mem_available() -> int:
+    """Bytes of memory available to a new allocation (Linux MemAvailable; elsewhere all physical memory)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def generate(model: Transformer, prompts: list[list[int]], *, temperature: float = 0.1,
@@ -33,8 +60,9 @@ def generate(model: Transformer, prompts: list[list[int]], *, temperature: float
     """One response per prompt (token id lists), returned in the input order. See the module docstring.
     max_new_tokens: one cap, or one per prompt. seeds: one seed per prompt (then `seed` is unused). fuse: see
     model.engine.Engine (default: when the model has no trainable parameters, i.e. it was loaded for sampling)."""
-    if batch_size is None:
-        batch_size = default_batch_size(model.lm_head.weight.device)
-    engine = Engine(model, max_seqs=max(1, min(batch_size, len(prompts))), fuse=fuse)
+    if batch_size is None and prompts:
+        caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else max_new_tokens
+        batch_size = default_batch_size(model, max(len(p) + c for p, c in zip(prompts, caps)))
+    engine = Engine(model, max_seqs=max(1, min(batch_size or 1, len(prompts))), fuse=fuse)
     return engine.generate(prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                            seed=seed, seeds=seeds, progress=progress)

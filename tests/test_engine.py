@@ -234,3 +234,24 @@ def test_each_prompt_may_have_its_own_length_cap(model):
                                               for i, (p, c) in enumerate(zip(PROMPTS, caps))]
     with pytest.raises(ValueError, match="2 max_new_tokens for 6 prompts"):
         generate(model, PROMPTS, max_new_tokens=[1, 2], progress=False)
+
+
+def test_default_batch_size_is_what_the_memory_holds(model, monkeypatch):
+    """Without --batch-size the KV cache takes a quarter of the available memory (CPU), at most 64 rows, at least 1;
+    a row holds keys and values of every layer for the longest prompt plus its cap."""
+    import model.generate as mg
+    cfg = model.cfg
+    per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 100 * 4  # fp32, 100 columns
+    for available, rows in ((per_row * 4 * 10, 10), (per_row * 4 * 1000, 64), (per_row, 1)):
+        monkeypatch.setattr(mg, "_mem_available", lambda: available)
+        assert mg.default_batch_size(model, 100) == rows
+    monkeypatch.setattr(mg, "_mem_available", lambda: per_row * 4 * 3)  # 3 rows of 100 columns
+    seen = []
+    real = Engine.__init__
+
+    def spy(self, m, max_seqs=32, **kw):
+        seen.append(max_seqs)
+        real(self, m, max_seqs=max_seqs, **kw)
+    monkeypatch.setattr(Engine, "__init__", spy)
+    generate(model, [[1] * 60] * 8, max_new_tokens=[40, 1, 1, 1, 1, 1, 1, 1], temperature=0.0, progress=False)
+    assert seen == [3]
