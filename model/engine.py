@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import varlen_attention
-from model.transformer import Transformer, linear, rope_inv_freq
+from model.transformer import Transformer, apply_rope, linear, rope_cos_sin, rope_inv_freq
 
 M32 = 0xFFFFFFFF
 
@@ -132,7 +132,7 @@ class Engine:
         v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
         if L["q_norm"] is not None:
             q, k = L["q_norm"](q), L["k_norm"](k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = apply_rope(q[None], cos, sin)[0], apply_rope(k[None], cos, sin)[0]
         x = x + linear(attend(L["idx"], q, k, v), *L["o"])
         h = L["ln2"](x)
         if L["split"]:
@@ -140,11 +140,6 @@ class Engine:
         else:
             g, u = linear(h, *L["gate_up"][0]).chunk(2, dim=-1)
         return x + linear(F.silu(g) * u, *L["down"])
-
-    def _cos_sin(self, pos):
-        freqs = pos[:, None].float() * self.inv_freq  # the training model's rope_cos_sin, one row per token
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def _logits(self, h):
         h = self.model.model.norm(h)
@@ -177,7 +172,7 @@ class Engine:
                 at += n
             return torch.cat(out)
         x = self.model.model.embed_tokens(ids)
-        cos, sin = self._cos_sin(pos)
+        cos, sin = rope_cos_sin(self.inv_freq, pos[None], self.dtype)  # [1, T, D], as the training model
         for L in self.layers:
             x = self._block(L, x, cos, sin, attend)
         return self._logits(x[cu[1:].long() - 1])
@@ -199,10 +194,14 @@ class Engine:
             out = F.scaled_dot_product_attention(qg, self.k[i][:n, :, :span], self.v[i][:n, :, :span], attn_mask=mask)
             return out.reshape(n, -1)
         x = self.model.model.embed_tokens(tokens)
-        cos, sin = self._cos_sin(pos)
+        cos, sin = rope_cos_sin(self.inv_freq, pos[None], self.dtype)  # [1, T, D], as the training model
         for L in self.layers:
             x = self._block(L, x, cos, sin, attend)
         return sample(self._logits(x), temperature, keys, counters)
+
+    def _round(self, n: int) -> int:
+        """n up to a multiple of key_bucket (CUDA: spans repeat, so graphs and attention plans do)."""
+        return -(-n // self.key_bucket) * self.key_bucket
 
     # -- CUDA graphs --------------------------------------------------------------------------------------------------
     def _bucket(self, n: int) -> int:
@@ -267,7 +266,7 @@ class Engine:
         stop = set(int(t) for t in stop_ids)
         keys = row_keys(len(prompts), seed, seeds)
         max_len = max(len(p) + c for p, c in zip(prompts, caps))
-        cols = -(-max_len // self.key_bucket) * self.key_bucket
+        cols = self._round(max_len)
         if self.K is None or self.K.shape[3] < cols:  # else the cache (and the graphs that read it) serve again
             self.allocate(cols)
 
@@ -310,7 +309,7 @@ class Engine:
                 continue
             n = len(live)
             pos = [len(prompts[r]) + len(out_tokens[r]) - 1 for r in live]  # of the token fed in
-            span = -(-(max(pos) + 1) // self.key_bucket) * self.key_bucket
+            span = self._round(max(pos) + 1)
             pad = [0] * (self._bucket(n) - n)  # pad rows write into free slots, which a prefill overwrites
             dev = dict(device=self.device, dtype=torch.long)
             tokens, logprobs = self._decode(
@@ -418,12 +417,6 @@ def _prefix_keys(prompt) -> list:
         h = hash((h, tuple(prompt[k * BLOCK:(k + 1) * BLOCK])))
         out.append(h)
     return out + [("prompt", tuple(prompt))]
-
-
-def _rope(x, cos, sin):
-    """x [T, heads, D]; cos/sin [T, D] (HF's rotate-half layout, as model.transformer.apply_rope)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
 
 
 def _layer_weights(block, fuse: bool) -> dict:
