@@ -58,14 +58,13 @@ def _torch_varlen(q, k, v, cu_seqlens, max_seqlen):
 
 
 def _sdpa(q, k, v, cu_seqlens, max_seqlen):
-    bounds = cu_seqlens.tolist()
-    if _cpu_flash_takes(q, k, v, bounds):
-        return _CpuFlashLoop.apply(q, k, v, bounds)
-    return _sdpa_loop(q, k, v, bounds)
+    if q.is_cpu and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
+        return cpu_varlen_attention(q, k, v, cu_seqlens)[0]
+    return _sdpa_loop(q, k, v, cu_seqlens.tolist())
 
 
 def _sdpa_loop(q, k, v, bounds):
-    """SDPA per document under autograd (off the CPU; on it, _CpuFlashLoop gives the same bytes faster)."""
+    """SDPA per document under autograd (off the CPU; on it, cpu_varlen_attention gives the same bytes faster)."""
     gqa = q.shape[1] != k.shape[1]  # SDPA's grouping is flash-attn's: q head h uses kv head h // (Hq // Hkv)
     out = []
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -80,45 +79,72 @@ _CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _cpu_flash_takes(q, k, v, bounds) -> bool:
-    """Whether SDPA would run every document of this call on the CPU flash kernel (then _CpuFlashLoop does)."""
-    return (q.is_cpu and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
-            and all(x.stride(-1) == 1 for x in (q, k, v)) and all(e > s for s, e in zip(bounds, bounds[1:])))
-
-
 def _doc(x, start, end):
-    """Rows start:end of a packed [T, H, D] tensor as the [1, H, L, D] view the CPU flash kernel reads."""
+    """Rows start:end of a packed [T, H, ...] tensor as the [1, H, L, ...] view the CPU flash kernel reads."""
     return x[None, start:end].transpose(1, 2)
 
 
-class _CpuFlashLoop(torch.autograd.Function):
-    """The SDPA loop on the CPU as one autograd node: the same CPU flash kernel per document, forward and backward
-    (the kernel SDPA picks there, so outputs and gradients are bit-identical to the loop), without the ~12 view,
-    slice and transpose nodes per document and layer that autograd otherwise records and walks back; each slice's
-    backward also zero-filled a gradient as large as the whole micro-batch. GQA: the kernel shares kv heads itself."""
+def _docs(cu_seqlens):
+    """(start, end) of each non-empty document."""
+    bounds = cu_seqlens.tolist()
+    return [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
 
-    @staticmethod
-    def forward(ctx, q, k, v, bounds):
-        outs, lses = [], []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            out, lse = _CPU_FLASH(_doc(q, start, end), _doc(k, start, end), _doc(v, start, end), 0.0, True)
-            outs.append(out)
-            lses.append(lse)
-        ctx.save_for_backward(q, k, v, *outs, *lses)
-        ctx.bounds = bounds
-        return torch.cat([out[0].transpose(0, 1) for out in outs])
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, *saved = ctx.saved_tensors
-        bounds, n = ctx.bounds, len(ctx.bounds) - 1
-        grads = ([], [], [])
-        for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-            dq_dk_dv = _CPU_FLASH_BACKWARD(_doc(grad, start, end), _doc(q, start, end), _doc(k, start, end),
-                                           _doc(v, start, end), saved[i], saved[n + i], 0.0, True)
-            for acc, d in zip(grads, dq_dk_dv):
-                acc.append(d[0].transpose(0, 1))
-        return torch.cat(grads[0]), torch.cat(grads[1]), torch.cat(grads[2]), None
+# The SDPA loop on the CPU as one custom operator: the same CPU flash kernel per document, forward and backward (the
+# kernel SDPA picks there, so outputs and gradients are bit-identical to the loop), without the ~12 view, slice and
+# transpose nodes per document and layer that autograd otherwise records and walks back. Being an operator, it is
+# opaque to torch.compile: the per-document loop (which reads cu_seqlens on the host) is no graph break, so a
+# transformer block compiles with fullgraph=True. GQA: the kernel shares kv heads itself.
+@torch.library.custom_op("opr::cpu_varlen_attention", mutates_args=())
+def cpu_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T,Hq,D], k/v [T,Hkv,D], cu_seqlens int32 -> (out [T,Hq,D], logsumexp [T,Hq] in the kernel's fp32/fp64)."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(q.shape[:2], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    for start, end in _docs(cu_seqlens):
+        o, l = _CPU_FLASH(_doc(q, start, end), _doc(k, start, end), _doc(v, start, end), 0.0, True)
+        _doc(out, start, end).copy_(o)
+        _doc(lse, start, end).copy_(l)
+    return out, lse
+
+
+@cpu_varlen_attention.register_fake
+def _(q, k, v, cu_seqlens):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float64 if q.dtype == torch.float64 else
+                                             torch.float32)
+
+
+@torch.library.custom_op("opr::cpu_varlen_attention_backward", mutates_args=())
+def cpu_varlen_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  out: torch.Tensor, lse: torch.Tensor,
+                                  cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, grad = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, grad))
+    dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    for start, end in _docs(cu_seqlens):
+        grads = _CPU_FLASH_BACKWARD(_doc(grad, start, end), _doc(q, start, end), _doc(k, start, end),
+                                    _doc(v, start, end), _doc(out, start, end), _doc(lse, start, end), 0.0, True)
+        for acc, d in zip((dq, dk, dv), grads):
+            _doc(acc, start, end).copy_(d)
+    return dq, dk, dv
+
+
+@cpu_varlen_attention_backward.register_fake
+def _(grad, q, k, v, out, lse, cu_seqlens):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens)
+
+
+def _backward(ctx, grad, _grad_lse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    return *cpu_varlen_attention_backward(grad, q, k, v, out, lse, cu_seqlens), None
+
+
+cpu_varlen_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 BACKENDS = ("flash", "torch_varlen", "sdpa")

@@ -18,7 +18,7 @@ from pipeline.cli import InputError, MissingFileError, MissingWeightError
 from data.jsonl import (dumps_strict, fsync_dir, fsync_tree, read_text, remove_stale_temporaries,
                         temp_prefix)
 from model.config import ModelConfig
-from model.transformer import Transformer
+from model.transformer import Transformer, from_hf, hf_parts, to_hf
 
 # Everything besides the weights that makes a directory loadable as a model with its tokenizer.
 SIDECAR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -77,8 +77,9 @@ def weight_files(ckpt_dir) -> dict[str, Path]:
 
 
 def expected_state(model: Transformer) -> dict:
-    """name -> shape of every tensor the checkpoint must provide (tied lm_head is not stored)."""
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    """HF name -> shape of every tensor the checkpoint must provide (tied lm_head is not stored)."""
+    shapes = {hf: torch.Size([(t.shape[0] if b is None else b) - a, *t.shape[1:]])
+              for name, t in model.state_dict().items() for hf, a, b in hf_parts(model.cfg, name)}
     if model.cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight")
     return shapes
@@ -128,7 +129,7 @@ def _located_slices(model: Transformer, ckpt_dir):
 
 def load_model(ckpt_dir, device="cpu", dtype=torch.float32) -> Transformer:
     """Build the Transformer described by ckpt_dir/config.json and load its weights. Returns it in eval mode and
-    without gradients (a model loaded for sampling or scoring; model.engine fuses its projections)."""
+    without gradients (a model loaded for sampling or scoring)."""
     cfg = load_config(ckpt_dir)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -136,7 +137,7 @@ def load_model(ckpt_dir, device="cpu", dtype=torch.float32) -> Transformer:
     for path, name, sl in _located_slices(model, ckpt_dir):
         state[name] = sl[:].to(device=device, dtype=dtype)
         check_finite(state[name], path, name)
-    model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
+    model.load_state_dict(from_hf(state, cfg, model.state_dict()), strict=not cfg.tie_word_embeddings, assign=True)
     model.tie_weights()
     return model.eval().requires_grad_(False)
 
@@ -146,20 +147,21 @@ def load_into(model: Transformer, ckpt_dir):
     sharded on dim 0): each rank reads only its own rows of each tensor."""
     from torch.distributed.tensor import DTensor
 
-    targets = model.state_dict()
+    targets = {hf: (t, a) for name, t in model.state_dict().items() for hf, a, _ in hf_parts(model.cfg, name)}
     with torch.no_grad():
         for path, name, sl in _located_slices(model, ckpt_dir):
-            t = targets[name]
+            t, offset = targets[name]  # this HF tensor is rows offset.. of our (possibly fused) tensor t
             if isinstance(t, DTensor):  # fully_shard splits dim 0 like torch.chunk
                 local = t.to_local()
-                rows = -(-t.shape[0] // t.device_mesh.size())
-                start = t.device_mesh.get_local_rank() * rows
-                if local.shape[0]:
-                    local.copy_(sl[start:start + local.shape[0]])
-                    check_finite(local, path, name)  # each rank its own rows: the first to see one says so
+                start = t.device_mesh.get_local_rank() * -(-t.shape[0] // t.device_mesh.size())
             else:
-                t.copy_(sl[:])
-                check_finite(t, path, name)
+                local, start = t, 0
+            # the rows of the HF tensor this rank holds, in the HF tensor's numbering
+            lo, hi = max(start - offset, 0), min(start + local.shape[0] - offset, sl.get_shape()[0])
+            if hi > lo:
+                dst = local[lo + offset - start:hi + offset - start]
+                dst.copy_(sl[lo:hi])
+                check_finite(dst, path, name)  # each rank its own rows: the first to see one says so
 
 
 def _save_file(tensors: dict, path: Path, metadata: dict):
@@ -176,14 +178,14 @@ def _save_file(tensors: dict, path: Path, metadata: dict):
 
 def save_checkpoint(state_dict: dict, src_dir, out_dir, max_shard_bytes: int = 5 * 2**30, dtype=None,
                     extra_files=()):
-    """Write `state_dict` (HF names) to out_dir in the HF layout, with config/tokenizer files copied from src_dir.
+    """Write `state_dict` (ours or HF's names: fused tensors are split) to out_dir in the HF layout, with config/tokenizer files copied from src_dir.
 
     Shards with a model.safetensors.index.json when the weights exceed max_shard_bytes. Atomic: written to a
     temporary sibling directory, then renamed over out_dir. `extra_files` (paths) are copied in too (logs).
     """
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     cfg = load_config(src_dir)
-    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state_dict.items()}
+    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in to_hf(state_dict, cfg).items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -93,13 +93,11 @@ def row_keys(n: int, seed: int, seeds=None) -> list[int]:
 class Engine:
     """See the module docstring. model: a Transformer (plain tensors, or an FSDP2 model whose units are unsharded
     for the duration, as train.py's SDFT does). max_seqs: live sequences at once (the KV cache holds this many
-    rows of max prompt + max_new_tokens columns). fuse: concatenate q/k/v and gate/up into one matmul each; the
-    model's own parameters become views of the fused tensors (no second copy), so only for a model used for
-    sampling alone (not under autograd or FSDP). graphs: capture the decode step as CUDA graphs (default: on CUDA
+    rows of max prompt + max_new_tokens columns). graphs: capture the decode step as CUDA graphs (default: on CUDA
     unless OPR_ENGINE_GRAPHS=0).
     lm_head_fp32: compute the logits in fp32 from a bf16 model (an fp32 copy of lm_head's weight)."""
 
-    def __init__(self, model: Transformer, max_seqs: int = 32, *, fuse: bool | None = None, graphs: bool | None = None,
+    def __init__(self, model: Transformer, max_seqs: int = 32, *, graphs: bool | None = None,
                  max_prefill_tokens: int | None = None, key_bucket: int | None = None, lm_head_fp32: bool = False):
         self.model, self.cfg = model, model.cfg
         w = model.lm_head.weight
@@ -113,8 +111,7 @@ class Engine:
         self.graphs = graphs
         self.key_bucket = key_bucket or (256 if cuda else 1)
         self.max_prefill_tokens = max_prefill_tokens or (16384 if cuda else 4096)
-        fuse = (not any(p.requires_grad for p in model.parameters())) if fuse is None else fuse
-        self.layers = [_layer_weights(block, fuse) for block in model.model.layers]
+        self.layers = [_layer_weights(block) for block in model.model.layers]
         self.lm_head = w.float() if lm_head_fp32 else w
         self.inv_freq = rope_inv_freq(self.cfg, self.device)
         self._graphs, self.K = {}, None
@@ -125,8 +122,7 @@ class Engine:
         cfg = self.cfg
         T = x.shape[0]
         h = L["ln1"](x)
-        q, k, v = [linear(h, *wb) for wb in L["qkv"]] if L["split"] else \
-            linear(h, *L["qkv"][0]).split([L["q_dim"], L["kv_dim"], L["kv_dim"]], dim=-1)
+        q, k, v = linear(h, *L["qkv"]).split([L["q_dim"], L["kv_dim"], L["kv_dim"]], dim=-1)
         q = q.reshape(T, cfg.num_attention_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
@@ -135,10 +131,7 @@ class Engine:
         q, k = apply_rope(q[None], cos, sin)[0], apply_rope(k[None], cos, sin)[0]
         x = x + linear(attend(L["idx"], q, k, v), *L["o"])
         h = L["ln2"](x)
-        if L["split"]:
-            g, u = linear(h, *L["gate_up"][0]), linear(h, *L["gate_up"][1])
-        else:
-            g, u = linear(h, *L["gate_up"][0]).chunk(2, dim=-1)
+        g, u = linear(h, *L["gate_up"]).chunk(2, dim=-1)
         return x + linear(F.silu(g) * u, *L["down"])
 
     def _logits(self, h):
@@ -419,28 +412,10 @@ def _prefix_keys(prompt) -> list:
     return out + [("prompt", tuple(prompt))]
 
 
-def _layer_weights(block, fuse: bool) -> dict:
-    """A block's weights as the engine reads them. fuse: q/k/v and gate/up become one tensor each, and the model's
-    parameters are re-pointed at views of it (same values, no second copy)."""
+def _layer_weights(block) -> dict:
+    """A block's weights as the engine reads them (the model's own: fused q/k/v and gate/up, model/transformer.py)."""
     a, m = block.self_attn, block.mlp
-    q_dim, kv_dim = a.q_proj.weight.shape[0], a.k_proj.weight.shape[0]
-    L = dict(idx=a.layer_idx, ln1=block.input_layernorm, ln2=block.post_attention_layernorm, q_dim=q_dim,
-             kv_dim=kv_dim, q_norm=getattr(a, "q_norm", None), k_norm=getattr(a, "k_norm", None),
-             o=(a.o_proj.weight, a.o_proj.bias), down=(m.down_proj.weight, m.down_proj.bias), split=not fuse)
-    groups = {"qkv": (a.q_proj, a.k_proj, a.v_proj), "gate_up": (m.gate_proj, m.up_proj)}
-    for name, mods in groups.items():
-        if not fuse:
-            L[name] = [(mod.weight, mod.bias) for mod in mods]
-            continue
-        with torch.no_grad():
-            w = torch.cat([mod.weight for mod in mods])
-            b = torch.cat([mod.bias for mod in mods]) if mods[0].bias is not None else None
-            start = 0
-            for mod in mods:  # the model keeps working, on views of the fused tensors
-                rows = mod.weight.shape[0]
-                mod.weight = torch.nn.Parameter(w[start:start + rows], requires_grad=False)
-                if b is not None:
-                    mod.bias = torch.nn.Parameter(b[start:start + rows], requires_grad=False)
-                start += rows
-        L[name] = [(w, b)]
-    return L
+    return dict(idx=a.layer_idx, ln1=block.input_layernorm, ln2=block.post_attention_layernorm, q_dim=a.q_dim,
+                kv_dim=a.kv_dim, q_norm=getattr(a, "q_norm", None), k_norm=getattr(a, "k_norm", None),
+                qkv=(a.qkv_proj.weight, a.qkv_proj.bias), o=(a.o_proj.weight, a.o_proj.bias),
+                gate_up=(m.gate_up_proj.weight, m.gate_up_proj.bias), down=(m.down_proj.weight, m.down_proj.bias))

@@ -56,13 +56,12 @@ def _mem_available() -> int:
 def generate(model: Transformer, prompts: list[list[int]], *, temperature: float = 0.1,
              max_new_tokens: int | list[int] = 512,
              stop_ids=(), seed: int = 0, seeds: list[int] | None = None, batch_size: int | None = None,
-             progress: bool = True, fuse: bool | None = None) -> list[dict]:
+             progress: bool = True) -> list[dict]:
     """One response per prompt (token id lists), returned in the input order. See the module docstring.
-    max_new_tokens: one cap, or one per prompt. seeds: one seed per prompt (then `seed` is unused). fuse: see
-    model.engine.Engine (default: when the model has no trainable parameters, i.e. it was loaded for sampling)."""
+    max_new_tokens: one cap, or one per prompt. seeds: one seed per prompt (then `seed` is unused)."""
     if batch_size is None and prompts:
         caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else max_new_tokens
         batch_size = default_batch_size(model, max(len(p) + c for p, c in zip(prompts, caps)))
-    engine = Engine(model, max_seqs=max(1, min(batch_size or 1, len(prompts))), fuse=fuse)
+    engine = Engine(model, max_seqs=max(1, min(batch_size or 1, len(prompts))))
     return engine.generate(prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                            seed=seed, seeds=seeds, progress=progress)

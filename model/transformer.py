@@ -1,6 +1,8 @@
 """One decoder-only transformer for Llama-3.x, Qwen2/2.5, Qwen3 and SmolLM2.
 
-Parameter names are Hugging Face's, so an HF state dict loads with no key mapping. Two attention modes:
+Parameter names are Hugging Face's but for two fused weights: q/k/v are one `self_attn.qkv_proj` and gate/up one
+`mlp.gate_up_proj` (one matmul each instead of three and two). `hf_parts`/`to_hf`/`from_hf` map them to HF's
+separate names, which is all a checkpoint ever holds. Two attention modes:
   packed   (training): B == 1, documents concatenated, `cu_seqlens` marks them, `position_ids` restart at 0
   dense    (reference): plain causal attention over each row (tests compare the packed mode with it)
 Sampling runs the same modules and weights through model/engine.py (its own KV cache and decode step).
@@ -97,25 +99,54 @@ def apply_rope(x, cos, sin):
     return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
+# q/k/v and gate/up as one weight each: one matmul (and one weight-gradient matmul) instead of three and two. On a GPU
+# that is fewer kernels per block; on the CPU, fp32 forward + backward at 2 threads, the q/k/v product is 1.07-1.30x
+# faster fused and gate/up the same (BENCHMARKS.md, "Fused projections"). The generation engine reads the same weights.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def hf_parts(cfg: ModelConfig, name: str) -> list[tuple[str, int, int]]:
+    """[(HF name, first row, end row)] of one of our state-dict tensors: three or two row ranges for a fused one,
+    else [(name, 0, None)] (all of it)."""
+    prefix, _, leaf = name.rpartition(".")  # ...self_attn.qkv_proj + weight
+    head, _, mod = prefix.rpartition(".")
+    if mod not in FUSED:
+        return [(name, 0, None)]
+    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    sizes = (q, kv, kv) if mod == "qkv_proj" else (inter, inter)
+    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [(f"{head}.{part}.{leaf}", a, b) for part, a, b in zip(FUSED[mod], starts[:-1], starts[1:])]
+
+
+def to_hf(state: dict, cfg: ModelConfig) -> dict:
+    """Our state dict -> HF names (fused tensors split into row views)."""
+    return {hf: t[a:b] for name, t in state.items() for hf, a, b in hf_parts(cfg, name)}
+
+
+def from_hf(state: dict, cfg: ModelConfig, names) -> dict:
+    """An HF-named state dict -> ours, for our tensor names `names` (fused tensors concatenated)."""
+    return {name: torch.cat([state[hf] for hf, _, _ in parts]) if len(parts := hf_parts(cfg, name)) > 1
+            else state[name] for name in names if all(hf in state for hf, _, _ in hf_parts(cfg, name))}
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        self.q_proj = Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
-        self.k_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
-        self.v_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
-        self.o_proj = Linear(q_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_dim, self.kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_dim + 2 * self.kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        v = v.view(B, T, self.n_kv, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -132,12 +163,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):

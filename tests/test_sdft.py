@@ -21,6 +21,7 @@ import train as train_script  # noqa: E402
 from data.packing import plan_steps  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
+from model.transformer import to_hf  # noqa: E402
 
 MAX_NEW = 12
 STEPS = 4
@@ -125,7 +126,7 @@ def reference(path: Path, name: str) -> tuple[list[dict], dict]:
                 for p_t, p_s in zip(teacher.parameters(), student.parameters()):
                     p_t.copy_(alpha * p_s + (1 - alpha) * p_t)
         history.append({"loss": loss.item(), "grad_norm": grad_norm, "target_tokens": n_tokens})
-    return history, {k: v.detach() for k, v in student.state_dict().items()}
+    return history, {k: v.detach() for k, v in to_hf(student.state_dict(), student.cfg).items()}  # the file's names
 
 
 @pytest.mark.parametrize("name", list(CASES))

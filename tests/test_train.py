@@ -232,6 +232,30 @@ def test_two_ranks_equal_one_process(which, request, tmp_path):
     assert any(not torch.allclose(w0[k], w1[k]) for k in w1), "training did not change the weights"
 
 
+def test_each_rank_loads_its_rows_of_the_fused_projections(ckpt, tmp_path):
+    """load_into on 3 FSDP2 ranks: the shard boundaries of the fused q/k/v (64 rows -> 22, 22, 20) and gate/up (128
+    -> 43, 43, 42) fall inside HF tensors, so a rank reads parts of two of them; the gathered weights must be the
+    checkpoint's, bit for bit."""
+    script = ("import sys, torch, torch.distributed as dist, train\n"
+              "from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict\n"
+              "from model.checkpoint import load_model\n"
+              "from model.transformer import to_hf\n"
+              "dist.init_process_group('gloo')\n"
+              "m = train.build_model(sys.argv[1], torch.device('cpu'), torch.float32, shard=True)\n"
+              "full = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=True))\n"
+              "if dist.get_rank() == 0:\n"
+              "    ref = load_model(sys.argv[1]).state_dict()\n"
+              "    assert full.keys() == ref.keys() and all(torch.equal(full[k], ref[k]) for k in ref)\n"
+              "    assert to_hf(full, m.cfg).keys() >= {'model.layers.1.self_attn.k_proj.weight'}\n"
+              "    print('same weights')\n"
+              "dist.destroy_process_group()\n")
+    (tmp_path / "load.py").write_text(f"import sys; sys.path.insert(0, {str(REPO)!r})\n" + script)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()),
+           str(tmp_path / "load.py"), str(ckpt)]
+    r = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "same weights" in r.stdout, r.stderr[-3000:]
+
+
 def test_world_of_one_unwrapped_equals_fsdp(ckpt_tied, ref_tied, tmp_path):
     """One rank in fp32 trains the plain module (no FSDP2 wrapping, build_model's shortcut): the same bytes as the
     same run with every block and the root fully_shard'ed, tied embeddings included."""
