@@ -41,6 +41,8 @@ PREFILL_FACTOR = 3.0     # prompt tokens cost a forward only: prefill tok/s = 3 
 STEP_OVERHEAD_S = 120.0  # per GPU step: process start, loading the checkpoint (and saving one) or the engine start-up
 GPUS = 8
 GPU_MEMORY_GB = 80.0     # H100 80 GB
+MEMORY_SHARE = 0.9       # of a GPU's memory that train.py's --micro-tokens rule plans for (the rest: the CUDA
+                         # context, NCCL's buffers, the allocator's fragmentation)
 PAPER_GPU_HOURS = 32.0   # the paper: one model's 8 stages
 # -------------------------------------------------------------------------------------------------------------------
 
@@ -128,6 +130,16 @@ def memory_per_gpu(cfg, gpus: int, micro_tokens: int) -> dict:
     m["total"] = fixed + m["activations"]
     m["total_checkpointed"] = fixed + m["activations, checkpointed"]
     return m
+
+
+def micro_tokens_that_fit(cfg, gpus: int, budget_bytes: float, checkpointing: bool) -> int:
+    """train.py's --micro-tokens when not given on a GPU (and plan.py's): the most tokens per micro-batch, in
+    multiples of 1024, whose memory_per_gpu total (with or without activation checkpointing) stays within
+    budget_bytes; 0 when not even 1024 fit."""
+    key = "total_checkpointed" if checkpointing else "total"
+    fixed, per_1024 = memory_per_gpu(cfg, gpus, 0)[key], memory_per_gpu(cfg, gpus, 1024)[key]
+    per_1024 -= fixed  # memory is affine in the micro-batch's tokens
+    return max(0, int((budget_bytes - fixed) // per_1024)) * 1024
 
 
 @dataclass
@@ -475,7 +487,9 @@ def parse_args(argv=None):
     p.add_argument("--config", default=str(Path(__file__).resolve().parent / "bench" / "configs" / "qwen2.5-7b"),
                    help="model directory with an HF config.json (default: %(default)s)")
     p.add_argument("--trace", help="TRACE root: tasks found there are measured instead of assumed")
-    p.add_argument("--micro-tokens", type=int_at_least(1), default=16384, help="tokens per micro-batch (default: %(default)s)")
+    p.add_argument("--micro-tokens", type=int_at_least(1),
+                   help="tokens per micro-batch (default: train.py's rule on a GPU, the most that fit in "
+                        f"{GPU_MEMORY_GB:g} GB x {MEMORY_SHARE:g} with activation checkpointing)")
     p.add_argument("--eval-repeats", type=int_at_least(1), default=8, help="samples per test prompt (default: %(default)s, the "
                                                                "paper preset's)")
     add_arguments(p)
@@ -493,6 +507,12 @@ def main(argv=None):
         raise UserError(f"--trace {args.trace}: " + ("no such directory" if not Path(args.trace).is_dir() else
                         "holds none of the paper's tasks (<task>/train.json)") + "; drop --trace to use the assumed "
                         "sizes")
+    if args.micro_tokens is None:  # the paper's grid is planned with activation checkpointing (format_plan below)
+        args.micro_tokens = micro_tokens_that_fit(cfg, args.plan_gpus, MEMORY_SHARE * GPU_MEMORY_GB * 1e9, True)
+        if not args.micro_tokens:
+            raise UserError(f"{args.config} does not fit {GPU_MEMORY_GB:g} GB per GPU on {args.plan_gpus} GPUs")
+        print(f"plan.py: --micro-tokens {args.micro_tokens}: the most that fit {MEMORY_SHARE:g} x {GPU_MEMORY_GB:g} "
+              f"GB per GPU with activation checkpointing (train.py's rule)")
     profile = Profile.from_args(args, args.micro_tokens)
     table = paper_tasks(args.trace)
     print(f"{'task':<12} {'n_train':>7} {'prompt_tok':>10} {'answer_tok':>10} {'n_test':>6}  source")

@@ -68,7 +68,8 @@ GRAD_CLIP = 1.0
 GLOBAL_BATCH = 128       # sequences per optimizer step
 MAX_LEN = 2048           # longer examples are dropped
 EPOCHS = 5               # per stage; TRACE order uses [5, 3, 7, 5, 3, 5, 5, 7]
-MICRO_TOKENS = 16384     # tokens per packed micro-batch (per rank)
+MICRO_TOKENS = 16384     # tokens per packed micro-batch (per rank) on the CPU; on a GPU: the most that fit its memory
+                         # (plan.micro_tokens_that_fit: 90 % of it, with or without --activation-checkpointing)
 SAVE_EVERY = 50          # optimizer steps between resumable training states (0: never)
 OBJECTIVE = "sft"        # sft | sft-kl | sdft (see the docstring)
 # sft-kl: NLL + beta * KL to an EMA teacher on the gold tokens
@@ -107,14 +108,18 @@ def parse_args(argv=None):
     p.add_argument("--grad-clip", type=float_in(0, lo_open=True), default=GRAD_CLIP, help="max grad norm (default: %(default)s)")
     p.add_argument("--global-batch", type=int_at_least(1), default=GLOBAL_BATCH, help="sequences per step (default: %(default)s)")
     p.add_argument("--max-len", type=int_at_least(2), default=MAX_LEN, help="drop longer examples (default: %(default)s)")
-    p.add_argument("--micro-tokens", type=int_at_least(1), default=MICRO_TOKENS,
-                   help="token budget of one packed micro-batch (default: %(default)s)")
+    p.add_argument("--micro-tokens", type=int_at_least(1),
+                   help=f"token budget of one packed micro-batch (default: {MICRO_TOKENS} on the CPU; on a GPU the most "
+                        "that fit its memory, printed at the start)")
     p.add_argument("--seed", type=int, default=0, help="data order seed (default: %(default)s)")
     p.add_argument("--save-every", type=int_at_least(0), default=SAVE_EVERY,
                    help="steps between resumable training states, 0 = never (default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="continue from the last training state in OUT.partial/; "
                    "when OUT is already the final checkpoint of the same settings, say so and exit 0")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                   help="compile each transformer block with torch.compile(fullgraph=True) (default: on a GPU; off on "
+                        "the CPU, where it does not pay: BENCHMARKS.md, 'Compiled training')")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="compute dtype: auto = bf16 on CUDA (fp32 master weights), fp32 on CPU")
     p.add_argument("--objective", choices=["sft", "sft-kl", "sdft"], default=OBJECTIVE,
@@ -202,9 +207,14 @@ def load_mixture(paths: list[str]) -> list[dict]:
     return records
 
 
-def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False, shard=None):
-    """meta -> fully_shard(each block) -> fully_shard(root) -> materialise -> load. lm_head and the final norm
-    stay in the root unit, where forward computes the loss.
+def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False, shard=None, compile=False):
+    """meta -> compile(each block) -> fully_shard(each block) -> fully_shard(root) -> materialise -> load. lm_head
+    and the final norm stay in the root unit, where forward computes the loss.
+
+    compile: each block's forward through torch.compile(fullgraph=True), before fully_shard as torchtitan orders it
+    (FSDP2's hooks run outside the compiled region); the token dimension is dynamic (dynamic=True), so packed
+    micro-batches of any length share one graph: no recompilation per length, and the same kernels for every step
+    (a resumed run computes what an uninterrupted one does). The loss and embeddings stay eager.
 
     A world of one on CPU that computes in fp32 (the parameters' own dtype) is not wrapped: FSDP2 would have
     nothing to shard, gather or cast there, only its hooks and DTensor dispatch on every op, ~35% of a tiny
@@ -216,6 +226,9 @@ def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False,
     with torch.device("meta"):
         model = Transformer(load_config(ckpt_dir))
     model.activation_checkpointing = activation_checkpointing
+    if compile:
+        for block in model.model.layers:
+            block.compile(fullgraph=True, dynamic=True)
     world = dist.get_world_size()
     if shard if shard is not None else (world > 1 or compute_dtype != torch.float32 or device.type != "cpu"):
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -428,6 +441,34 @@ class Stage:
         return self.teacher if self.ema_rate is not None else None
 
 
+def device_defaults(args, device, world: int, compute_dtype):
+    """--compile and --micro-tokens when not given: compiled blocks on a GPU, eager on the CPU; on a GPU the most
+    tokens per micro-batch that fit MEMORY_SHARE of its memory (or what is free, if less), by plan.py's memory model
+    of this very loop (so plan.py and train.py agree), MICRO_TOKENS on the CPU."""
+    if args.compile is None:
+        args.compile = device.type == "cuda"
+    if args.micro_tokens is not None:
+        return
+    if device.type != "cuda":
+        args.micro_tokens = MICRO_TOKENS
+        return
+    from plan import MEMORY_SHARE, micro_tokens_that_fit
+    free, total = torch.cuda.mem_get_info(device)
+    budget = min(free, MEMORY_SHARE * total)
+    cfg = load_config(args.model)
+    fit = micro_tokens_that_fit(cfg, world, budget, args.activation_checkpointing)
+    if compute_dtype == torch.float32:  # the memory model is bf16 training's: fp32 activations take twice the bytes
+        fit = fit // 2048 * 1024
+    if fit < args.max_len:
+        raise UserError(f"train.py: at most {fit} tokens per micro-batch fit {budget / 1e9:.1f} GB per GPU on {world} "
+                        f"GPU(s), fewer than --max-len {args.max_len}: add --activation-checkpointing or GPUs, or give "
+                        f"--micro-tokens")
+    args.micro_tokens = fit
+    print(f"train.py: --micro-tokens {fit}: the most that fit {budget / 1e9:.1f} GB per GPU"
+          f"{' with activation checkpointing' if args.activation_checkpointing else ''} (plan.py's memory model)",
+          flush=True)
+
+
 def setup(args, rank: int, world: int, device) -> Stage | None:
     """Steps 1-3 of the docstring: the mixture tokenized and its steps planned, the model (and teacher) built, the
     optimizer and schedule, a resumed training state loaded; None when --resume finds OUT already the final
@@ -443,6 +484,7 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
         dist.barrier()
         args.model = args.model or str(ensure_base("tiny"))
         args.data = args.data or str(ensure_embedded() / "C-STANCE" / "train.json")
+    device_defaults(args, device, world, compute_dtype)
     out = Path(args.out)
     workdir = out.with_name(out.name + ".partial")  # training state and logs until the checkpoint is final
     log_path = workdir / "train_log.jsonl"
@@ -485,10 +527,10 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
 
     # 2. model, and the teacher of sft-kl / sdft: a copy of the initial weights (an EMA from there on, or frozen);
     #    sdft's "student" teacher is the training model itself
-    model = build_model(args.model, device, compute_dtype, args.activation_checkpointing)
+    model = build_model(args.model, device, compute_dtype, args.activation_checkpointing, compile=args.compile)
     teacher, ema_rate = None, None
     if args.objective == "sft-kl" or (args.objective == "sdft" and args.sdft_teacher != "student"):
-        teacher = build_model(args.model, device, compute_dtype)
+        teacher = build_model(args.model, device, compute_dtype, compile=args.compile)
         teacher.requires_grad_(False)
     if args.objective == "sft-kl":
         ema_rate = 1 - args.sft_kl_ema
@@ -522,7 +564,8 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
         print(f"train.py: {len(examples)} examples ({dropped} longer than {args.max_len} dropped), {n_tok} tokens, "
               f"{len(steps)} steps of <= {args.global_batch} sequences on {world} rank(s) "
               f"({'FSDP2' if fsdp_units(model) else 'unsharded: one CPU rank, fp32'}), {device.type}, "
-              f"{str(compute_dtype).removeprefix('torch.')}, objective {args.objective}"
+              f"{str(compute_dtype).removeprefix('torch.')}{', compiled blocks' if args.compile else ''}, "
+              f"{args.micro_tokens} tokens per micro-batch, objective {args.objective}"
               + (f" (teacher {args.sdft_teacher}, KL {args.sdft_kl})" if args.objective == "sdft" else ""), flush=True)
         print(f"train.py: kernels: attention {attention.describe()}; cross-entropy {cross_entropy.get_backend()}",
               flush=True)

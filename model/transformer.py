@@ -146,7 +146,9 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv, self.head_dim)
-        v = v.view(B, T, self.n_kv, self.head_dim)
+        # a copy of v (T x kv_dim): the attention kernel saves v for backward, and a view would keep the whole fused
+        # [T, q + 2 kv] product alive (tests/test_plan.py counts what a block keeps)
+        v = v.reshape(B, T, self.n_kv, self.head_dim).contiguous()
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

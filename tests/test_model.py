@@ -87,6 +87,40 @@ def test_packed_loss_equals_sum_of_token_nll(pair):
     assert torch.allclose(loss, ref, rtol=1e-5)
 
 
+def test_blocks_compile_whole_and_match_eager(pair):
+    """train.py --compile: every block of each architecture (biases, q/k norms, GQA) is one graph in the packed
+    (varlen) and the dense mode, no graph break (dynamo's explain), and the compiled model's packed loss and
+    gradients equal the eager ones to 1e-5 (inductor, dynamic token count: two lengths, one graph)."""
+    _, ours, _ = pair
+    model = type(ours)(ours.cfg)
+    model.load_state_dict(ours.state_dict())
+    model.tie_weights()
+    block, x = model.model.layers[0], torch.randn(1, 40, 64)
+    cos, sin = torch.randn(1, 40, ours.cfg.head_dim), torch.randn(1, 40, ours.cfg.head_dim)
+    for extra in ((torch.tensor([0, 23, 40], dtype=torch.int32), 23), ()):
+        explained = torch._dynamo.explain(block)(x, cos, sin, *extra)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+
+    def loss_and_grads(m, n):
+        ids = torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(n))
+        pos = torch.cat([torch.arange(n // 3), torch.arange(n - n // 3)])[None]
+        cu = torch.tensor([0, n // 3, n], dtype=torch.int32)
+        loss = m(ids, pos, cu_seqlens=cu, max_seqlen=n - n // 3, labels=ids)
+        grads = torch.autograd.grad(loss, list(m.parameters()))
+        return loss, grads
+
+    eager = [loss_and_grads(model, n) for n in (30, 41)]
+    torch._dynamo.reset()
+    for b in model.model.layers:
+        b.compile(fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # both lengths through one graph per block
+        compiled = [loss_and_grads(model, n) for n in (30, 41)]
+    for (l0, g0), (l1, g1) in zip(eager, compiled):
+        assert abs(l1.item() - l0.item()) <= 1e-5 * l0.item()
+        for a, b in zip(g1, g0):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
 @pytest.mark.parametrize("shard_bytes", [5 * 2**30, 40_000])
 def test_save_load_round_trip_is_bit_exact_and_loads_in_transformers(pair, tmp_path, shard_bytes):
     hf, ours, src = pair

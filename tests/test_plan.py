@@ -224,3 +224,39 @@ def test_run_dry_run_checks_the_planner_flags(env, tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "--plan-gpus" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_micro_tokens_rule_is_the_most_that_fit_and_train_py_uses_it(monkeypatch):
+    """plan.micro_tokens_that_fit: the largest multiple of 1024 whose modelled memory fits the budget, with and
+    without activation checkpointing; train.py takes it on a GPU when --micro-tokens is not given (free memory faked),
+    16384 on the CPU, and refuses a budget below --max-len in one line."""
+    import argparse
+    import train
+    from model.checkpoint import load_config
+    cfg = load_config(Path(plan.__file__).parent / "bench" / "configs" / "qwen2.5-7b")
+    budget = 72e9
+    for ac, key in ((False, "total"), (True, "total_checkpointed")):
+        mt = plan.micro_tokens_that_fit(cfg, 8, budget, ac)
+        assert mt % 1024 == 0 and mt > 0
+        assert plan.memory_per_gpu(cfg, 8, mt)[key] <= budget < plan.memory_per_gpu(cfg, 8, mt + 1024)[key]
+    assert plan.micro_tokens_that_fit(cfg, 8, budget, True) > plan.micro_tokens_that_fit(cfg, 8, budget, False)
+    assert plan.micro_tokens_that_fit(cfg, 1, budget, False) == 0  # 7B's states alone need > 72 GB on one GPU
+
+    def args(**kw):
+        return argparse.Namespace(**{**dict(compile=None, micro_tokens=None, model=str(
+            Path(plan.__file__).parent / "bench" / "configs" / "qwen2.5-7b"), activation_checkpointing=True,
+            max_len=2048), **kw})
+
+    a = args()
+    train.device_defaults(a, torch.device("cpu"), 1, torch.float32)
+    assert (a.compile, a.micro_tokens) == (False, train.MICRO_TOKENS)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79e9, 80e9))
+    a = args()
+    train.device_defaults(a, torch.device("cuda"), 8, torch.bfloat16)
+    assert a.compile is True and a.micro_tokens == plan.micro_tokens_that_fit(cfg, 8, 0.9 * 80e9, True)
+    a = args(micro_tokens=4096, compile=False)  # given: kept
+    train.device_defaults(a, torch.device("cuda"), 8, torch.bfloat16)
+    assert (a.compile, a.micro_tokens) == (False, 4096)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20e9, 80e9))  # another process holds 60 GB
+    with pytest.raises(train.UserError, match="fit 20.0 GB per GPU on 8 GPU.*--max-len 2048"):
+        train.device_defaults(args(), torch.device("cuda"), 8, torch.bfloat16)

@@ -187,3 +187,13 @@ def test_sdft_template_without_demo_is_refused(sharp, tmp_path):
     r = train(sharp, tmp_path / "out", *SDFT, "--sdft-template", "{prompt} only", ok=False)
     assert r.returncode != 0 and "--sdft-template" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_sdft_compiled_tracks_eager(sharp, runs, tmp_path):
+    """--compile: the student's and teacher's blocks compiled (fullgraph), sampling on the engine as before."""
+    out = tmp_path / "compiled"
+    assert "compiled blocks" in train(sharp, out, *case_args("ema"), "--compile").stdout
+    for a, b in zip(log(out), log(runs["ema"])):
+        assert a["target_tokens"] == b["target_tokens"], (a, b)  # the same responses were sampled
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (a, b)
