@@ -442,11 +442,17 @@ class Stage:
 
 
 def device_defaults(args, device, world: int, compute_dtype):
-    """--compile and --micro-tokens when not given: compiled blocks on a GPU, eager on the CPU; on a GPU the most
+    """--compile and --micro-tokens when not given: compiled blocks on a GPU (bf16), eager on the CPU; on a GPU the most
     tokens per micro-batch that fit MEMORY_SHARE of its memory (or what is free, if less), by plan.py's memory model
     of this very loop (so plan.py and train.py agree), MICRO_TOKENS on the CPU."""
+    # on CUDA the blocks compile whole with a varlen kernel (flash-attn, torch's varlen_attn: custom operators) in
+    # bf16/fp16; the SDPA loop there (fp32) reads document bounds on the host, which would break the graph
+    gpu_varlen = device.type == "cuda" and compute_dtype != torch.float32 and attention.get_backend() != "sdpa"
     if args.compile is None:
-        args.compile = device.type == "cuda"
+        args.compile = gpu_varlen
+    elif args.compile and device.type == "cuda" and not gpu_varlen:
+        raise UserError("--compile on CUDA needs --dtype bf16 and a varlen attention kernel (flash-attn or torch's "
+                        "varlen_attn): the SDPA loop used otherwise reads document bounds on the host; use --no-compile")
     if args.micro_tokens is not None:
         return
     if device.type != "cuda":

@@ -5,8 +5,9 @@ HF config.json files (random init: no weights needed), and the native engine's r
     python bench/bench_gpu.py --configs qwen2.5-7b,llama-3.1-8b --mixes trace --ac on
     python bench/bench_gpu.py --device cpu --configs tiny --steps 2 --rollout-new-tokens 8   # CPU smoke test
 
-Training grid: config x length mix x activation checkpointing (off/on) x attention backend x cross-entropy backend
-(only the backends that can run here). Each variant runs in a fresh process -- torchrun with one rank per GPU -- so
+Training grid: config x length mix x activation checkpointing (off/on) x compiled blocks (train.py --compile, off/on)
+x attention backend x cross-entropy backend (only the backends that can run here; compiled rows only with a varlen
+kernel, as train.py requires). --micro-tokens auto takes train.py's default on a GPU: the most that fit its memory. Each variant runs in a fresh process -- torchrun with one rank per GPU -- so
 kernel backends are chosen at import (KERNELS_ATTN_BACKEND / KERNELS_CE_BACKEND) and peak memory is the variant's
 own. The worker builds the model exactly as train.py does (train.build_model: meta -> fully_shard -> materialise),
 with random weights instead of a checkpoint, and times train.py's step: --global-batch documents packed into
@@ -15,6 +16,7 @@ with random weights instead of a checkpoint, and times train.py's step: --global
   MFU               tokens/s per GPU x FLOPs per token (plan.flops_per_token, train.py's count: recomputation under
                     activation checkpointing is not model FLOPs) / --peak-tflops
   peak memory       torch.cuda.max_memory_allocated (CPU: the process's max RSS)
+  warm-up seconds   the --warmup steps' wall time: compiled, the compilation's cost per process
 Length mixes ("TRACE-like"): document lengths drawn around plan.PAPER_TASKS' per-task means (+-50 %), weighted by
 what each task contributes to training (examples x epochs): "trace" all eight tasks, "short" the classification
 and arithmetic tasks, "long" MeetingBank and 20Minuten (capped at --max-len).
@@ -64,7 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--ce", default="all", help="cross-entropy backends (comma list, or all that can run here)")
     p.add_argument("--gpus", type=int, help="ranks per training variant (default: every visible GPU)")
     p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="(default: %(default)s)")
-    p.add_argument("--micro-tokens", type=int, default=MICRO_TOKENS, help="(default: %(default)s)")
+    p.add_argument("--micro-tokens", default=str(MICRO_TOKENS),
+                   help="tokens per micro-batch, or auto: train.py's rule (default: %(default)s)")
+    p.add_argument("--compile", choices=["off", "on", "both"], default="both",
+                   help="train.py --compile: each block compiled (default: %(default)s)")
     p.add_argument("--max-len", type=int, default=MAX_LEN, help="(default: %(default)s)")
     p.add_argument("--steps", type=int, default=STEPS, help="timed steps per variant (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps first (default: %(default)s)")
@@ -82,6 +87,7 @@ def parse_args(argv=None):
     p.add_argument("--mix", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--ac-on", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--compile-on", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -146,7 +152,12 @@ def train_worker(args):
     rank, world, device = train.setup_distributed()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     train.load_into = random_init  # train.build_model, with random weights instead of a checkpoint's
-    model = train.build_model(args.config, device, dtype, args.ac_on)
+    opts = argparse.Namespace(compile=args.compile_on, model=args.config, activation_checkpointing=args.ac_on,
+                              max_len=args.max_len, micro_tokens=None if args.micro_tokens == "auto"
+                              else int(args.micro_tokens))
+    train.device_defaults(opts, device, world, dtype)  # --micro-tokens auto: train.py's rule
+    args.micro_tokens = opts.micro_tokens
+    model = train.build_model(args.config, device, dtype, args.ac_on, compile=args.compile_on)
     cfg = model.cfg
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     n_steps = args.warmup + args.steps
@@ -160,12 +171,14 @@ def train_worker(args):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = tokens = 0
+    t_warm = time.perf_counter()
     for step in range(n_steps):
         if step == args.warmup:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dist.barrier()
             t0, tokens = time.perf_counter(), 0
+            warmup_seconds = t0 - t_warm
         batch = list(range(step * args.global_batch, (step + 1) * args.global_batch))
         n_targets = sum(examples[i].n_targets for i in batch)
         for mb in pack(batch, lengths, args.micro_tokens, world)[rank]:
@@ -190,7 +203,9 @@ def train_worker(args):
             "cross_entropy": cross_entropy.get_backend(), "mean_doc": round(mean_doc, 1),
             "tokens_per_s_per_gpu": round(tok_s_gpu, 1),
             "mfu": tok_s_gpu * flops_per_token(cfg, mean_doc) / (args.peak_tflops * 1e12),
-            "peak_memory_gb": round(peak.item() / 1e9, 2), "timed_steps": args.steps, "seconds": round(seconds, 2)}),
+            "peak_memory_gb": round(peak.item() / 1e9, 2), "timed_steps": args.steps, "seconds": round(seconds, 2),
+            "compiled": args.compile_on, "micro_tokens": args.micro_tokens,
+            "warmup_seconds": round(warmup_seconds, 1)}),
             flush=True)
     dist.destroy_process_group()
 
@@ -304,6 +319,7 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     attn, ce = backends("attn", args.attn, args.device), backends("ce", args.ce, args.device)
     acs = {"off": [False], "on": [True], "both": [False, True]}[args.ac]
+    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     launcher = [sys.executable] if gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                    f"--nproc_per_node={gpus}"]
     common = ["--global-batch", str(args.global_batch), "--micro-tokens", str(args.micro_tokens), "--max-len",
@@ -322,13 +338,18 @@ def main(argv=None):
             for mix in [m for m in args.mixes.split(",") if m]:  # '' : rollout rows only
                 mix_lengths(mix, 1, args.max_len)  # an unknown mix fails here, before any run
                 for ac in acs:
-                    for a in attn:
-                        for c in ce:
-                            cmd = launcher + [str(Path(__file__).resolve()), "--worker", "train", "--config",
-                                              str(cdir), "--mix", mix, *common] + (["--ac-on"] if ac else [])
-                            r = run_variant(cmd, dict(env, KERNELS_ATTN_BACKEND=a, KERNELS_CE_BACKEND=c),
-                                            args.timeout)
-                            record({"config": name, "mix": mix, "ac": ac, "attn": a, "ce": c, "gpus": gpus, **r})
+                    for comp in compiles:
+                        for a in attn:
+                            if comp and args.device == "cuda" and a == "sdpa":
+                                continue  # train.py compiles on CUDA only with a varlen kernel
+                            for c in ce:
+                                cmd = launcher + [str(Path(__file__).resolve()), "--worker", "train", "--config",
+                                                  str(cdir), "--mix", mix, *common] + (["--ac-on"] if ac else []) \
+                                    + (["--compile-on"] if comp else [])
+                                r = run_variant(cmd, dict(env, KERNELS_ATTN_BACKEND=a, KERNELS_CE_BACKEND=c),
+                                                args.timeout)
+                                record({"config": name, "mix": mix, "ac": ac, "compiled": comp, "attn": a, "ce": c,
+                                        "gpus": gpus, **r})
             rows = [int(x) for x in args.rollout_batches.split(",") if x] + ([0] if args.rollout_mix_prompts else [])
             for graphs in {"on": ["1"], "off": ["0"], "both": ["1", "0"]}[args.rollout_graphs]:
                 for b in rows:
@@ -337,14 +358,16 @@ def main(argv=None):
                     r = run_variant(cmd, dict(env, OPR_ENGINE_GRAPHS=graphs), args.timeout)
                     record({"config": name, "batch": b or "mix", "graphs": graphs == "1", **r})
 
-    print(f"\n| config | mix | AC | attention | CE | GPUs | tok/s per GPU | MFU | peak mem (GB) |")
-    print("|---|---|---|---|---|---:|---:|---:|---:|")
+    print(f"\n| config | mix | AC | compiled | attention | CE | GPUs | micro-tokens | tok/s per GPU | MFU | "
+          f"peak mem (GB) | warm-up s |")
+    print("|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         if "mix" in r:
-            cells = (f"{r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_memory_gb']:.1f}"
-                     if "error" not in r else f"{r['error']} | | ")
-            print(f"| {r['config']} | {r['mix']} | {'on' if r['ac'] else 'off'} | {r['attn']} | {r['ce']} | "
-                  f"{r['gpus']} | {cells} |")
+            cells = (f"{r['micro_tokens']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | "
+                     f"{r['peak_memory_gb']:.1f} | {r['warmup_seconds']}" if "error" not in r
+                     else f"| {r['error']} | | | ")
+            print(f"| {r['config']} | {r['mix']} | {'on' if r['ac'] else 'off'} | {'on' if r['compiled'] else 'off'} | "
+                  f"{r['attn']} | {r['ce']} | {r['gpus']} | {cells} |")
     print(f"\n| config | rollout batch | CUDA graphs | new tokens | time to drain | new tok/s | busy share | "
           f"peak mem (GB) |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")

@@ -9,6 +9,7 @@ the padded loss); train.py draws its own sample order, so its loss is close, not
 
     python bench/bench_train.py                          # tiny base config + SmolLM2-135M, 1 thread
     python bench/bench_train.py --models tiny --threads 2 --repeats 5
+    python bench/bench_train.py --threads 2 --repeats 3 --with-compile --no-hf   # compiled vs eager blocks
 
 All run as fresh subprocesses with OMP_NUM_THREADS=--threads, alternating, so a busy shared machine slows both
 alike; we report medians over --repeats. Startup (imports, model load, tokenization) is excluded: tokens/s is
@@ -174,7 +175,7 @@ FSDP_WRAPPER = ["-c", "import sys, train; build = train.build_model; "
                       "train.build_model = lambda *a, **k: build(*a, **{**k, 'shard': True}); train.main(sys.argv[1:])"]
 
 
-def run_ours(ckpt, data, cfg, work: Path, threads, fsdp=False) -> dict:
+def run_ours(ckpt, data, cfg, work: Path, threads, fsdp=False, compile=False) -> dict:
     out = work / "ours-out"
     script = FSDP_WRAPPER if fsdp else [str(REPO / "train.py")]
     run_child([sys.executable, *script, "--model", str(ckpt), "--data", str(data), "--out", str(out),
@@ -182,12 +183,14 @@ def run_ours(ckpt, data, cfg, work: Path, threads, fsdp=False) -> dict:
                "--max-len", str(cfg["max_len"]), "--micro-tokens", "16384", "--lr", str(HP["lr"]),
                "--betas", *map(str, HP["betas"]), "--weight-decay", str(HP["weight_decay"]),
                "--grad-clip", str(HP["grad_clip"]), "--save-every", "0", "--dtype", "fp32", "--quiet",
-               "--peak-tflops", "1"], threads)
+               "--peak-tflops", "1", "--compile" if compile else "--no-compile"], threads)
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    timed = log[1:]  # drop warm-up
+    timed = log[1:]  # drop warm-up (and, compiled, the compilation)
     tokens = sum(x["tokens"] for x in timed)
     seconds = sum(x["tokens"] / x["tokens_per_s"] for x in timed)
-    return {"tokens_per_s": tokens / seconds, "padding": 0.0, "loss1": log[0]["loss"]}
+    # step 1's excess over a steady step of its size: the compilation (compiled) or the first-call costs (eager)
+    first = log[0]["tokens"] / log[0]["tokens_per_s"] - log[0]["tokens"] * seconds / tokens
+    return {"tokens_per_s": tokens / seconds, "padding": 0.0, "loss1": log[0]["loss"], "first_step_extra_s": first}
 
 
 def run_hf(ckpt, data, cfg, work: Path, threads, flat: bool) -> dict:
@@ -208,6 +211,9 @@ def main():
     ap.add_argument("--steps", type=int, help="override the per-model optimizer steps (>= 2)")
     ap.add_argument("--with-fsdp", action="store_true",
                     help="also run train.py with its model FSDP2-wrapped (as one process was before it skipped it)")
+    ap.add_argument("--with-compile", action="store_true",
+                    help="also run train.py --compile (each block compiled; step 1's extra seconds: the compilation)")
+    ap.add_argument("--no-hf", action="store_true", help="leave out the two Hugging Face Trainer runs")
     ap.add_argument("--child", choices=["peak", "hf", "hf-flat"], help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
@@ -239,13 +245,17 @@ def main():
             assert not dropped, f"{dropped} records longer than {cfg['max_len']} tokens"
             mean_len = statistics.mean(len(e.ids) for e in examples)
             fpt = flops_per_token(ckpt, mean_len)
-            res = {"ours": [], "hf": [], "hf-flat": []} | ({"ours-fsdp": []} if args.with_fsdp else {})
+            res = {"ours": []} | ({} if args.no_hf else {"hf": [], "hf-flat": []}) \
+                | ({"ours-fsdp": []} if args.with_fsdp else {}) | ({"ours-compiled": []} if args.with_compile else {})
             for _ in range(repeats):  # alternate so load on a shared machine hits all alike
                 res["ours"].append(run_ours(ckpt, data, cfg, work, args.threads))
                 if args.with_fsdp:
                     res["ours-fsdp"].append(run_ours(ckpt, data, cfg, work, args.threads, fsdp=True))
-                res["hf"].append(run_hf(ckpt, data, cfg, work, args.threads, flat=False))
-                res["hf-flat"].append(run_hf(ckpt, data, cfg, work, args.threads, flat=True))
+                if args.with_compile:
+                    res["ours-compiled"].append(run_ours(ckpt, data, cfg, work, args.threads, compile=True))
+                if not args.no_hf:
+                    res["hf"].append(run_hf(ckpt, data, cfg, work, args.threads, flat=False))
+                    res["hf-flat"].append(run_hf(ckpt, data, cfg, work, args.threads, flat=True))
                 peaks.append(peak(args.threads))
                 print(f"{name}: " + ", ".join(f"{k} {v[-1]['tokens_per_s']:.0f} tok/s" for k, v in res.items()),
                       file=sys.stderr, flush=True)
@@ -254,16 +264,19 @@ def main():
     pk = statistics.median(peaks)
     print(f"\n`{command}` — {args.threads} thread(s), fp32 sgemm peak {pk / 1e9:.1f} GFLOP/s "
           f"(median of {len(peaks)}: {', '.join(f'{p / 1e9:.0f}' for p in peaks)})\n")
-    label = {"ours": "train.py", "hf": "HF padded", "hf-flat": "HF padding-free", "ours-fsdp": "train.py FSDP2-wrapped"}
+    label = {"ours": "train.py", "hf": "HF padded", "hf-flat": "HF padding-free", "ours-fsdp": "train.py FSDP2-wrapped",
+             "ours-compiled": "train.py --compile"}
     print("| model | data | steps x seqs (timed) | mean len | trainer | tok/s | train.py / it | MFU | padding | "
-          "step-1 loss |")
-    print("|---|---|---|---|---|---:|---:|---:|---:|---:|")
+          "step-1 loss | step-1 extra s |")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|")
     for name, cfg, repeats, mean_len, fpt, source, res in rows:
         tps = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in res.items()}
         for k, v in res.items():
             print(f"| {name} | {source} | {cfg['steps']} x {cfg['global_batch']} ({cfg['steps'] - 1}), "
                   f"median of {repeats} | {mean_len:.0f} | {label[k]} | {tps[k]:.0f} | {tps['ours'] / tps[k]:.2f}x | "
-                  f"{tps[k] * fpt / pk:.1%} | {statistics.median(r['padding'] for r in v):.0%} | {v[0]['loss1']:.5f} |")
+                  f"{tps[k] * fpt / pk:.1%} | {statistics.median(r['padding'] for r in v):.0%} | {v[0]['loss1']:.5f} | "
+                  + (f"{statistics.median(r['first_step_extra_s'] for r in v):.1f} |" if "first_step_extra_s" in v[0]
+                     else "|"))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 #          vs its eager step, log-probs vs the trainer, FSDP2 on NCCL), then tests/test_engine.py (the engine against
 #          its reference sampler; on the CPU, as everywhere)
 #   bench  bench/bench_gpu.py: training MFU of Qwen2.5-0.5B, -1.5B and the 7B width cut to 4 layers (trace mix, no
-#          activation checkpointing, the best backends here); the engine on the Qwen2.5-1.5B shape at batch 1 / 32 /
+#          activation checkpointing, torch varlen attention, liger CE), eager and compiled blocks at 16,384 tokens per
+#          micro-batch, then compiled at train.py's memory-filling default (--micro-tokens auto); the engine on the Qwen2.5-1.5B shape at batch 1 / 32 /
 #          256 and on the rollout mix, CUDA graphs on (and off at batch 32); the engine/trainer log-prob gap with a bf16
 #          and an fp32 LM head (bench/bench_logprob_gap.py, on the tiny base)
 #   run    python run.py --gpus 1 on three tasks of the embedded benchmark with sft, replay and opr-ru (the tiny preset:
@@ -49,8 +50,12 @@ cfg["num_hidden_layers"] = 4  # the paper model's width, 4 of its 28 layers: one
 json.dump(cfg, open(f"{sys.argv[1]}/config.json", "w"))
 EOF
     ( r=0
-      python3 bench/bench_gpu.py --configs qwen2.5-0.5b,qwen2.5-1.5b,"$q7b4" --mixes trace --ac off \
-          --rollout-batches '' --rollout-mix-prompts 0 --out "$OUT/bench.jsonl" --timeout 240 || r=1
+      python3 bench/bench_gpu.py --configs qwen2.5-0.5b,qwen2.5-1.5b,"$q7b4" --mixes trace --ac off --compile both \
+          --attn torch_varlen --ce liger --rollout-batches '' --rollout-mix-prompts 0 --out "$OUT/bench.jsonl" \
+          --timeout 240 || r=1
+      python3 bench/bench_gpu.py --configs qwen2.5-0.5b,qwen2.5-1.5b,"$q7b4" --mixes trace --ac off --compile on \
+          --micro-tokens auto --attn torch_varlen --ce liger --rollout-batches '' --rollout-mix-prompts 0 \
+          --out "$OUT/bench.jsonl" --timeout 240 || r=1
       python3 bench/bench_gpu.py --configs qwen2.5-1.5b --mixes '' --rollout-batches 1,32,256 --out "$OUT/bench.jsonl" \
           --timeout 240 || r=1
       python3 bench/bench_gpu.py --configs qwen2.5-1.5b --mixes '' --rollout-batches 32 --rollout-mix-prompts 0 \

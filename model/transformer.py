@@ -99,9 +99,9 @@ def apply_rope(x, cos, sin):
     return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
-# q/k/v and gate/up as one weight each: one matmul (and one weight-gradient matmul) instead of three and two. On a GPU
-# that is fewer kernels per block; on the CPU, fp32 forward + backward at 2 threads, the q/k/v product is 1.07-1.30x
-# faster fused and gate/up the same (BENCHMARKS.md, "Fused projections"). The generation engine reads the same weights.
+# q/k/v and gate/up as one weight each: one matmul (and one weight-gradient matmul) instead of three and two: fewer
+# kernels per block on a GPU, where small models are launch-bound. On the CPU, training, it is neutral (0.95-1.14x per
+# group, fp32 forward + backward at 2 threads: BENCHMARKS.md, "Fused projections"). The engine reads the same weights.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 

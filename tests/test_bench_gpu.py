@@ -23,8 +23,11 @@ def test_bench_gpu_cpu_smoke_path(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     train = [r for r in rows if r.get("kind") == "train"]
-    assert [(r["ac"], r["attn"], r["ce"]) for r in train] == [(False, "sdpa", "chunked"), (True, "sdpa", "chunked")]
+    # activation checkpointing x compiled blocks (checkpointing around a compiled block included)
+    assert [(r["ac"], r["compiled"], r["attn"], r["ce"]) for r in train] == [
+        (ac, comp, "sdpa", "chunked") for ac in (False, True) for comp in (False, True)]
     docs = mix_lengths("trace", 2 * 8, 512)  # warm-up step + timed step, 8 documents each
+    assert {r["micro_tokens"] for r in train} == {2048}
     mean_doc = sum(n for n, _ in docs) / len(docs)
     for r in train:
         assert r["mean_doc"] == round(mean_doc, 1) and r["tokens_per_s_per_gpu"] > 0 and r["peak_memory_gb"] > 0
@@ -33,7 +36,7 @@ def test_bench_gpu_cpu_smoke_path(tmp_path):
     mix_new = sum(min(a, 5) for _, a in mix_lengths("trace", 6, 512, seed=1))  # each prompt capped at its answer
     assert [(r["batch"], r["new_tokens"]) for r in rollouts] == [(1, 5), (3, 15), ("mix", mix_new)]
     assert mix_new < 6 * 5  # the mix's letter answers end early
-    assert "| tiny | trace | on | sdpa | chunked | 1 |" in p.stdout
+    assert "| tiny | trace | on | on | sdpa | chunked | 1 | 2048 |" in p.stdout
 
 
 def test_profile_decode_cpu_path_reports_the_step_and_the_ops(tmp_path):

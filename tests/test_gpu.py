@@ -3,7 +3,8 @@
     python -m pytest -m gpu tests        # the install check on a GPU machine (README, "GPU setup")
 
 Every test here is marked `gpu` and skipped without CUDA (the CPU suite collects and skips them). What each checks:
-  - train.py in bf16 on CUDA on a small random-init model follows the fp32 CPU run's loss curve (within 2 % per step)
+  - train.py in bf16 on CUDA on a small random-init model follows the fp32 CPU run's loss curve (within 2 % per step),
+    compiled (its default there) and eager alike
   - every attention backend that can run here (flash-attn, torch varlen, the SDPA loop) equals the fp32 SDPA loop,
     forward and backward, on packed bf16 documents with GQA
   - liger's fused linear cross-entropy equals our chunked one on CUDA, loss and gradients, fp32 and bf16
@@ -94,6 +95,19 @@ def test_bf16_training_follows_the_fp32_cpu_loss_curve(setup, cpu_fp32_log):
         assert abs(a["loss"] - b["loss"]) <= 0.02 * a["loss"], (a, b)
         assert a["target_tokens"] == b["target_tokens"]
     assert log[-1]["loss"] < 0.9 * log[0]["loss"]  # it learns
+
+
+def test_compiled_bf16_training_tracks_eager_bf16(setup):
+    """train.py compiles its blocks by default on CUDA in bf16 (fullgraph: a graph break fails the run); it must
+    follow the eager bf16 run: kernels that fuse differently round bf16 activations differently, so 2 % per step,
+    as against the CPU; a wrong kernel moves it by far more."""
+    compiled, stdout = run_train(setup, setup["root"] / "cuda-compiled", "--dtype", "bf16", gpus=1)
+    assert "compiled blocks" in stdout, stdout
+    eager, stdout = run_train(setup, setup["root"] / "cuda-eager", "--dtype", "bf16", "--no-compile", gpus=1)
+    assert "compiled blocks" not in stdout
+    for a, b in zip(eager, compiled, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 0.02 * a["loss"], (a, b)
+        assert a["target_tokens"] == b["target_tokens"]
 
 
 def test_fsdp2_on_nccl_with_every_gpu_equals_the_cpu_process(setup, cpu_fp32_log):
