@@ -510,7 +510,8 @@ def main(argv=None):
     if args.micro_tokens is None:  # the paper's grid is planned with activation checkpointing (format_plan below)
         args.micro_tokens = micro_tokens_that_fit(cfg, args.plan_gpus, MEMORY_SHARE * GPU_MEMORY_GB * 1e9, True)
         if not args.micro_tokens:
-            raise UserError(f"{args.config} does not fit {GPU_MEMORY_GB:g} GB per GPU on {args.plan_gpus} GPUs")
+            raise UserError(f"{args.config} does not fit {MEMORY_SHARE:g} x {GPU_MEMORY_GB:g} GB per GPU on "
+                            f"{args.plan_gpus} GPUs (--plan-gpus)")
         print(f"plan.py: --micro-tokens {args.micro_tokens}: the most that fit {MEMORY_SHARE:g} x {GPU_MEMORY_GB:g} "
               f"GB per GPU with activation checkpointing (train.py's rule)")
     profile = Profile.from_args(args, args.micro_tokens)

@@ -89,7 +89,8 @@ OPR_BUFFERS = {"opr-ru": ("ru", "top"), "opr-sc": ("sc", "top"), "opr-low": ("ru
 THREADS = 1
 
 # ---- presets: the paper's setting and two CPU-sized ones --------------------------------------------------------
-# the paper's setting is the scripts' own defaults (train.py, rollout.py), not a second copy of them
+# the paper's setting is the scripts' own defaults (train.py, rollout.py), not a second copy of them; --micro-tokens
+# is train.py's fixed CPU budget, 16,384, on every device (its GPU default follows free memory: not a step key)
 PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=train.LR, warmup=train.WARMUP,
              global_batch=train.GLOBAL_BATCH,
              max_len=train.MAX_LEN, micro_tokens=train.MICRO_TOKENS, max_new_tokens=rollout.MAX_NEW_TOKENS,

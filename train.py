@@ -110,7 +110,7 @@ def parse_args(argv=None):
     p.add_argument("--max-len", type=int_at_least(2), default=MAX_LEN, help="drop longer examples (default: %(default)s)")
     p.add_argument("--micro-tokens", type=int_at_least(1),
                    help=f"token budget of one packed micro-batch (default: {MICRO_TOKENS} on the CPU; on a GPU the most "
-                        "that fit its memory, printed at the start)")
+                        "that fit its memory, printed at the start; a --resume keeps the saved state's)")
     p.add_argument("--seed", type=int, default=0, help="data order seed (default: %(default)s)")
     p.add_argument("--save-every", type=int_at_least(0), default=SAVE_EVERY,
                    help="steps between resumable training states, 0 = never (default: %(default)s)")
@@ -118,8 +118,9 @@ def parse_args(argv=None):
                    "when OUT is already the final checkpoint of the same settings, say so and exit 0")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction,
-                   help="compile each transformer block with torch.compile(fullgraph=True) (default: on a GPU; off on "
-                        "the CPU, where it does not pay: BENCHMARKS.md, 'Compiled training')")
+                   help="compile each transformer block with torch.compile(fullgraph=True) (default: on CUDA in bf16 "
+                        "with a varlen attention kernel; off on the CPU, where it does not pay: BENCHMARKS.md, "
+                        "'Compiled blocks')")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="compute dtype: auto = bf16 on CUDA (fp32 master weights), fp32 on CPU")
     p.add_argument("--objective", choices=["sft", "sft-kl", "sdft"], default=OBJECTIVE,
@@ -213,8 +214,9 @@ def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False,
 
     compile: each block's forward through torch.compile(fullgraph=True), before fully_shard as torchtitan orders it
     (FSDP2's hooks run outside the compiled region); the token dimension is dynamic (dynamic=True), so packed
-    micro-batches of any length share one graph: no recompilation per length, and the same kernels for every step
-    (a resumed run computes what an uninterrupted one does). The loss and embeddings stay eager.
+    micro-batches of any length share one graph (one more for a 1-token micro-batch, which dynamo specialises): no
+    recompilation per length, and on the CPU a resumed run computes what an uninterrupted one does (tested; on a GPU
+    inductor may tune kernels to the first length it sees). The loss and embeddings stay eager.
 
     A world of one on CPU that computes in fp32 (the parameters' own dtype) is not wrapped: FSDP2 would have
     nothing to shard, gather or cast there, only its hooks and DTensor dispatch on every op, ~35% of a tiny
@@ -441,7 +443,15 @@ class Stage:
         return self.teacher if self.ema_rate is not None else None
 
 
-def device_defaults(args, device, world: int, compute_dtype):
+def saved_settings(workdir: Path) -> dict:
+    """The flags a resumable training state in workdir was saved with ({} when there is none)."""
+    try:
+        return torch.load(workdir / "state" / "progress.pt", weights_only=False).get("settings") or {}
+    except Exception:  # no state, or an unreadable one (load_state says so, when --resume reads it)
+        return {}
+
+
+def device_defaults(args, device, rank: int, world: int, compute_dtype, saved: dict):
     """--compile and --micro-tokens when not given: compiled blocks on a GPU (bf16), eager on the CPU; on a GPU the most
     tokens per micro-batch that fit MEMORY_SHARE of its memory (or what is free, if less), by plan.py's memory model
     of this very loop (so plan.py and train.py agree), MICRO_TOKENS on the CPU."""
@@ -458,21 +468,29 @@ def device_defaults(args, device, world: int, compute_dtype):
     if device.type != "cuda":
         args.micro_tokens = MICRO_TOKENS
         return
+    if saved.get("micro_tokens") and args.resume:  # a resumed run packs as it did, whatever is free now
+        args.micro_tokens = saved["micro_tokens"]
+        return
     from plan import MEMORY_SHARE, micro_tokens_that_fit
     free, total = torch.cuda.mem_get_info(device)
     budget = min(free, MEMORY_SHARE * total)
     cfg = load_config(args.model)
     fit = micro_tokens_that_fit(cfg, world, budget, args.activation_checkpointing)
-    if compute_dtype == torch.float32:  # the memory model is bf16 training's: fp32 activations take twice the bytes
-        fit = fit // 2048 * 1024
+    if compute_dtype == torch.float32:  # the memory model is bf16 training's: fp32 activations (and gathered
+        fit = fit // 2048 * 1024          # weights, within the headroom) take twice the bytes
+    if dist.is_initialized():  # every rank packs with the same budget (FSDP's collectives)
+        fit_t = torch.tensor(fit, device=device)
+        dist.all_reduce(fit_t, op=dist.ReduceOp.MIN)
+        fit = int(fit_t.item())
     if fit < args.max_len:
         raise UserError(f"train.py: at most {fit} tokens per micro-batch fit {budget / 1e9:.1f} GB per GPU on {world} "
                         f"GPU(s), fewer than --max-len {args.max_len}: add --activation-checkpointing or GPUs, or give "
                         f"--micro-tokens")
     args.micro_tokens = fit
-    print(f"train.py: --micro-tokens {fit}: the most that fit {budget / 1e9:.1f} GB per GPU"
-          f"{' with activation checkpointing' if args.activation_checkpointing else ''} (plan.py's memory model)",
-          flush=True)
+    if rank == 0:
+            print(f"train.py: --micro-tokens {fit}: the most that fit {budget / 1e9:.1f} GB per GPU"
+              f"{' with activation checkpointing' if args.activation_checkpointing else ''} (plan.py's memory model)",
+              flush=True)
 
 
 def setup(args, rank: int, world: int, device) -> Stage | None:
@@ -490,9 +508,9 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
         dist.barrier()
         args.model = args.model or str(ensure_base("tiny"))
         args.data = args.data or str(ensure_embedded() / "C-STANCE" / "train.json")
-    device_defaults(args, device, world, compute_dtype)
     out = Path(args.out)
     workdir = out.with_name(out.name + ".partial")  # training state and logs until the checkpoint is final
+    device_defaults(args, device, rank, world, compute_dtype, saved_settings(workdir))
     log_path = workdir / "train_log.jsonl"
     if args.resume and not (workdir / "state").exists() and (out / "train_summary.json").is_file():
         if final_with_same_settings(out, args):

@@ -9,14 +9,16 @@ Training grid: config x length mix x activation checkpointing (off/on) x compile
 x attention backend x cross-entropy backend (only the backends that can run here; compiled rows only with a varlen
 kernel, as train.py requires). --micro-tokens auto takes train.py's default on a GPU: the most that fit its memory. Each variant runs in a fresh process -- torchrun with one rank per GPU -- so
 kernel backends are chosen at import (KERNELS_ATTN_BACKEND / KERNELS_CE_BACKEND) and peak memory is the variant's
-own. The worker builds the model exactly as train.py does (train.build_model: meta -> fully_shard -> materialise),
+own. The worker builds the model exactly as train.py does (train.build_model: meta -> compiled blocks, when the row
+is compiled -> fully_shard -> materialise),
 with random weights instead of a checkpoint, and times train.py's step: --global-batch documents packed into
 --micro-tokens micro-batches (data.packing.pack/collate), loss inside forward, backward, clip, AdamW.
   tokens/s per GPU  document tokens of the timed steps / seconds / world size (after --warmup steps)
   MFU               tokens/s per GPU x FLOPs per token (plan.flops_per_token, train.py's count: recomputation under
                     activation checkpointing is not model FLOPs) / --peak-tflops
   peak memory       torch.cuda.max_memory_allocated (CPU: the process's max RSS)
-  warm-up seconds   the --warmup steps' wall time: compiled, the compilation's cost per process
+  warm-up seconds   the --warmup steps' wall time: compiled, the compilation's cost per process (keep --warmup >= 1
+                    for compiled rows, or the compilation lands in the timed steps)
 Length mixes ("TRACE-like"): document lengths drawn around plan.PAPER_TASKS' per-task means (+-50 %), weighted by
 what each task contributes to training (examples x epochs): "trace" all eight tasks, "short" the classification
 and arithmetic tasks, "long" MeetingBank and 20Minuten (capped at --max-len).
@@ -44,7 +46,7 @@ sys.path.insert(0, str(REPO))
 CONFIGS = "qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b,llama-3.1-8b"  # directories under bench/configs ("tiny": model.base)
 MIXES = "trace,short,long"
 GLOBAL_BATCH = 128       # documents per optimizer step (train.py's default)
-MICRO_TOKENS = 16384     # train.py's default
+MICRO_TOKENS = 16384     # train.py's default on the CPU (on a GPU: --micro-tokens auto)
 MAX_LEN = 2048
 STEPS = 6                # timed optimizer steps per variant
 WARMUP = 2               # untimed steps first (allocator, autotuning)
@@ -66,7 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--ce", default="all", help="cross-entropy backends (comma list, or all that can run here)")
     p.add_argument("--gpus", type=int, help="ranks per training variant (default: every visible GPU)")
     p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, help="(default: %(default)s)")
-    p.add_argument("--micro-tokens", default=str(MICRO_TOKENS),
+    p.add_argument("--micro-tokens", default=str(MICRO_TOKENS), type=lambda v: v if v == "auto" else str(int(v)),
                    help="tokens per micro-batch, or auto: train.py's rule (default: %(default)s)")
     p.add_argument("--compile", choices=["off", "on", "both"], default="both",
                    help="train.py --compile: each block compiled (default: %(default)s)")
@@ -155,7 +157,8 @@ def train_worker(args):
     opts = argparse.Namespace(compile=args.compile_on, model=args.config, activation_checkpointing=args.ac_on,
                               max_len=args.max_len, micro_tokens=None if args.micro_tokens == "auto"
                               else int(args.micro_tokens))
-    train.device_defaults(opts, device, world, dtype)  # --micro-tokens auto: train.py's rule
+    opts.resume = False
+    train.device_defaults(opts, device, rank, world, dtype, {})  # --micro-tokens auto: train.py's rule
     args.micro_tokens = opts.micro_tokens
     model = train.build_model(args.config, device, dtype, args.ac_on, compile=args.compile_on)
     cfg = model.cfg
@@ -171,7 +174,7 @@ def train_worker(args):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = tokens = 0
-    t_warm = time.perf_counter()
+    t_warm, warmup_seconds = time.perf_counter(), 0.0
     for step in range(n_steps):
         if step == args.warmup:
             if device.type == "cuda":

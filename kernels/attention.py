@@ -11,8 +11,9 @@ Backends, in order of preference (chosen once, at import; the first that can run
                  by groups of q heads) arrived in 2.12. We read the installed signature once and, without
                  enable_gqa, repeat the kv heads ourselves. Needs CUDA and an Ampere-or-newer GPU (sm80+).
   "sdpa"         torch SDPA looped over documents with is_causal=True -- always available. On the CPU the loop
-                 is one autograd node (_CpuFlashLoop) calling SDPA's CPU flash kernel per document: the same bytes
-                 as SDPA, without ~12 view/slice nodes per document and layer (tiny-base step 1.07x, 1 thread).
+                 is one custom operator (opr::cpu_varlen_attention, with its backward) calling SDPA's CPU flash
+                 kernel per document: the same bytes as SDPA, without ~12 view/slice nodes per document and layer
+                 (tiny-base step 1.07x, 1 thread), and opaque to torch.compile (no graph break).
 As defaults, "flash" and "torch_varlen" apply to fp16/bf16 CUDA tensors only (both are fp16/bf16 CUDA kernels);
 anything else (CPU, fp32 on CUDA) takes the SDPA loop.
           On CPU this beat one SDPA call with a [T, T] block-diagonal mask (2.6x at 16 documents of 51

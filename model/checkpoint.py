@@ -18,7 +18,7 @@ from pipeline.cli import InputError, MissingFileError, MissingWeightError
 from data.jsonl import (dumps_strict, fsync_dir, fsync_tree, read_text, remove_stale_temporaries,
                         temp_prefix)
 from model.config import ModelConfig
-from model.transformer import Transformer, from_hf, hf_parts, to_hf
+from model.transformer import Transformer, hf_parts, to_hf
 
 # Everything besides the weights that makes a directory loadable as a model with its tokenizer.
 SIDECAR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -133,11 +133,17 @@ def load_model(ckpt_dir, device="cpu", dtype=torch.float32) -> Transformer:
     cfg = load_config(ckpt_dir)
     with torch.device("meta"):
         model = Transformer(cfg)
-    state = {}
+    # each of our tensors allocated once, the file's tensors copied into their rows (a fused q/k/v is 3 of them)
+    state = {name: torch.empty(t.shape, device=device, dtype=dtype) for name, t in model.state_dict().items()}
+    rows = {hf: (state[name], a) for name in state for hf, a, _ in hf_parts(cfg, name)}
     for path, name, sl in _located_slices(model, ckpt_dir):
-        state[name] = sl[:].to(device=device, dtype=dtype)
-        check_finite(state[name], path, name)
-    model.load_state_dict(from_hf(state, cfg, model.state_dict()), strict=not cfg.tie_word_embeddings, assign=True)
+        t, a = rows[name]
+        dst = t[a:a + sl.get_shape()[0]]
+        dst.copy_(sl[:])
+        check_finite(dst, path, name)
+    if cfg.tie_word_embeddings:
+        del state["lm_head.weight"]  # tie_weights() below points it at the embeddings
+    model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
     model.tie_weights()
     return model.eval().requires_grad_(False)
 
@@ -178,7 +184,8 @@ def _save_file(tensors: dict, path: Path, metadata: dict):
 
 def save_checkpoint(state_dict: dict, src_dir, out_dir, max_shard_bytes: int = 5 * 2**30, dtype=None,
                     extra_files=()):
-    """Write `state_dict` (ours or HF's names: fused tensors are split) to out_dir in the HF layout, with config/tokenizer files copied from src_dir.
+    """Write `state_dict` (our names or HF's: fused tensors are split) to out_dir in the HF layout, with config and
+    tokenizer files copied from src_dir.
 
     Shards with a model.safetensors.index.json when the weights exceed max_shard_bytes. Atomic: written to a
     temporary sibling directory, then renamed over out_dir. `extra_files` (paths) are copied in too (logs).

@@ -1,8 +1,8 @@
 """One decoder-only transformer for Llama-3.x, Qwen2/2.5, Qwen3 and SmolLM2.
 
 Parameter names are Hugging Face's but for two fused weights: q/k/v are one `self_attn.qkv_proj` and gate/up one
-`mlp.gate_up_proj` (one matmul each instead of three and two). `hf_parts`/`to_hf`/`from_hf` map them to HF's
-separate names, which is all a checkpoint ever holds. Two attention modes:
+`mlp.gate_up_proj` (one matmul each instead of three and two). `hf_parts` and `to_hf` map them to HF's separate
+names, which is all a checkpoint ever holds. Two attention modes:
   packed   (training): B == 1, documents concatenated, `cu_seqlens` marks them, `position_ids` restart at 0
   dense    (reference): plain causal attention over each row (tests compare the packed mode with it)
 Sampling runs the same modules and weights through model/engine.py (its own KV cache and decode step).
@@ -101,11 +101,12 @@ def apply_rope(x, cos, sin):
 
 # q/k/v and gate/up as one weight each: one matmul (and one weight-gradient matmul) instead of three and two: fewer
 # kernels per block on a GPU, where small models are launch-bound. On the CPU, training, it is neutral (0.95-1.14x per
-# group, fp32 forward + backward at 2 threads: BENCHMARKS.md, "Fused projections"). The engine reads the same weights.
+# group, fp32 forward + backward at 2 threads: BENCHMARKS.md, "Compiled blocks ... and fused projections"). The engine
+# reads the same weights.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def hf_parts(cfg: ModelConfig, name: str) -> list[tuple[str, int, int]]:
+def hf_parts(cfg: ModelConfig, name: str) -> list[tuple[str, int, int | None]]:
     """[(HF name, first row, end row)] of one of our state-dict tensors: three or two row ranges for a fused one,
     else [(name, 0, None)] (all of it)."""
     prefix, _, leaf = name.rpartition(".")  # ...self_attn.qkv_proj + weight
@@ -121,12 +122,6 @@ def hf_parts(cfg: ModelConfig, name: str) -> list[tuple[str, int, int]]:
 def to_hf(state: dict, cfg: ModelConfig) -> dict:
     """Our state dict -> HF names (fused tensors split into row views)."""
     return {hf: t[a:b] for name, t in state.items() for hf, a, b in hf_parts(cfg, name)}
-
-
-def from_hf(state: dict, cfg: ModelConfig, names) -> dict:
-    """An HF-named state dict -> ours, for our tensor names `names` (fused tensors concatenated)."""
-    return {name: torch.cat([state[hf] for hf, _, _ in parts]) if len(parts := hf_parts(cfg, name)) > 1
-            else state[name] for name in names if all(hf in state for hf, _, _ in hf_parts(cfg, name))}
 
 
 class Attention(nn.Module):

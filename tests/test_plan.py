@@ -245,25 +245,28 @@ def test_micro_tokens_rule_is_the_most_that_fit_and_train_py_uses_it(monkeypatch
     def args(**kw):
         return argparse.Namespace(**{**dict(compile=None, micro_tokens=None, model=str(
             Path(plan.__file__).parent / "bench" / "configs" / "qwen2.5-7b"), activation_checkpointing=True,
-            max_len=2048), **kw})
+            max_len=2048, resume=False), **kw})
 
     a = args()
-    train.device_defaults(a, torch.device("cpu"), 1, torch.float32)
+    train.device_defaults(a, torch.device("cpu"), 0, 1, torch.float32, {})
     assert (a.compile, a.micro_tokens) == (False, train.MICRO_TOKENS)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79e9, 80e9))
     from kernels import attention
     monkeypatch.setattr(attention, "_BACKEND", "torch_varlen")  # what a GPU picks (compiles whole)
     a = args()
-    train.device_defaults(a, torch.device("cuda"), 8, torch.bfloat16)
+    train.device_defaults(a, torch.device("cuda"), 0, 8, torch.bfloat16, {})
     assert a.compile is True and a.micro_tokens == plan.micro_tokens_that_fit(cfg, 8, 0.9 * 80e9, True)
     a = args(compile=None, micro_tokens=4096)
-    train.device_defaults(a, torch.device("cuda"), 8, torch.float32)  # fp32 on CUDA: the SDPA loop, not compiled
+    train.device_defaults(a, torch.device("cuda"), 0, 8, torch.float32, {})  # fp32 on CUDA: the SDPA loop
     assert a.compile is False
     with pytest.raises(train.UserError, match="--compile on CUDA needs --dtype bf16"):
-        train.device_defaults(args(compile=True), torch.device("cuda"), 8, torch.float32)
+        train.device_defaults(args(compile=True), torch.device("cuda"), 0, 8, torch.float32, {})
+    a = args(resume=True)  # a resumed run keeps the budget its state was saved with
+    train.device_defaults(a, torch.device("cuda"), 0, 8, torch.bfloat16, {"micro_tokens": 8192})
+    assert a.micro_tokens == 8192
     a = args(micro_tokens=4096, compile=False)  # given: kept
-    train.device_defaults(a, torch.device("cuda"), 8, torch.bfloat16)
+    train.device_defaults(a, torch.device("cuda"), 0, 8, torch.bfloat16, {})
     assert (a.compile, a.micro_tokens) == (False, 4096)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20e9, 80e9))  # another process holds 60 GB
     with pytest.raises(train.UserError, match="fit 20.0 GB per GPU on 8 GPU.*--max-len 2048"):
-        train.device_defaults(args(), torch.device("cuda"), 8, torch.bfloat16)
+        train.device_defaults(args(), torch.device("cuda"), 0, 8, torch.bfloat16, {})
