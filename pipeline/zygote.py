@@ -28,9 +28,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
 SCRIPTS = ("train", "evaluate", "rollout", "score", "drift", "buffer_nll")
+# what the steps import, each once here instead of once per step. torch._dynamo: building a model on the meta device
+# imports it (nn.Embedding's normal_ runs through torch's Python reference kernels), 0.6 s of every model-loading
+# step; rouge_score: 1.0 s of every step that scores a ROUGE task (BENCHMARKS.md, "The default `python run.py`")
 PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "tqdm", "model.checkpoint", "model.generate",
            "model.sampling", "model.logprobs", "model.tokenizer", "data.metrics", "data.trace", "data.replay",
-           "kernels.attention", "kernels.cross_entropy", "torch.distributed.fsdp", *SCRIPTS)
+           "kernels.attention", "kernels.cross_entropy", "torch.distributed.fsdp", "torch._dynamo",
+           "rouge_score.rouge_scorer", "sacrebleu.tokenizers.tokenizer_13a", *SCRIPTS)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
