@@ -37,7 +37,9 @@ def backends() -> dict:
 #    instead of torch.multinomial (other draws, same distribution), prompts prefilled one per document, fused q/k/v
 #    and gate/up products (greedy tokens unchanged, log-probs within 1e-5)
 # 9: training runs the fused q/k/v and gate/up products too (model/transformer.py): the input gradient is one matmul
-#    over the fused rows instead of a sum of three and two, so every trained weight rounds differently
+#    over the fused rows instead of a sum of three and two, so every trained weight rounds differently; and
+#    model.checkpoint.load_model copies the file's tensors into 64-byte-aligned ones (safetensors' buffers are not
+#    aligned, and MKL rounds by alignment): sampled log-probs move in the last bit, tokens do not
 NUMERICS = 9
 
 # On the CPU, float results depend on the instructions the kernels run, and those follow the CPU: ATen picks its
