@@ -1,7 +1,7 @@
 """The native engine on a rollout mix, against the engine of another checkout and Hugging Face `generate`.
 
     python bench/bench_engine.py --model smollm2 --threads 2 [--before DIR] [--prompts 256] [--batch-size 32]
-        [--max-new-tokens 64] [--repeats 3] [--fixed]
+        [--before-batch-size N] [--max-new-tokens 64] [--repeats 3] [--fixed] [--no-hf]
 
 The mix: training prompts of all eight embedded tasks in turn (data/embedded.py; short letter answers next to
 summaries, code and simplifications, as TRACE mixes them), chat-templated, greedy, stop at end-of-turn, at most
@@ -99,6 +99,8 @@ def main():
     ap.add_argument("--before", type=Path, help="another checkout whose engine to compare with (e.g. a worktree)")
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--before-batch-size", type=int, help="--before's batch size (default: --batch-size), e.g. each "
+                                                         "engine at its own default")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -119,9 +121,14 @@ def main():
     engines = [("after", "native", REPO)] + ([("before", "native", args.before.resolve())] if args.before else []) \
         + ([] if args.no_hf else [("HF generate", "hf", REPO)])
     results = {name: [] for name, _, _ in engines}
+    before_job = job
+    if args.before and args.before_batch_size:
+        before_job = job.with_name("before.json")
+        before_job.write_text(json.dumps({**json.loads(job.read_text()), "batch_size": args.before_batch_size}))
     for r in range(args.repeats):
         for name, kind, root in engines:
-            cmd = [sys.executable, __file__, "--worker", kind, "--root", str(root), "--job", str(job),
+            cmd = [sys.executable, __file__, "--worker", kind, "--root", str(root), "--job",
+                   str(before_job if name == "before" else job),
                    "--threads", str(args.threads)]
             res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=root).stdout
                              .strip().splitlines()[-1])
@@ -131,7 +138,9 @@ def main():
 
     print(f"\n{args.model}, fp32, {args.threads} threads, {len(prompts)} prompts ("
           f"{'fixed: ' + str(args.max_new_tokens) + ' new tokens each, no stop' if args.fixed else 'rollout mix of the eight embedded tasks, greedy, stop at end-of-turn, <= ' + str(args.max_new_tokens) + ' new tokens'}), "
-          f"batch size {args.batch_size}, median of {args.repeats} alternated runs\n")
+          f"batch size {args.batch_size}"
+          + (f" (before: {args.before_batch_size})" if args.before and args.before_batch_size else "")
+          + f", median of {args.repeats} alternated runs\n")
     print("| engine | time to drain | new tokens | new tokens/s | vs after |")
     print("|---|---:|---:|---:|---:|")
     t_after = statistics.median(x["seconds"] for x in results["after"])
