@@ -7,8 +7,9 @@
 The algorithm, top to bottom:
   1. tokenize the mixture with the model's chat template; loss only on the response (+ end-of-turn token);
      examples longer than --max-len are dropped and counted, never truncated
-  2. build the model on `meta`, FSDP2-shard each block and then the root, materialise, load the weights
-     (each rank reads only its own rows); one CPU process in fp32 skips the sharding (nothing to shard)
+  2. build the model on `meta` (on a GPU each block compiled whole: --compile), FSDP2-shard each block and then the
+     root, materialise, load the weights (each rank reads only its own rows); one CPU process in fp32 skips the
+     sharding (nothing to shard)
   3. each optimizer step takes --global-batch sequences (seeded shuffle per epoch), packs them into
      micro-batches of at most --micro-tokens tokens with no padding, and accumulates gradients of
          sum of response-token NLL / number of response tokens in the whole step (all ranks)
