@@ -30,9 +30,9 @@ import statistics
 import time
 from pathlib import Path
 
-from data.manifest import add_task_spec, use_manifest_from_argv
+from data.manifest import add_task_spec, data_root, use_manifest_from_argv
 from data.tasks import task_names
-from pipeline.cli import InputError, Parser, float_in, int_at_least, main_cli
+from pipeline.cli import BATCH_SIZE_HELP, InputError, Parser, float_in, int_at_least, main_cli
 
 # ---- defaults (each has a flag below) ----------------------------------------------------------------------------
 LIMIT = 32             # test prompts per task: a few dozen keep the step cheap next to training
@@ -65,9 +65,7 @@ def parse_args(argv=None):
                    help="sampling engine; auto = vllm when CUDA and vllm are present, else native (default: %(default)s)")
     p.add_argument("--tp", type=int_at_least(1), default=TP, help="vLLM tensor-parallel size (default: %(default)s)")
     p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE,
-                   help="native engine: sequences decoded at once, i.e. the KV cache's rows (continuous batching: "
-                        "a finished one is replaced at once); default: as many as a quarter of the free memory (CPU) or 60 %% "
-                        "of the GPU's holds, at most 64 on the CPU, 256 on a GPU")
+                   help=BATCH_SIZE_HELP)
     add_task_spec(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     use_manifest_from_argv(argv)  # the manifest's task names are what --tasks checks against
@@ -91,7 +89,6 @@ def main(argv=None):
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     import torch
 
-    from data.embedded import ensure_embedded
     from data.jsonl import check_output, write_json, write_jsonl
     from data.trace import load_filtered, tasks_in
     from model.checkpoint import load_config, load_model
@@ -107,8 +104,7 @@ def main(argv=None):
             or cur_cfg.vocab_size != ref_cfg.vocab_size:
         raise InputError(f"--ckpt {cur_dir} and --ref {ref_dir} have different tokenizers or vocab sizes; "
                          f"the per-token KL needs one vocabulary")
-    root = Path(args.data) if args.data is not None else Path(args.task_spec).parent if args.task_spec else \
-        ensure_embedded()
+    root = data_root(args)
     tasks = args.tasks or tasks_in(root, "test")
     if not tasks:
         raise InputError(f"no task directories with a test.json under {root}")

@@ -27,9 +27,9 @@ import statistics
 import time
 from pathlib import Path
 
-from data.manifest import add_task_spec, use_manifest_from_argv
+from data.manifest import add_task_spec, data_root, use_manifest_from_argv
 from data.tasks import task_names
-from pipeline.cli import Parser, UserError, float_in, int_at_least, main_cli
+from pipeline.cli import BATCH_SIZE_HELP, Parser, UserError, float_in, int_at_least, main_cli
 
 # ---- defaults: the paper's evaluation setup (each has a flag below) ---------------------------------------------
 TEMPERATURE = 0.1      # as for rollouts: near-greedy
@@ -73,9 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=SEED, help="sampling seed (default: %(default)s)")
     p.add_argument("--limit", type=int_at_least(1), default=None, help="at most this many test examples per task (smoke tests)")
     p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE,
-                   help="native engine: sequences decoded at once, i.e. the KV cache's rows (continuous batching: "
-                        "a finished one is replaced at once); default: as many as a quarter of the free memory (CPU) or 60 %% "
-                        "of the GPU's holds, at most 64 on the CPU, 256 on a GPU")
+                   help=BATCH_SIZE_HELP)
     add_task_spec(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     use_manifest_from_argv(argv)  # the manifest's task names are what --tasks checks against
@@ -88,7 +86,6 @@ def main(argv=None):
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     from tqdm import tqdm
 
-    from data.embedded import ensure_embedded
     from data.jsonl import check_output, write_json, write_jsonl
     from data.metrics import score
     from data.tasks import parse_tasks
@@ -101,8 +98,7 @@ def main(argv=None):
     load_config(ckpt)  # fail before any work when the checkpoint is unusable
     weight_files(ckpt)  # (reads the safetensors headers only)
     tok = ChatTokenizer.from_dir(ckpt)  # InputError naming the directory when tokenizer.json is missing
-    root = Path(args.data) if args.data is not None else Path(args.task_spec).parent if args.task_spec else \
-        ensure_embedded()
+    root = data_root(args)
     tasks = parse_tasks(args.tasks) if args.tasks else tasks_in(root, "test")
     if not tasks:
         raise UserError(f"{root}: no task directories with a test.json (--data must be a TRACE root)")

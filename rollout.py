@@ -30,9 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from data.manifest import add_task_spec, use_manifest_from_argv
+from data.manifest import add_task_spec, data_root, use_manifest_from_argv
 from data.tasks import task_names
-from pipeline.cli import Parser, UserError, float_in, int_at_least, main_cli
+from pipeline.cli import BATCH_SIZE_HELP, Parser, UserError, float_in, int_at_least, main_cli
 
 # ---- defaults: the paper's rollout setup (each has a flag below) -----------------------------------------------
 TEMPERATURE = 0.1      # near-greedy, so a rollout is the model's own most likely answer
@@ -74,9 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--max-train", type=int_at_least(1), default=MAX_TRAIN, help="per-task training subsample size")
     p.add_argument("--data-seed", type=int, default=DATA_SEED, help="seed of the training subsample")
     p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE,
-                   help="native engine: sequences decoded at once, i.e. the KV cache's rows (continuous batching: "
-                        "a finished one is replaced at once); default: as many as a quarter of the free memory (CPU) or 60 %% "
-                        "of the GPU's holds, at most 64 on the CPU, 256 on a GPU")
+                   help=BATCH_SIZE_HELP)
     p.add_argument("--check-logprobs", type=int_at_least(0), default=CHECK_LOGPROBS, metavar="K",
                    help="re-score K random rollouts with the trainer's forward pass and compare log-probs (0 = off)")
     add_task_spec(p)
@@ -117,7 +115,6 @@ def main(argv=None):
     args = parse_args(argv)
     from kernels import retain_freed_memory
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
-    from data.embedded import ensure_embedded
     from data.jsonl import check_output, write_json, write_jsonl
     from data.tasks import parse_tasks
     from data.trace import load_filtered, tasks_in
@@ -129,8 +126,7 @@ def main(argv=None):
     load_config(ckpt)  # fail before any work when the checkpoint is unusable
     weight_files(ckpt)  # (reads the safetensors headers only)
     tok = ChatTokenizer.from_dir(ckpt)  # InputError naming the directory when tokenizer.json is missing
-    root = Path(args.data) if args.data is not None else Path(args.task_spec).parent if args.task_spec else \
-        ensure_embedded()
+    root = data_root(args)
     tasks = parse_tasks(args.tasks) if args.tasks else tasks_in(root)
     if not tasks:
         raise UserError(f"{root}: no task directories with a train.json (--data must be a TRACE root)")

@@ -68,7 +68,7 @@ import train
 
 from data import metrics
 from data.jsonl import check_output, read_records, write_json, write_jsonl
-from data.manifest import check_scorer, held_out, scorer_file, step_fields, use_manifest, use_manifest_from_argv
+from data.manifest import check_scorer, held_out, manifest_path, scorer_file, step_fields, use_manifest_from_argv
 from data.replay import replay_budget, replay_counts, select
 from data.tasks import get_task, parse_tasks, task_names
 from data.trace import filter_overlong, load_task, task_file
@@ -553,7 +553,7 @@ def load_inputs(args, preset: str, cfg: dict, methods: list) -> Inputs:
         data_root = Path(args.data or Path(args.task_spec).parent).resolve()
     else:
         data_root = ensure_embedded(n_train=cfg["n_train"], n_test=cfg["n_test"])
-    task_spec = use_manifest(data_root, args.task_spec)
+    task_spec = manifest_path(data_root, args.task_spec)  # loaded and made active by parse_args already
     tasks = parse_tasks(args.tasks)
     # a manifest's epochs are the user's: a preset's per-task epochs are TRACE's
     epochs = epochs_per_task(None if task_spec and args.epochs is None else cfg["epochs"], tasks)

@@ -455,7 +455,8 @@ def saved_settings(workdir: Path) -> dict:
 def device_defaults(args, device, rank: int, world: int, compute_dtype, saved: dict):
     """--compile and --micro-tokens when not given: compiled blocks on a GPU (bf16), eager on the CPU; on a GPU the most
     tokens per micro-batch that fit MEMORY_SHARE of its memory (or what is free, if less), by plan.py's memory model
-    of this very loop (so plan.py and train.py agree), MICRO_TOKENS on the CPU."""
+    of this very loop (so plan.py and train.py agree), MICRO_TOKENS on the CPU. saved: the settings of the training
+    state a --resume continues ({} otherwise): its --micro-tokens is kept."""
     # on CUDA the blocks compile whole with a varlen kernel (flash-attn, torch's varlen_attn: custom operators) in
     # bf16/fp16; the SDPA loop there (fp32) reads document bounds on the host, which would break the graph
     gpu_varlen = device.type == "cuda" and compute_dtype != torch.float32 and attention.get_backend() != "sdpa"
@@ -469,7 +470,7 @@ def device_defaults(args, device, rank: int, world: int, compute_dtype, saved: d
     if device.type != "cuda":
         args.micro_tokens = MICRO_TOKENS
         return
-    if saved.get("micro_tokens") and args.resume:  # a resumed run packs as it did, whatever is free now
+    if saved.get("micro_tokens"):  # a resumed run packs as it did, whatever is free now
         args.micro_tokens = saved["micro_tokens"]
         return
     from plan import MEMORY_SHARE, micro_tokens_that_fit
@@ -511,7 +512,7 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
         args.data = args.data or str(ensure_embedded() / "C-STANCE" / "train.json")
     out = Path(args.out)
     workdir = out.with_name(out.name + ".partial")  # training state and logs until the checkpoint is final
-    device_defaults(args, device, rank, world, compute_dtype, saved_settings(workdir))
+    device_defaults(args, device, rank, world, compute_dtype, saved_settings(workdir) if args.resume else {})
     log_path = workdir / "train_log.jsonl"
     if args.resume and not (workdir / "state").exists() and (out / "train_summary.json").is_file():
         if final_with_same_settings(out, args):

@@ -10,6 +10,7 @@ step time (steps 4..N), the first step's time (the compilation) and the first st
 """
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -70,7 +71,6 @@ def main():
     args = ap.parse_args()
     if args.child:
         return child(*args.child, args.steps)
-    import os
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     print(f"`python bench/bench_compile.py {' '.join(sys.argv[1:])}`, {args.threads} thread(s), fp32\n")
     print("| shape | variant | median step (ms) | vs eager | first step (s) | step-1 loss |\n|---|---|---:|---:|---:|---:|")

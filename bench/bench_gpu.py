@@ -155,9 +155,8 @@ def train_worker(args):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     train.load_into = random_init  # train.build_model, with random weights instead of a checkpoint's
     opts = argparse.Namespace(compile=args.compile_on, model=args.config, activation_checkpointing=args.ac_on,
-                              max_len=args.max_len, micro_tokens=None if args.micro_tokens == "auto"
-                              else int(args.micro_tokens))
-    opts.resume = False
+                              max_len=args.max_len,
+                              micro_tokens=None if args.micro_tokens == "auto" else int(args.micro_tokens))
     train.device_defaults(opts, device, rank, world, dtype, {})  # --micro-tokens auto: train.py's rule
     args.micro_tokens = opts.micro_tokens
     model = train.build_model(args.config, device, dtype, args.ac_on, compile=args.compile_on)
@@ -321,8 +320,8 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     attn, ce = backends("attn", args.attn, args.device), backends("ce", args.ce, args.device)
-    acs = {"off": [False], "on": [True], "both": [False, True]}[args.ac]
-    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    switch = {"off": [False], "on": [True], "both": [False, True]}
+    acs, compiles = switch[args.ac], switch[args.compile]
     launcher = [sys.executable] if gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                    f"--nproc_per_node={gpus}"]
     common = ["--global-batch", str(args.global_batch), "--micro-tokens", str(args.micro_tokens), "--max-len",
@@ -354,15 +353,15 @@ def main(argv=None):
                                 record({"config": name, "mix": mix, "ac": ac, "compiled": comp, "attn": a, "ce": c,
                                         "gpus": gpus, **r})
             rows = [int(x) for x in args.rollout_batches.split(",") if x] + ([0] if args.rollout_mix_prompts else [])
-            for graphs in {"on": ["1"], "off": ["0"], "both": ["1", "0"]}[args.rollout_graphs]:
+            for graphs in reversed(switch[args.rollout_graphs]):  # on first
                 for b in rows:
                     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "rollout", "--config", str(cdir),
                            "--batch", str(b), "--rollout-mix-prompts", str(args.rollout_mix_prompts), *common]
-                    r = run_variant(cmd, dict(env, OPR_ENGINE_GRAPHS=graphs), args.timeout)
-                    record({"config": name, "batch": b or "mix", "graphs": graphs == "1", **r})
+                    r = run_variant(cmd, dict(env, OPR_ENGINE_GRAPHS=str(int(graphs))), args.timeout)
+                    record({"config": name, "batch": b or "mix", "graphs": graphs, **r})
 
-    print(f"\n| config | mix | AC | compiled | attention | CE | GPUs | micro-tokens | tok/s per GPU | MFU | "
-          f"peak mem (GB) | warm-up s |")
+    print("\n| config | mix | AC | compiled | attention | CE | GPUs | micro-tokens | tok/s per GPU | MFU | "
+          "peak mem (GB) | warm-up s |")
     print("|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         if "mix" in r:
@@ -371,8 +370,8 @@ def main(argv=None):
                      else f"| {r['error']} | | | ")
             print(f"| {r['config']} | {r['mix']} | {'on' if r['ac'] else 'off'} | {'on' if r['compiled'] else 'off'} | "
                   f"{r['attn']} | {r['ce']} | {r['gpus']} | {cells} |")
-    print(f"\n| config | rollout batch | CUDA graphs | new tokens | time to drain | new tok/s | busy share | "
-          f"peak mem (GB) |")
+    print("\n| config | rollout batch | CUDA graphs | new tokens | time to drain | new tok/s | busy share | "
+          "peak mem (GB) |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for r in results:
         if "batch" in r:

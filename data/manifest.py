@@ -57,6 +57,16 @@ def use_manifest(root, spec=None) -> Path | None:
     return path
 
 
+def data_root(args) -> Path:
+    """A script's data root: --data, else the directory of --task-spec, else the embedded benchmark."""
+    if args.data is not None:
+        return Path(args.data)
+    if args.task_spec:
+        return Path(args.task_spec).parent
+    from data.embedded import ensure_embedded
+    return ensure_embedded()
+
+
 def add_task_spec(p):
     """The scripts' --task-spec flag."""
     p.add_argument("--task-spec", default=None,
@@ -158,12 +168,13 @@ def split_file(task: Task, split: str) -> Path:
     return found or Path(task.dir) / f"{split}.json"
 
 
-def held_out(task: Task) -> dict | None:
+def held_out(task: Task, n: int | None = None) -> dict | None:
     """How a task without a test split gets one: {"from", "n_test", "n_train", "fraction", "seed"}; None when it has
-    a test split."""
+    a test split. n: the train file's record count, when the caller has read it already."""
     if find_split(task.dir, "test") is not None:
         return None
-    n = len(read_file(split_file(task, "train")))
+    if n is None:
+        n = len(read_file(split_file(task, "train")))
     if n < 2:
         raise InputError(f"{task.manifest}: task {task.name!r}, field 'dir': no test split and {n} train record(s): "
                          f"nothing to hold out")
@@ -176,7 +187,8 @@ def read_split(task: Task, split: str) -> list[tuple]:
     keeps its train file position), the prompt a string or, with a system prompt or earlier turns, a message list."""
     path = split_file(task, split)
     rows = [(i, *to_example(task, where, r), r) for i, (where, r) in enumerate(read_file(path))]
-    info = held_out(task) if split in ("train", "test") else None
+    # without a test split, `path` is the train file for both splits: its count is the one held_out needs
+    info = held_out(task, len(rows)) if split in ("train", "test") else None
     if info:
         test = set(random.Random(info["seed"]).sample(range(len(rows)), info["n_test"]))
         rows = [row for row in rows if (row[0] in test) == (split == "test")]

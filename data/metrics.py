@@ -293,6 +293,7 @@ def import_scorer(spec: str):
     return fn
 
 
+@lru_cache(maxsize=None)
 def task_metric(task):
     """fn(prediction, gold, prompt, record) -> float in [0, 100] of a data.tasks.Task's metric: a METRICS name,
     label_accuracy over its labels, or a user scorer `module:function` called as (prediction, gold, record), whose
@@ -325,7 +326,6 @@ METRICS = {  # metric name (data.tasks.Task.metric) -> fn(prediction, gold, prom
     "exact_match": exact_match,
     "token_f1": token_f1,
 }
-USER_METRICS = ("label_accuracy", "module:function")  # what a manifest may name besides METRICS
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -488,12 +488,7 @@ def score(task: str, prediction: str, gold: str, prompt: str = "", scoring: str 
         raise ValueError(f"unknown scoring {scoring!r}; choose one of {', '.join(SCORINGS)}")
     if task in TASKS and t.metric == TASKS[task].metric:
         return CONVENTIONS[scoring][task](prediction, gold, prompt)
-    return _metric_of(t)(prediction, gold, prompt, record)
-
-
-@lru_cache(maxsize=None)
-def _metric_of(task):
-    return task_metric(task)
+    return task_metric(t)(prediction, gold, prompt, record)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -91,6 +91,15 @@ def _docs(cu_seqlens):
     return [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
 
 
+def _unit_stride(*xs):
+    return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
+
+
+def _lse_like(q):
+    """The kernel's log-sum-exp [T, H]: fp32, fp64 for fp64 inputs."""
+    return q.new_empty(q.shape[:2], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
 # The SDPA loop on the CPU as one custom operator: the same CPU flash kernel per document, forward and backward (the
 # kernel SDPA picks there, so outputs and gradients are bit-identical to the loop), without the ~12 view, slice and
 # transpose nodes per document and layer that autograd otherwise records and walks back. Being an operator, it is
@@ -100,9 +109,8 @@ def _docs(cu_seqlens):
 def cpu_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T,Hq,D], k/v [T,Hkv,D], cu_seqlens int32 -> (out [T,Hq,D], logsumexp [T,Hq] in the kernel's fp32/fp64)."""
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    out = q.new_empty(q.shape)
-    lse = q.new_empty(q.shape[:2], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    q, k, v = _unit_stride(q, k, v)
+    out, lse = q.new_empty(q.shape), _lse_like(q)
     for start, end in _docs(cu_seqlens):
         o, l = _CPU_FLASH(_doc(q, start, end), _doc(k, start, end), _doc(v, start, end), 0.0, True)
         _doc(out, start, end).copy_(o)
@@ -112,16 +120,15 @@ def cpu_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @cpu_varlen_attention.register_fake
 def _(q, k, v, cu_seqlens):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float64 if q.dtype == torch.float64 else
-                                             torch.float32)
+    return q.new_empty(q.shape), _lse_like(q)
 
 
 @torch.library.custom_op("opr::cpu_varlen_attention_backward", mutates_args=())
 def cpu_varlen_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   out: torch.Tensor, lse: torch.Tensor,
                                   cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, v, grad = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, grad))
-    dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    q, k, v, grad = _unit_stride(q, k, v, grad)
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # the documents cover every row
     for start, end in _docs(cu_seqlens):
         grads = _CPU_FLASH_BACKWARD(_doc(grad, start, end), _doc(q, start, end), _doc(k, start, end),
                                     _doc(v, start, end), _doc(out, start, end), _doc(lse, start, end), 0.0, True)

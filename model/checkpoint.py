@@ -78,19 +78,12 @@ def weight_files(ckpt_dir) -> dict[str, Path]:
 
 def expected_state(model: Transformer) -> dict:
     """HF name -> shape of every tensor the checkpoint must provide (tied lm_head is not stored)."""
+    # by arithmetic, not by slicing: load_into calls this on FSDP2 models, whose DTensors are sharded on dim 0
     shapes = {hf: torch.Size([(t.shape[0] if b is None else b) - a, *t.shape[1:]])
               for name, t in model.state_dict().items() for hf, a, b in hf_parts(model.cfg, name)}
     if model.cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight")
     return shapes
-
-
-def checkpoint_slices(model: Transformer, ckpt_dir):
-    """Yield (name, lazy safetensors slice) for every tensor `model` needs, after checking the checkpoint holds
-    exactly those, with the right shapes: an unexpected, missing or mis-shaped weight is an error naming file and
-    key, never silently dropped or randomly initialised."""
-    for _, name, sl in _located_slices(model, ckpt_dir):
-        yield name, sl
 
 
 def check_finite(t: torch.Tensor, path, name: str):
@@ -103,7 +96,9 @@ def check_finite(t: torch.Tensor, path, name: str):
 
 
 def _located_slices(model: Transformer, ckpt_dir):
-    """checkpoint_slices, with the file of each tensor: (path, name, slice)."""
+    """Yield (path, HF name, lazy safetensors slice) for every tensor `model` needs, after checking the checkpoint
+    holds exactly those, with the right shapes: an unexpected, missing or mis-shaped weight is an error naming file
+    and key, never silently dropped or randomly initialised."""
     shapes = expected_state(model)
     where = weight_files(ckpt_dir)
     unexpected = {k for k in set(where) - set(shapes) - {"lm_head.weight"} if not k.endswith("rotary_emb.inv_freq")}
@@ -134,15 +129,13 @@ def load_model(ckpt_dir, device="cpu", dtype=torch.float32) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg)
     # each of our tensors allocated once, the file's tensors copied into their rows (a fused q/k/v is 3 of them)
-    state = {name: torch.empty(t.shape, device=device, dtype=dtype) for name, t in model.state_dict().items()}
-    rows = {hf: (state[name], a) for name in state for hf, a, _ in hf_parts(cfg, name)}
+    # (a tied lm_head is not among them: tie_weights() below points it at the embeddings)
+    state = {name: torch.empty(t.shape, device=device, dtype=dtype) for name, t in model.state_dict().items()
+             if not (cfg.tie_word_embeddings and name == "lm_head.weight")}
+    views = to_hf(state, cfg)
     for path, name, sl in _located_slices(model, ckpt_dir):
-        t, a = rows[name]
-        dst = t[a:a + sl.get_shape()[0]]
-        dst.copy_(sl[:])
-        check_finite(dst, path, name)
-    if cfg.tie_word_embeddings:
-        del state["lm_head.weight"]  # tie_weights() below points it at the embeddings
+        views[name].copy_(sl[:])
+        check_finite(views[name], path, name)
     model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
     model.tie_weights()
     return model.eval().requires_grad_(False)

@@ -147,6 +147,10 @@ class Engine:
         lens = [e - b for _, b, e in docs]
         cu = torch.tensor([0] + lens, device=ids.device).cumsum(0).to(torch.int32)
         cached = any(b > 0 for _, b, _ in docs)
+        hkv, g = self.cfg.num_key_value_heads, self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        if cached:  # per document, new token j (position b + j) sees columns 0..b+j; the same in every layer
+            masks = [(torch.arange(e, device=ids.device)[None, :] <= torch.arange(b, e, device=ids.device)[:, None])
+                     .repeat(g, 1) for _, b, e in docs]
 
         def attend(i, q, k, v):
             self.k[i][slots, :, pos] = k
@@ -154,13 +158,11 @@ class Engine:
             if not cached:
                 return varlen_attention(q, k, v, cu, max(lens)).flatten(1)
             out, at = [], 0
-            hkv, g = k.shape[1], q.shape[1] // k.shape[1]
-            for (slot, b, e), n in zip(docs, lens):  # the new tokens attend to the slot's columns 0..e-1
+            for (slot, b, e), n, mask in zip(docs, lens, masks):  # the new tokens attend to the slot's columns 0..e-1
                 # [n, Hq, D] -> [1, Hkv, G * n, D]: each kv head's G query heads as G * n queries (see decode_step)
                 qd = q[at:at + n].view(n, hkv, g, -1).permute(1, 2, 0, 3).reshape(1, hkv, g * n, -1)
                 kd, vd = self.k[i][slot:slot + 1, :, :e], self.v[i][slot:slot + 1, :, :e]
-                mask = (torch.arange(e, device=q.device)[None, :] <= torch.arange(b, e, device=q.device)[:, None])
-                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask.repeat(g, 1))
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)
                 out.append(od.view(hkv, g, n, -1).permute(2, 0, 1, 3).reshape(n, -1))
                 at += n
             return torch.cat(out)

@@ -24,12 +24,13 @@ def resolve_engine(engine: str) -> str:
 
 def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, max_new_tokens: int | list = 512,
              seed: int = 0, engine: str = "auto", tp: int = 1, batch_size: int | None = None, stop_ids=None,
-             progress: bool = True) -> list[dict]:
+             progress: bool = True, model=None) -> list[dict]:
     """Sample one response per prompt (lists of token ids, already chat-templated) from the checkpoint in ckpt_dir.
 
     stop_ids: token ids that end a response; None reads them from the checkpoint's tokenizer (ChatTokenizer.stop_ids).
     batch_size: native engine only, sequences decoded at once (None: model.generate.default_batch_size; vLLM
-    schedules its own batches). tp: vLLM tensor-parallel size.
+    schedules its own batches). tp: vLLM tensor-parallel size. model: native engine only, the checkpoint already
+    loaded by load_native (generate_tasks loads it once for all its calls).
     """
     engine = resolve_engine(engine)
     if not prompts:
@@ -41,12 +42,17 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, ma
         from model import vllm_engine
         return vllm_engine.generate(ckpt_dir, prompts, temperature=temperature, max_new_tokens=max_new_tokens,
                                     stop_ids=stop_ids, seed=seed, tp=tp, progress=progress)
-    from model.checkpoint import load_model
     from model.generate import generate as native_generate
+    return native_generate(model if model is not None else load_native(ckpt_dir), prompts, temperature=temperature,
+                           max_new_tokens=max_new_tokens, stop_ids=stop_ids, seed=seed, batch_size=batch_size,
+                           progress=progress)
+
+
+def load_native(ckpt_dir):
+    """The checkpoint as the native engine samples it: bf16 on a GPU, fp32 on the CPU."""
+    from model.checkpoint import load_model
     cuda = torch.cuda.is_available()
-    model = load_model(ckpt_dir, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
-    return native_generate(model, prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                           seed=seed, batch_size=batch_size, progress=progress)
+    return load_model(ckpt_dir, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
 
 
 def generate_tasks(ckpt_dir, prompts: list[list[int]], tasks: list[str], *, temperature: float, max_new_tokens: int,
@@ -56,7 +62,10 @@ def generate_tasks(ckpt_dir, prompts: list[list[int]], tasks: list[str], *, temp
     temperature, one call in all for TRACE's tasks. Outputs in prompt order."""
     from data.manifest import sampling_groups
     outs = [None] * len(prompts)
-    for temp, (ix, caps) in sampling_groups(tasks, temperature, max_new_tokens, evaluation).items():
+    groups = sampling_groups(tasks, temperature, max_new_tokens, evaluation)
+    if len(groups) > 1 and resolve_engine(kw.get("engine", "auto")) == "native" and prompts:
+        kw["model"] = load_native(ckpt_dir)  # one load for every temperature
+    for temp, (ix, caps) in groups.items():
         for i, o in zip(ix, generate(ckpt_dir, [prompts[i] for i in ix], temperature=temp, max_new_tokens=caps, **kw)):
             outs[i] = o
     return outs

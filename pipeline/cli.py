@@ -48,11 +48,22 @@ ENVIRONMENT_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, err
                       errno.EMFILE, errno.ENFILE, errno.ELOOP, errno.EXDEV}
 
 
+def one_line(msg: str) -> str:
+    """msg with its line breaks written as \\r and \\n."""
+    return msg.replace("\r", "\\r").replace("\n", "\\n")
+
+
+# the --batch-size help of the scripts that sample on the native engine (evaluate.py, rollout.py, drift.py)
+BATCH_SIZE_HELP = ("native engine: sequences decoded at once, i.e. the KV cache's rows (continuous batching: a finished "
+                   "one is replaced at once); default: as many as a quarter of the free memory (CPU) or 60 %% of the "
+                   "GPU's holds, at most 64 on the CPU, 256 on a GPU")
+
+
 def user_message(e: BaseException) -> str | None:
     """The one-line message for an expected failure, or None for a bug (which keeps its traceback). A newline in it
     (a path or value that holds one) is written as \\n, so that the message stays one line."""
     msg = _message(e)
-    return None if msg is None else msg.replace("\r", "\\r").replace("\n", "\\n")
+    return None if msg is None else one_line(msg)
 
 
 def _message(e: BaseException) -> str | None:
@@ -126,7 +137,7 @@ class Parser(argparse.ArgumentParser):
                           help="show the full traceback of an error (also: OPR_DEBUG=1)")
 
     def error(self, message):
-        message = message.replace("\r", "\\r").replace("\n", "\\n")  # one line, whatever the value held
+        message = one_line(message)  # whatever the value held
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
