@@ -1,12 +1,13 @@
 """A matmul of a few rows on the CPU: torch.nn.Linear vs model.transformer.Linear, whose sampling path multiplies by
-the weight's two row halves in one bmm, per weight shape of SmolLM2-135M and of the tiny base, at 1-16 rows.
+the weight's two row halves in one bmm, per (fused) weight shape of SmolLM2-135M and of the tiny base.
 
-    python bench/bench_linear.py [--threads 2] [--rows 1,2,4,8,16] [--repeats 5]
+    python bench/bench_linear.py [--threads 2] [--rows 1,2,4,8,16,37,64,128,512] [--repeats 5]
 
 Each call reads a different weight of a pool larger than the caches, as a decode step reads each layer's weight once;
 both modules hold the same weights and are called as modules, under torch.no_grad. Prints microseconds per call
 (median of --repeats timings, the two alternated) and the ratio; '*' marks the shapes and row counts where Linear takes
-the split path (<= SPLIT_MAX_ROWS rows, >= SPLIT_MIN_WEIGHT elements); elsewhere it calls F.linear as nn.Linear does,
+the split path (model.transformer.split_rows: a few rows, or up to SPLIT_MAX_ROWS_LARGE rows of a large weight padded
+to a multiple of SPLIT_ROW_MULTIPLE); elsewhere it calls F.linear as nn.Linear does,
 after its checks.
 """
 import argparse
@@ -19,12 +20,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.transformer import SPLIT_MAX_ROWS, SPLIT_MIN_WEIGHT, Linear  # noqa: E402
+from model.transformer import Linear, split_rows  # noqa: E402
 
 SHAPES = {  # (out, in) of each projection
-    "SmolLM2-135M": {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536),
+    "SmolLM2-135M": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
                      "lm_head": (49152, 576)},
-    "tiny base": {"q/o": (128, 128), "k/v": (64, 128), "gate/up": (384, 128), "down": (128, 384),
+    "tiny base": {"qkv": (256, 128), "o": (128, 128), "gate_up": (768, 128), "down": (128, 384),
                   "lm_head": (1024, 128)},
 }
 
@@ -72,7 +73,7 @@ def main():
                         ta.append(per_call(call, stock, x, calls))
                         tb.append(per_call(call, ours, x, calls))
                 a, b = statistics.median(ta), statistics.median(tb)
-                split = m <= SPLIT_MAX_ROWS and n * k >= SPLIT_MIN_WEIGHT
+                split = split_rows(m, ours[0].weight) > 0
                 cells.append(f"{a * 1e6:.0f} / {b * 1e6:.0f} ({a / b:.2f}x){' *' if split else ''}")
             print(f"| {m} | " + " | ".join(cells) + " |", flush=True)
         print()

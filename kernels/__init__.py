@@ -40,7 +40,10 @@ def backends() -> dict:
 #    over the fused rows instead of a sum of three and two, so every trained weight rounds differently; and
 #    model.checkpoint.load_model copies the file's tensors into 64-byte-aligned ones (safetensors' buffers are not
 #    aligned, and MKL rounds by alignment): sampled log-probs move in the last bit, tokens do not
-NUMERICS = 9
+# 10: on the CPU the engine runs the live rows' decode step inside each admission's prefill forward, and sampling
+#    multiplies weights of >= 2^20 elements by the split bmm at up to 512 rows, padded to a multiple of 8
+#    (model.transformer.split_rows): sampled log-probs move in the last bits (training, and so the tiny base, do not)
+NUMERICS = 10
 
 # On the CPU, float results depend on the instructions the kernels run, and those follow the CPU: ATen picks its
 # AVX2 or AVX-512 code by the CPU's flags, MKL's GEMMs pick code per vendor and model. So the same command on two

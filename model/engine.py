@@ -13,11 +13,13 @@ moved down into the hole (one sequence's columns copied, never the whole batch's
 
 The schedule (nano-vllm's, simplified). Prompts wait in token order, so that prompts sharing a prefix (a task's
 instruction, evaluation's repeats) meet. Each iteration admits waiting prompts into free slots (at most
-`max_prefill_tokens` prompt tokens per iteration: one packed varlen forward, only the last position of each prompt
-through lm_head), then runs one decode step of every live sequence. A prompt that shares a prefix with a resident
-sequence or an earlier admission copies that prefix's cache columns and prefills only the rest. The KV cache is
-allocated once per engine (grown when a call needs longer sequences), so CUDA graphs captured in one call serve the
-next.
+`max_prefill_tokens` prompt tokens per iteration, one packed forward, only the last position of each prompt through
+lm_head), then runs one decode step of every live sequence. On the CPU (no graphs) the live sequences' decode step
+rides in the admission's forward (vLLM's mixed batches): a product of a few rows reads the whole weight anyway, so an
+admission no longer costs a forward of its own. A prompt that shares a prefix with a resident sequence or an earlier
+admission copies that prefix's cache columns (in each layer, once the donor's are written) and prefills only the rest.
+The KV cache is allocated once per engine (grown when a call needs longer sequences), so CUDA graphs captured in one
+call serve the next.
 
 The decode step is a pure function of static-shape tensors: tokens, positions, per-row sampling keys and counters
 of the `n` live rows padded up to a batch bucket, attention over the first `span` cache columns (a multiple of
@@ -95,10 +97,12 @@ class Engine:
     for the duration, as train.py's SDFT does). max_seqs: live sequences at once (the KV cache holds this many
     rows of max prompt + max_new_tokens columns). graphs: capture the decode step as CUDA graphs (default: on CUDA
     unless OPR_ENGINE_GRAPHS=0).
-    lm_head_fp32: compute the logits in fp32 from a bf16 model (an fp32 copy of lm_head's weight)."""
+    lm_head_fp32: compute the logits in fp32 from a bf16 model (an fp32 copy of lm_head's weight).
+    mix: run the live sequences' decode step inside each admission's prefill forward (default: without graphs)."""
 
     def __init__(self, model: Transformer, max_seqs: int = 32, *, graphs: bool | None = None,
-                 max_prefill_tokens: int | None = None, key_bucket: int | None = None, lm_head_fp32: bool = False):
+                 max_prefill_tokens: int | None = None, key_bucket: int | None = None, lm_head_fp32: bool = False,
+                 mix: bool | None = None):
         self.model, self.cfg = model, model.cfg
         w = model.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
@@ -109,6 +113,7 @@ class Engine:
         if graphs is None:
             graphs = cuda and os.environ.get("OPR_ENGINE_GRAPHS", "1") != "0" and not dist.is_initialized()
         self.graphs = graphs
+        self.mix = not graphs if mix is None else mix
         self.key_bucket = key_bucket or (256 if cuda else 1)
         self.max_prefill_tokens = max_prefill_tokens or (16384 if cuda else 4096)
         self.layers = [_layer_weights(block) for block in model.model.layers]
@@ -139,38 +144,61 @@ class Engine:
         return F.linear(h.to(self.lm_head.dtype), self.lm_head) if self.lm_head.dtype != h.dtype else \
             linear(h, self.lm_head)
 
-    def _prefill(self, ids, pos, slots, docs):
-        """Packed prompt tokens (ids, pos, the slot of each token [T]) -> logits of each document's last token
-        [n, V]; their keys and values are written into their slots. docs: per document (slot, start, end): its
-        tokens are positions start..end-1 of its sequence, and positions before `start` are in its slot already
-        (a shared prefix). Documents without one attend among themselves in one varlen call."""
+    def _forward(self, ids, pos, slots, docs, copies, n_rows: int = 0, span: int = 0):
+        """One packed forward of n_rows decode rows and then prefill documents -> the logits of each row and of each
+        document's last token [n_rows + len(docs), V]; every token's keys and values are written into its slot.
+        ids, pos, slots [T]: the tokens, their positions and slots. The first n_rows are the live sequences' last
+        tokens (slots 0..n_rows-1), attending over cache columns [0, span) as decode_step's rows do. docs: per
+        document (slot, start, end): its tokens are positions start..end-1 of its sequence; positions before `start`
+        (a shared prefix) are in its slot, or get there through `copies` [(src slot, dst slot, columns)], made in
+        order in each layer once that layer's new keys and values are written, so a prefix may come from a document
+        of this same forward. Documents without a prefix attend among themselves in one varlen call."""
+        dev = ids.device
         lens = [e - b for _, b, e in docs]
-        cu = torch.tensor([0] + lens, device=ids.device).cumsum(0).to(torch.int32)
+        cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
         cached = any(b > 0 for _, b, _ in docs)
         hkv, g = self.cfg.num_key_value_heads, self.cfg.num_attention_heads // self.cfg.num_key_value_heads
         if cached:  # per document, new token j (position b + j) sees columns 0..b+j; the same in every layer
-            masks = [(torch.arange(e, device=ids.device)[None, :] <= torch.arange(b, e, device=ids.device)[:, None])
-                     .repeat(g, 1) for _, b, e in docs]
+            masks = [(torch.arange(e, device=dev)[None, :] <= torch.arange(b, e, device=dev)[:, None]).repeat(g, 1)
+                     for _, b, e in docs]
+        row_mask = _row_mask(pos[:n_rows], span) if n_rows else None
 
         def attend(i, q, k, v):
             self.k[i][slots, :, pos] = k
             self.v[i][slots, :, pos] = v
-            if not cached:
-                return varlen_attention(q, k, v, cu, max(lens)).flatten(1)
-            out, at = [], 0
-            for (slot, b, e), n, mask in zip(docs, lens, masks):  # the new tokens attend to the slot's columns 0..e-1
-                # [n, Hq, D] -> [1, Hkv, G * n, D]: each kv head's G query heads as G * n queries (see decode_step)
-                qd = q[at:at + n].view(n, hkv, g, -1).permute(1, 2, 0, 3).reshape(1, hkv, g * n, -1)
-                kd, vd = self.k[i][slot:slot + 1, :, :e], self.v[i][slot:slot + 1, :, :e]
-                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)
-                out.append(od.view(hkv, g, n, -1).permute(2, 0, 1, 3).reshape(n, -1))
-                at += n
-            return torch.cat(out)
+            for src, dst, n in copies:
+                self.k[i][dst, :, :n] = self.k[i][src, :, :n]
+                self.v[i][dst, :, :n] = self.v[i][src, :, :n]
+            out = [self._attend_rows(i, q[:n_rows], row_mask)] if n_rows else []
+            q, k, v = q[n_rows:], k[n_rows:], v[n_rows:]
+            if docs and not cached:
+                out.append(varlen_attention(q, k, v, cu, max(lens)).flatten(1))
+            elif docs:
+                at = 0
+                for (slot, b, e), n, mask in zip(docs, lens, masks):  # new tokens attend to the slot's columns 0..e-1
+                    # [n, Hq, D] -> [1, Hkv, G * n, D]: each kv head's G query heads as G * n queries (_attend_rows)
+                    qd = q[at:at + n].view(n, hkv, g, -1).permute(1, 2, 0, 3).reshape(1, hkv, g * n, -1)
+                    kd, vd = self.k[i][slot:slot + 1, :, :e], self.v[i][slot:slot + 1, :, :e]
+                    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)
+                    out.append(od.view(hkv, g, n, -1).permute(2, 0, 1, 3).reshape(n, -1))
+                    at += n
+            return torch.cat(out) if len(out) > 1 else out[0]
         x = self.model.model.embed_tokens(ids)
         cos, sin = rope_cos_sin(self.inv_freq, pos[None], self.dtype)  # [1, T, D], as the training model
         for L in self.layers:
             x = self._block(L, x, cos, sin, attend)
-        return self._logits(x[cu[1:].long() - 1])
+        last = torch.cat([torch.arange(n_rows, device=dev), n_rows + cu[1:].long() - 1])
+        return self._logits(x[last])
+
+    def _attend_rows(self, i, q, mask):
+        """Layer i's attention of one new token in each slot 0..n-1 (q [n, Hq, D]) over the cache columns that
+        mask [n, 1, 1, span] (_row_mask) lets it see."""
+        n, span = q.shape[0], mask.shape[-1]
+        # the G query heads of each kv head as G queries of one head (q head h reads kv head h // G, as enable_gqa
+        # does): a boolean mask with enable_gqa sends CUDA to the math kernel, this shape does not
+        qg = q.view(n, self.cfg.num_key_value_heads, -1, q.shape[-1])
+        out = F.scaled_dot_product_attention(qg, self.k[i][:n, :, :span], self.v[i][:n, :, :span], attn_mask=mask)
+        return out.reshape(n, -1)
 
     def decode_step(self, tokens, pos, keys, counters, span: int, temperature: float):
         """One token for each of the first len(tokens) slots: tokens, pos, keys, counters [n] (int64, device);
@@ -178,16 +206,12 @@ class Engine:
         no host sync: compiles with fullgraph=True and is what the CUDA graphs capture."""
         n = tokens.shape[0]
         rows = torch.arange(n, device=tokens.device)
-        mask = (torch.arange(span, device=tokens.device)[None, :] <= pos[:, None])[:, None, None, :]
+        mask = _row_mask(pos, span)
 
         def attend(i, q, k, v):
             self.k[i][rows, :, pos] = k
             self.v[i][rows, :, pos] = v
-            # the G query heads of each kv head as G queries of one head (q head h reads kv head h // G, as
-            # enable_gqa does): a boolean mask with enable_gqa sends CUDA to the math kernel, this shape does not
-            qg = q.view(n, k.shape[1], -1, q.shape[-1])
-            out = F.scaled_dot_product_attention(qg, self.k[i][:n, :, :span], self.v[i][:n, :, :span], attn_mask=mask)
-            return out.reshape(n, -1)
+            return self._attend_rows(i, q, mask)
         x = self.model.model.embed_tokens(tokens)
         cos, sin = rope_cos_sin(self.inv_freq, pos[None], self.dtype)  # [1, T, D], as the training model
         for L in self.layers:
@@ -296,11 +320,26 @@ class Engine:
                     bar.set_postfix(tok_s=f"{n_new / (time.perf_counter() - t0):.1f}", live=len(live))
 
         while waiting or live:
+            rows = []
             if waiting and len(live) < self.max_seqs:
-                admitted = self._admit(waiting, prompts, len(live), keys, temperature)
-                live += [r for r, _, _ in admitted]
-                step_done(*zip(*admitted))
-            if not live:
+                # the next waiting prompts into free slots, in one forward; on the CPU the live sequences' decode
+                # step rides along (their tokens share its products: a few rows' GEMMs read the weights anyway)
+                rows = list(live) if self.mix else []
+                take, docs, copies = self._take(waiting, prompts, len(live))
+                pos = [len(prompts[r]) + len(out_tokens[r]) - 1 for r in rows]  # of the token fed in
+                dev = self.device
+                ids = [out_tokens[r][-1] for r in rows] + [t for r, d in zip(take, docs) for t in prompts[r][d[1]:]]
+                pos += [q for _, b, e in docs for q in range(b, e)]
+                slots = list(range(len(rows))) + [slot for slot, b, e in docs for _ in range(e - b)]
+                logits = self._forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
+                                       torch.tensor(slots, device=dev), docs, copies, len(rows),
+                                       self._round(max(pos[:len(rows)], default=0) + 1))
+                counters = [len(out_tokens[r]) for r in rows] + [0] * len(take)  # the token's index in its response
+                tokens, logprobs = sample(logits, temperature, torch.tensor([keys[r] for r in rows + take], device=dev),
+                                          torch.tensor(counters, device=dev))
+                live += take
+                step_done(rows + take, tokens.tolist(), logprobs.tolist())
+            if rows or not live:
                 continue
             n = len(live)
             pos = [len(prompts[r]) + len(out_tokens[r]) - 1 for r in live]  # of the token fed in
@@ -317,46 +356,24 @@ class Engine:
         return [{"token_ids": out_tokens[i], "logprobs": out_logprobs[i], "finish_reason": finish[i]}
                 for i in range(len(prompts))]
 
-    def _admit(self, waiting: deque, prompts, first_slot: int, keys, temperature):
-        """Prefill the next waiting prompts into slots first_slot.. and sample their first tokens. A prompt that
-        repeats, or shares a prefix of at least BLOCK tokens with, a resident sequence or a prompt admitted before it
-        in this call copies that prefix's cache columns and prefills only the rest (a repeat: its last token).
-        Documents whose prefix comes from this call are prefilled in a later wave than their donor.
-        Returns [(prompt index, token, raw log-prob)] in slot order."""
-        take, n_tok = [], 0
+    def _take(self, waiting: deque, prompts, first_slot: int):
+        """The next waiting prompts for slots first_slot.., at most max_prefill_tokens tokens to prefill. A prompt
+        that repeats, or shares a prefix of at least BLOCK tokens with, a resident sequence or a prompt taken before
+        it copies that prefix's cache columns and prefills only the rest (a repeat: its last token).
+        Returns (prompt indices, their documents [(slot, start, end)], copies [(src, dst, columns)]) for _forward."""
+        take, docs, copies, n_tok = [], [], [], 0
         while waiting and first_slot + len(take) < self.max_seqs:
-            r = waiting[0]
-            if take and n_tok + len(prompts[r]) > self.max_prefill_tokens:
+            r, slot = waiting[0], first_slot + len(take)
+            donor, shared = self._donor(prompts[r])
+            if take and n_tok + len(prompts[r]) - shared > self.max_prefill_tokens:
                 break
             take.append(waiting.popleft())
-            n_tok += len(prompts[r])
-        waves, wave_of = [], {}
-        for j, r in enumerate(take):
-            slot, prompt = first_slot + j, prompts[r]
-            donor, shared = self._donor(prompt)
-            if donor is not None and donor not in wave_of:  # a resident sequence's columns: copy them now
-                self._copy_slot(donor, slot, shared)
-            w = wave_of[donor] + 1 if donor in wave_of else 0
-            wave_of[slot] = w
-            waves += [[] for _ in range(w + 1 - len(waves))]
-            waves[w].append((j, slot, donor, shared))
-            self._index(slot, prompt)
-        logits = [None] * len(take)
-        dev = self.device
-        for wave in waves:
-            for j, slot, donor, shared in wave:
-                if donor is not None and donor in wave_of:  # its donor was prefilled in an earlier wave
-                    self._copy_slot(donor, slot, shared)
-            docs = [(slot, shared, len(prompts[take[j]])) for j, slot, _, shared in wave]
-            ids = torch.tensor([t for j, _, _, b in wave for t in prompts[take[j]][b:]], device=dev)
-            pos = torch.tensor([q for _, b, e in docs for q in range(b, e)], device=dev)
-            slots = torch.tensor([slot for slot, b, e in docs for _ in range(e - b)], device=dev)
-            out = self._prefill(ids, pos, slots, docs)
-            for (j, *_), row in zip(wave, out):
-                logits[j] = row
-        tokens, logprobs = sample(torch.stack(logits), temperature, torch.tensor([keys[r] for r in take], device=dev),
-                                  torch.zeros(len(take), dtype=torch.long, device=dev))
-        return list(zip(take, tokens.tolist(), logprobs.tolist()))
+            n_tok += len(prompts[r]) - shared
+            docs.append((slot, shared, len(prompts[r])))
+            if donor is not None:
+                copies.append((donor, slot, shared))
+            self._index(slot, prompts[r])
+        return take, docs, copies
 
     def _donor(self, prompt) -> tuple:
         """(slot, shared length) of the resident sequence whose prompt shares the longest prefix with `prompt` (the
@@ -399,6 +416,11 @@ class Engine:
             self._index(last, None)
             live.pop()
         return live
+
+
+def _row_mask(pos, span: int):
+    """[n, 1, 1, span]: row i (at position pos[i]) sees cache columns 0..pos[i]."""
+    return (torch.arange(span, device=pos.device)[None, :] <= pos[:, None])[:, None, None, :]
 
 
 BLOCK = 16  # prefix sharing looks prompts up by hashes of their first 16, 32, 48, ... tokens

@@ -25,12 +25,27 @@ from model.config import ModelConfig
 # product as one bmm over the weight's two halves of rows runs multi-threaded and 2-6x faster (BENCHMARKS.md, "Native
 # generation engine"). It rounds differently from F.linear (~1e-6 relative), so it is used only without autograd:
 # sampling, never training.
-# Large weights (SmolLM2's lm_head and gate/up) gain from the split at up to 64 rows too, the continuous-batching
-# engine's decode steps: 1.17-1.3x per product at 16-64 rows, 2 threads (BENCHMARKS.md, "Generation engine").
+# Large weights (SmolLM2's lm_head and gate/up, any 0.5B+ model's) gain from the same product at up to 512 rows too
+# (the continuous-batching engine's decode steps, a prefill's last tokens), once the rows are padded with zero rows to
+# a multiple of 8: MKL's kernel for a product whose row count is not a multiple of its vector width loses what the
+# split wins (BENCHMARKS.md, "Generation engine").
 SPLIT_MAX_ROWS = 4         # inputs of at most this many rows
 SPLIT_MIN_WEIGHT = 1 << 15  # weights of at least this many elements (smaller ones: the bmm's overhead does not pay)
-SPLIT_MAX_ROWS_LARGE = 64   # ... and of at most this many rows for weights of at least
-SPLIT_LARGE_WEIGHT = 1 << 20  # this many elements
+SPLIT_MAX_ROWS_LARGE = 512  # ... and of at most this many rows for weights of at least
+SPLIT_LARGE_WEIGHT = 1 << 20  # this many elements,
+SPLIT_ROW_MULTIPLE = 8      # their rows padded to a multiple of this
+
+
+def split_rows(rows: int, w) -> int:
+    """The row count `linear` multiplies w by through the split bmm (rows plus padding), or 0 for F.linear."""
+    n, k = w.shape
+    if n % 2 or w.numel() < SPLIT_MIN_WEIGHT or not w.is_cpu or not w.is_contiguous():
+        return 0
+    if rows <= SPLIT_MAX_ROWS:
+        return rows
+    if rows <= SPLIT_MAX_ROWS_LARGE and w.numel() >= SPLIT_LARGE_WEIGHT:
+        return -(-rows // SPLIT_ROW_MULTIPLE) * SPLIT_ROW_MULTIPLE
+    return 0
 
 
 def linear(x, w, b=None):
@@ -39,11 +54,13 @@ def linear(x, w, b=None):
     if torch.is_grad_enabled() or x.numel() > SPLIT_MAX_ROWS_LARGE * w.shape[1]:  # the common cases first: cheap
         return F.linear(x, w, b)
     n, k = w.shape
-    if n % 2 or w.numel() < SPLIT_MIN_WEIGHT or not w.is_cpu or not w.is_contiguous() or (
-            x.numel() > SPLIT_MAX_ROWS * k and w.numel() < SPLIT_LARGE_WEIGHT):
-        return F.linear(x, w, b)
     rows = x.reshape(-1, k)
-    y = torch.bmm(w.view(2, n // 2, k), rows.t().expand(2, k, rows.shape[0])).view(n, -1).t()
+    m = split_rows(rows.shape[0], w)
+    if not m:
+        return F.linear(x, w, b)
+    if m > rows.shape[0]:
+        rows = torch.cat([rows, rows.new_zeros(m - rows.shape[0], k)])
+    y = torch.bmm(w.view(2, n // 2, k), rows.t().expand(2, k, m)).view(n, m).t()[:x.numel() // k]
     if b is not None:
         y = y + b
     return y.reshape(*x.shape[:-1], n)

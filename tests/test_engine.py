@@ -80,12 +80,14 @@ def a_stop_id(model, prompt, at):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.1, 1.0])
 @pytest.mark.parametrize("batch_size", [1, 2, 4, 32])
-def test_engine_equals_the_reference_sampler(model, temperature, batch_size):
+@pytest.mark.parametrize("mix", [True, False])
+def test_engine_equals_the_reference_sampler(model, temperature, batch_size, mix):
+    """mix: admissions' prefill forwards carry the live rows' decode step (the CPU's schedule) or not (the GPU's)."""
     # a stop id that row 0 samples third, so that rows end at different steps
     stop = reference(model, PROMPTS[:1], temperature=temperature, max_new_tokens=3, seed=3)[0]["token_ids"][2]
     ref = reference(model, PROMPTS, temperature=temperature, max_new_tokens=9, stop_ids={stop}, seed=3)
-    outs = generate(model, PROMPTS, temperature=temperature, max_new_tokens=9, stop_ids={stop}, seed=3,
-                    batch_size=batch_size, progress=False)
+    outs = Engine(model, max_seqs=min(batch_size, len(PROMPTS)), mix=mix).generate(
+        PROMPTS, temperature=temperature, max_new_tokens=9, stop_ids={stop}, seed=3, progress=False)
     assert_same(outs, ref)
     assert any(o["finish_reason"] == "stop" for o in outs) and any(o["finish_reason"] == "length" for o in outs)
 
@@ -123,12 +125,12 @@ def test_seed_reproduces_and_differs(model):
 def prefilled(monkeypatch):
     """The number of tokens of every prefill forward the engine runs."""
     sizes = []
-    real = Engine._prefill
+    real = Engine._forward
 
-    def counting(self, ids, *args):
-        sizes.append(ids.numel())
-        return real(self, ids, *args)
-    monkeypatch.setattr(Engine, "_prefill", counting)
+    def counting(self, ids, pos, slots, docs, copies, n_rows=0, span=0):
+        sizes.append(ids.numel() - n_rows)  # the documents' tokens, not the decode rows riding along
+        return real(self, ids, pos, slots, docs, copies, n_rows, span)
+    monkeypatch.setattr(Engine, "_forward", counting)
     return sizes
 
 
@@ -138,7 +140,7 @@ def test_repeated_prompts_prefill_once_and_sample_apart(model, prefilled):
     the reference, each repeat with its own draws."""
     prompts = [PROMPTS[0]] * 4 + [PROMPTS[3]] * 3 + [PROMPTS[1]]
     outs = generate(model, prompts, temperature=1.0, max_new_tokens=8, seed=2, batch_size=8, progress=False)
-    assert prefilled == [len(PROMPTS[0]) + len(PROMPTS[3]) + len(PROMPTS[1]), 3 + 2]  # leaders, then repeats
+    assert prefilled == [len(PROMPTS[0]) + len(PROMPTS[3]) + len(PROMPTS[1]) + 3 + 2]  # leaders + repeats' last
     assert_same(outs, reference(model, prompts, temperature=1.0, max_new_tokens=8, seed=2))
     assert len({tuple(o["token_ids"]) for o in outs[:4]}) > 1  # the repeats are separate samples
 

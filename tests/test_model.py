@@ -162,14 +162,17 @@ def test_missing_and_misshaped_weights_are_named(tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.parametrize("rows, bias", [(1, False), (3, True), (4, False), (5, False), (64, True), (65, False)])
+@pytest.mark.parametrize("rows, bias", [(1, False), (3, True), (4, False), (5, False), (37, True), (64, True),
+                                        (512, False), (513, True)])
 def test_linear_few_rows_without_autograd_is_the_split_bmm(rows, bias):
     """model.transformer.Linear: with autograd (training) exactly F.linear; without it, at most SPLIT_MAX_ROWS rows
     times a large enough weight are one bmm over the weight's two row halves (bit for bit that formula, within fp32
-    rounding of F.linear); more rows, or a small weight, F.linear again."""
+    rounding of F.linear), and so are up to SPLIT_MAX_ROWS_LARGE rows times a large weight, padded with zero rows to a
+    multiple of SPLIT_ROW_MULTIPLE; more rows, or a small weight, F.linear again."""
     import torch.nn.functional as F
 
-    from model.transformer import SPLIT_LARGE_WEIGHT, SPLIT_MAX_ROWS, SPLIT_MAX_ROWS_LARGE, SPLIT_MIN_WEIGHT, Linear
+    from model.transformer import (SPLIT_LARGE_WEIGHT, SPLIT_MAX_ROWS, SPLIT_MAX_ROWS_LARGE, SPLIT_MIN_WEIGHT,
+                                   SPLIT_ROW_MULTIPLE, Linear)
     torch.manual_seed(0)
     layer = Linear(256, 384, bias=bias)
     x = torch.randn(1, rows, 256)
@@ -190,7 +193,12 @@ def test_linear_few_rows_without_autograd_is_the_split_bmm(rows, bias):
         assert torch.equal(small(x[..., :64]), F.linear(x[..., :64], small.weight, small.bias))
         large = Linear(256, 4096, bias=bias)  # >= SPLIT_LARGE_WEIGHT elements: split up to SPLIT_MAX_ROWS_LARGE rows
         assert large.weight.numel() >= SPLIT_LARGE_WEIGHT
-        want = torch.bmm(large.weight.view(2, 2048, 256), x[0].t().expand(2, 256, rows)).view(4096, rows).t()
+        m = rows if rows <= SPLIT_MAX_ROWS else -(-rows // SPLIT_ROW_MULTIPLE) * SPLIT_ROW_MULTIPLE
+        padded = torch.cat([x[0], x.new_zeros(m - rows, 256)])
+        want = torch.bmm(large.weight.view(2, 2048, 256), padded.t().expand(2, 256, m)).view(4096, m).t()[:rows]
         want = want + large.bias if bias else want
-        assert torch.equal(large(x), want[None]) if rows <= SPLIT_MAX_ROWS_LARGE else \
-            torch.equal(large(x), F.linear(x, large.weight, large.bias))
+        ref = F.linear(x, large.weight, large.bias)
+        if rows <= SPLIT_MAX_ROWS_LARGE:
+            assert torch.equal(large(x), want[None]) and torch.allclose(want[None], ref, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(large(x), ref)
