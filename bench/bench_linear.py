@@ -41,7 +41,7 @@ def per_call(fn, weights, x, calls):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--rows", default="1,2,4,8,16,37,64,128,512")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

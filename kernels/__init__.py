@@ -42,7 +42,9 @@ def backends() -> dict:
 #    aligned, and MKL rounds by alignment): sampled log-probs move in the last bit, tokens do not
 # 10: on the CPU the engine runs the live rows' decode step inside each admission's prefill forward, and sampling
 #    multiplies weights of >= 2^20 elements by the split bmm at up to 512 rows, padded to a multiple of 8
-#    (model.transformer.split_rows): sampled log-probs move in the last bits (training, and so the tiny base, do not)
+#    (model.transformer.split_rows): sampled log-probs move in the last bits, and so do other no-grad forwards of
+#    such weights (sdft's and sft-kl's teacher, train.py's response statistics); training's updates, and so the tiny
+#    base, do not
 NUMERICS = 10
 
 # On the CPU, float results depend on the instructions the kernels run, and those follow the CPU: ATen picks its

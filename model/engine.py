@@ -98,7 +98,7 @@ class Engine:
     rows of max prompt + max_new_tokens columns). graphs: capture the decode step as CUDA graphs (default: on CUDA
     unless OPR_ENGINE_GRAPHS=0).
     lm_head_fp32: compute the logits in fp32 from a bf16 model (an fp32 copy of lm_head's weight).
-    mix: run the live sequences' decode step inside each admission's prefill forward (default: without graphs)."""
+    mix: run the live sequences' decode step inside each admission's prefill forward (default: on the CPU)."""
 
     def __init__(self, model: Transformer, max_seqs: int = 32, *, graphs: bool | None = None,
                  max_prefill_tokens: int | None = None, key_bucket: int | None = None, lm_head_fp32: bool = False,
@@ -113,7 +113,7 @@ class Engine:
         if graphs is None:
             graphs = cuda and os.environ.get("OPR_ENGINE_GRAPHS", "1") != "0" and not dist.is_initialized()
         self.graphs = graphs
-        self.mix = not graphs if mix is None else mix
+        self.mix = not cuda if mix is None else mix
         self.key_bucket = key_bucket or (256 if cuda else 1)
         self.max_prefill_tokens = max_prefill_tokens or (16384 if cuda else 4096)
         self.layers = [_layer_weights(block) for block in model.model.layers]
@@ -152,15 +152,17 @@ class Engine:
         document (slot, start, end): its tokens are positions start..end-1 of its sequence; positions before `start`
         (a shared prefix) are in its slot, or get there through `copies` [(src slot, dst slot, columns)], made in
         order in each layer once that layer's new keys and values are written, so a prefix may come from a document
-        of this same forward. Documents without a prefix attend among themselves in one varlen call."""
+        of this same forward. Each document attends causally over its slot's columns: all in one varlen call when
+        none has a prefix, else one call each."""
         dev = ids.device
         lens = [e - b for _, b, e in docs]
         cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
         cached = any(b > 0 for _, b, _ in docs)
         hkv, g = self.cfg.num_key_value_heads, self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        if cached:  # per document, new token j (position b + j) sees columns 0..b+j; the same in every layer
+        if cached:  # per document with a prefix, new token j (position b + j) sees columns 0..b+j, in every layer
+            # (one without: causal among its own tokens, the varlen call below on it alone)
             masks = [(torch.arange(e, device=dev)[None, :] <= torch.arange(b, e, device=dev)[:, None]).repeat(g, 1)
-                     for _, b, e in docs]
+                     if b else torch.tensor([0, e], device=dev, dtype=torch.int32) for _, b, e in docs]
         row_mask = _row_mask(pos[:n_rows], span) if n_rows else None
 
         def attend(i, q, k, v):
@@ -176,6 +178,10 @@ class Engine:
             elif docs:
                 at = 0
                 for (slot, b, e), n, mask in zip(docs, lens, masks):  # new tokens attend to the slot's columns 0..e-1
+                    if not b:  # mask: this document's cu_seqlens
+                        out.append(varlen_attention(q[at:at + n], k[at:at + n], v[at:at + n], mask, n).flatten(1))
+                        at += n
+                        continue
                     # [n, Hq, D] -> [1, Hkv, G * n, D]: each kv head's G query heads as G * n queries (_attend_rows)
                     qd = q[at:at + n].view(n, hkv, g, -1).permute(1, 2, 0, 3).reshape(1, hkv, g * n, -1)
                     kd, vd = self.k[i][slot:slot + 1, :, :e], self.v[i][slot:slot + 1, :, :e]

@@ -155,6 +155,36 @@ def test_shared_prefixes_prefill_once(model, prefilled):
     assert_same(outs, reference(model, prompts, temperature=1.0, max_new_tokens=6, seed=9))
 
 
+@pytest.mark.parametrize("mix", [True, False])
+def test_prefixes_shared_with_live_sequences(model, mix, monkeypatch):
+    """Admissions while sequences are live (3 slots, caps of 2-9 tokens): a prompt copies its prefix from a resident
+    sequence or from a prompt of the same forward (in each layer, once the donor's columns are written), the decode
+    rows ride along when mixing, and a small prefill budget leaves prompts waiting: the reference's tokens throughout."""
+    twin = [2, 2, 2, 4, 6, 8, 10, 12, 14, 16, 18]  # sorts first: a repeat admitted with its donor
+    instruction = [(7 * i) % 90 + 3 for i in range(37)]
+    prompts = [twin, twin] + [instruction + [i + 1, 2 * i + 5] for i in range(9)] + [instruction[:20] + [1, 2, 3]] \
+        + PROMPTS[:3]
+    caps = [3, 5, 2, 7, 3, 9, 4, 6, 5, 8, 3, 2, 4, 6, 5]
+    seen = []  # per forward: (decode rows, documents, copies)
+    real = Engine._forward
+
+    def spy(self, ids, pos, slots, docs, copies, n_rows=0, span=0):
+        seen.append((n_rows, list(docs), list(copies)))
+        return real(self, ids, pos, slots, docs, copies, n_rows, span)
+    monkeypatch.setattr(Engine, "_forward", spy)
+    outs = Engine(model, max_seqs=3, mix=mix, max_prefill_tokens=30).generate(
+        prompts, temperature=1.0, max_new_tokens=caps, seed=5, progress=False)
+    keys = row_keys(len(prompts), 5)
+    assert_same(outs, [reference(model, [p], temperature=1.0, max_new_tokens=c, seeds=[k])[0]
+                       for p, c, k in zip(prompts, caps, keys)])
+    # the twin prefills its last token only, from its donor in the same forward; the 23-token prompt (11 + 1 + 23
+    # tokens > 30) waits with a slot free
+    assert seen[0][1:] == ([(0, 0, 11), (1, 10, 11)], [(0, 1, 10)])
+    resident = [src < docs[0][0] for _, docs, copies in seen[1:] for src, _, _ in copies]
+    assert any(resident)  # donors in the cache too
+    assert any(rows and copies for rows, _, copies in seen) == mix  # decode rows beside copied prefixes
+
+
 def test_slot_bookkeeping_survives_thousands_of_admissions(tmp_path):
     """1,500 prompts of random lengths through 5 slots, random stops: every admission, finish and move of a slot
     must keep each sequence's own cache columns; any slot leaked or shared would change its tokens."""
