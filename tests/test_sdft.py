@@ -166,7 +166,11 @@ def test_sdft_two_ranks_equal_one_process(sharp, runs, tmp_path):
         assert a["target_tokens"] == b["target_tokens"], (a, b)
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (a, b)
-    assert_same_weights(weights(runs["ema"]), weights(two), 1e-5)
+    # 1e-4 of each tensor's largest weight: AdamW divides by the root of the second moment, so an element whose
+    # gradient is near eps at some step moves by a rounding-sized share of a full lr step. On an AVX2 EPYC a few
+    # embedding rows end 1.44e-5 apart (losses 2e-7, grad norms 3e-7); the student-teacher run, which parts from
+    # this one after its first update, ends 5.9e-2 apart
+    assert_same_weights(weights(runs["ema"]), weights(two), 1e-4)
 
 
 def test_sdft_sigkill_then_resume_equals_uninterrupted_run(sharp, runs, tmp_path):
