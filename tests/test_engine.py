@@ -92,6 +92,29 @@ def test_engine_equals_the_reference_sampler(model, temperature, batch_size, mix
     assert any(o["finish_reason"] == "stop" for o in outs) and any(o["finish_reason"] == "length" for o in outs)
 
 
+def test_the_gpus_schedule_runs_on_the_cpu(model, monkeypatch):
+    """What a GPU runs, less the capture: decode rows padded to a power-of-two bucket (the pad rows write into free
+    slots, which an admission then overwrites), spans rounded up to 256 columns, admissions in forwards of their own,
+    shared prefixes copied. The reference's tokens; every bucket size is met."""
+    instruction = [(11 * i) % 90 + 3 for i in range(20)]
+    prompts = PROMPTS + [instruction + [i + 1] for i in range(4)] + [PROMPTS[3]] * 2
+    caps = [9, 3, 12, 5, 2, 7, 4, 10, 6, 3, 8, 2]
+    eng = Engine(model, max_seqs=5, mix=False, key_bucket=256)
+    eng.allocate(256)  # before graphs is set: allocate would ask CUDA for a graph memory pool
+    eng.graphs = True  # _bucket pads the decode rows as for the CUDA graphs ...
+    steps = []
+
+    def eager(tokens, pos, keys, counters, span, temperature):  # ... and _decode runs them eagerly
+        steps.append((tokens.shape[0], span))
+        return eng.decode_step(tokens, pos, keys, counters, span, temperature)
+    monkeypatch.setattr(eng, "_decode", eager)
+    outs = eng.generate(prompts, temperature=1.0, max_new_tokens=caps, seed=4, progress=False)
+    keys = row_keys(len(prompts), 4)
+    assert_same(outs, [reference(model, [p], temperature=1.0, max_new_tokens=c, seeds=[k])[0]
+                       for p, c, k in zip(prompts, caps, keys)])
+    assert {b for b, _ in steps} == {1, 2, 4, 5} and {s for _, s in steps} == {256}
+
+
 def test_per_prompt_seeds_do_not_depend_on_the_batch(model):
     """seeds= (train.py's SDFT): a prompt's response is a function of its own seed, whatever prompts share its batch,
     the batch size, the order, or which rank samples it."""
