@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
-# The project's GPU check: the GPU test suite, the GPU benchmark rows that matter, and run.py end to end on CUDA,
-# every result in one directory. Run it whenever a GPU is at hand and record what it prints in BENCHMARKS.md ("GPU")
-# with the machine, the date and the command.
+# The project's GPU check: the GPU test suite, the engine's benchmark rows, run.py end to end on CUDA, the log-prob
+# gap and the training rows, every result in one directory (8 files: what the device tool brings back). Run it
+# whenever a GPU is at hand and record what it prints in BENCHMARKS.md ("GPU") with the machine, the date and the
+# command.
 #
-#   bash bench/gpu_check.sh [OUT_DIR] [PARTS]        # PARTS: comma list of tests,bench,run (default: all three)
+#   bash bench/gpu_check.sh [OUT_DIR] [PARTS]     # PARTS: comma list (default: tests,engine,run,gap,train)
+#   BUDGET=450 bash bench/gpu_check.sh ...        # seconds for the whole script (default 450)
 #
-# Each part takes under 10 minutes on one H100 (the device tool's limit per command), so a lent machine runs it as
-# three calls, e.g. `bash bench/gpu_check.sh $OUT tests`, then `... bench`, then `... run`.
-#   tests  python -m pytest -m gpu tests (bf16 training vs the CPU, attention and CE backends, the engine's CUDA graphs
-#          vs its eager step, log-probs vs the trainer, FSDP2 on NCCL), then tests/test_engine.py (the engine against
-#          its reference sampler; on the CPU, as everywhere)
-#   bench  bench/bench_gpu.py: training MFU of Qwen2.5-0.5B, -1.5B and the 7B width cut to 4 layers (trace mix, no
-#          activation checkpointing, torch varlen attention, liger CE), eager and compiled blocks at 16,384 tokens per
-#          micro-batch, then compiled at train.py's memory-filling default (--micro-tokens auto); the engine on the Qwen2.5-1.5B shape at batch 1 / 32 /
-#          256 and on the rollout mix, CUDA graphs on (and off at batch 32); the engine/trainer log-prob gap with a bf16
-#          and an fp32 LM head (bench/bench_logprob_gap.py, on the tiny base)
-#   run    python run.py --gpus 1 on three tasks of the embedded benchmark with sft, replay and opr-ru (the tiny preset:
-#          train.py in bf16 on CUDA, the native engine with CUDA graphs), then its report
+# A lent machine has 15 device-minutes in all, its start (1-2 minutes) included, so the check is one call of the
+# device tool (timeout_s 510) that ends inside BUDGET: the parts run in this order, each under `timeout` for the
+# smaller of its own cap and what is left of BUDGET, and a part cut off counts as failed, its output kept. What is
+# left after one call is enough for a second, shorter one, e.g. `BUDGET=240 bash bench/gpu_check.sh OUT train`.
+#   tests   (cap 150 s) python -m pytest -m gpu tests/test_gpu.py: the engine's CUDA graphs vs its eager step (fp32,
+#           bf16), per-prompt seeds on CUDA, bf16 training vs the CPU, attention and CE backends, log-probs vs the
+#           trainer, FSDP2 on NCCL
+#   engine  (cap 100 s) bench/bench_gpu.py rollouts on the Qwen2.5-1.5B shape (bf16, random weights): batch 1 / 32 /
+#           256 at 128 new tokens and the rollout mix (256 prompts), CUDA graphs on; issue 36's goals
+#   run     (cap 150 s) python run.py --gpus 1 on three tasks of the embedded benchmark with sft, replay and opr-ru
+#           (the tiny preset: train.py in bf16 on CUDA, the engine with CUDA graphs), then its report. The tiny base
+#           takes minutes to build (on the CPU, by design), so build it here and let it travel: `OPR_CACHE=.cache/opr
+#           python -c "from model.base import ensure_base; ensure_base('tiny')"`, then carry `.cache/opr`; the script
+#           passes it as --model (BASE=DIR names another)
+#   gap     (cap 40 s) bench/bench_logprob_gap.py: engine vs trainer log-probs with a bf16 and an fp32 LM head
+#   train   (what is left) bench/bench_gpu.py training MFU: Qwen2.5-0.5B and -1.5B, eager and compiled blocks at
+#           16,384 tokens per micro-batch, then compiled at train.py's memory-filling default (--micro-tokens auto)
 # Machines without network (the lent H100): the Python packages the project needs beyond torch and transformers
 # travel as wheels in .whl/ (see /work/.library/device/README.md), installed here into /tmp/site when present:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -25,51 +32,60 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-runs/gpu_check}}
-PARTS=${2:-tests,bench,run}
+PARTS=${2:-tests,engine,run,gap,train}
+BUDGET=${BUDGET:-450}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+START=$SECONDS
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
-  git log -1 --format='commit %h %s' 2>/dev/null; } > "$OUT/machine.txt" 2>&1
+  git log -1 --format='commit %h %s' 2>/dev/null; } > "$OUT/gpu_check.txt" 2>&1
+exec > >(tee -a "$OUT/gpu_check.txt") 2>&1  # the script's own lines after the machine's
 rc=0
-case ",$PARTS," in *,tests,*)
-    { r=0; python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py || r=1
-      python3 -m pytest -q -p no:cacheprovider tests/test_engine.py || r=1; exit $r; } 2>&1 | tee "$OUT/tests.txt"
-    rc=$((rc | ${PIPESTATUS[0]}));;
-esac
-case ",$PARTS," in *,bench,*)
-    q7b4=$(mktemp -d)
-    python3 - "$q7b4" <<'EOF'
-import json, sys
-cfg = json.load(open("bench/configs/qwen2.5-7b/config.json"))
-cfg["num_hidden_layers"] = 4  # the paper model's width, 4 of its 28 layers: one H100 holds it with AdamW
-json.dump(cfg, open(f"{sys.argv[1]}/config.json", "w"))
-EOF
-    ( r=0
-      python3 bench/bench_gpu.py --configs qwen2.5-0.5b,qwen2.5-1.5b,"$q7b4" --mixes trace --ac off --compile both \
-          --attn torch_varlen --ce liger --rollout-batches '' --rollout-mix-prompts 0 --out "$OUT/bench.jsonl" \
-          --timeout 240 || r=1
-      python3 bench/bench_gpu.py --configs qwen2.5-0.5b,qwen2.5-1.5b,"$q7b4" --mixes trace --ac off --compile on \
-          --micro-tokens auto --attn torch_varlen --ce liger --rollout-batches '' --rollout-mix-prompts 0 \
-          --out "$OUT/bench.jsonl" --timeout 240 || r=1
-      python3 bench/bench_gpu.py --configs qwen2.5-1.5b --mixes '' --rollout-batches 1,32,256 --out "$OUT/bench.jsonl" \
-          --timeout 240 || r=1
-      python3 bench/bench_gpu.py --configs qwen2.5-1.5b --mixes '' --rollout-batches 32 --rollout-mix-prompts 0 \
-          --rollout-graphs off --out "$OUT/bench.jsonl" --timeout 240 || r=1
-      python3 bench/bench_logprob_gap.py --prompts 128 || r=1
-      exit $r ) 2>&1 | tee "$OUT/bench.txt"
-    rc=$((rc | ${PIPESTATUS[0]}));;
-esac
-case ",$PARTS," in *,run,*)
-    run_dir=${RUN_DIR:-/tmp/gpu_check_run}  # its steps/ stays out of OUT: only the report and numbers come back
-    python3 run.py --gpus 1 --tasks C-STANCE,FOMC,NumGLUE-cm --methods sft,replay,opr-ru --out "$run_dir" --quiet \
-        2>&1 | tee "$OUT/run.txt"
-    rc=$((rc | ${PIPESTATUS[0]}))
-    for f in report.md results.json timing.json; do cp "$run_dir/$f" "$OUT/$f" 2>/dev/null; done;;
-esac
-echo "gpu_check.sh: parts $PARTS done, exit $rc; results in $OUT"
+
+# part NAME CAP COMMAND...: runs COMMAND if NAME is in PARTS, under the smaller of CAP and the budget's rest, output
+# in OUT/NAME.txt; a part for which under 20 s are left is skipped (and counts as failed)
+part() {
+    local name=$1 cap=$2; shift 2
+    case ",$PARTS," in *,"$name",*) ;; *) return;; esac
+    local left=$((BUDGET - (SECONDS - START)))
+    [ "$cap" -gt "$left" ] && cap=$left
+    if [ "$cap" -lt 20 ]; then
+        echo "gpu_check.sh: $name skipped, ${left}s of the budget left" | tee "$OUT/$name.txt"; rc=1; return
+    fi
+    echo "gpu_check.sh: $name (at most ${cap}s)"
+    timeout --kill-after=10 "$cap" "$@" > "$OUT/$name.txt" 2>&1
+    local r=$?
+    [ $r -eq 124 ] && echo "gpu_check.sh: $name cut off after ${cap}s" | tee -a "$OUT/$name.txt"
+    echo "gpu_check.sh: $name exit $r after $((SECONDS - START))s in all"
+    [ $r -ne 0 ] && rc=1
+}
+
+part tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu --durations=20 tests/test_gpu.py
+part engine 100 python3 bench/bench_gpu.py --configs qwen2.5-1.5b --mixes '' --rollout-batches 1,32,256 \
+    --rollout-new-tokens 128 --rollout-mix-prompts 256 --out "$OUT/bench.jsonl" --timeout 100
+BASE=${BASE:-$(ls -d .cache/opr/tiny-instruct-* 2>/dev/null | head -n 1)}  # the carried tiny base, if any
+[ -n "$BASE" ] && echo "gpu_check.sh: base $BASE"
+run_dir=${RUN_DIR:-/tmp/gpu_check_run}  # its steps/ stays out of OUT: only the report and numbers come back
+part run 150 python3 run.py --gpus 1 --tasks C-STANCE,FOMC,NumGLUE-cm --methods sft,replay,opr-ru --out "$run_dir" \
+    --quiet ${BASE:+--model "$BASE"}
+cp "$run_dir/report.md" "$OUT/report.md" 2>/dev/null  # the device tool brings back 8 files: the rest joins run.txt
+for f in results.json timing.json; do [ -f "$run_dir/$f" ] && { echo "== $f"; cat "$run_dir/$f"; } >> "$OUT/run.txt"; done
+part gap 40 python3 bench/bench_logprob_gap.py --prompts 128 ${BASE:+--ckpt "$BASE"}
+train_rows() {  # eager and compiled at 16,384 tokens, then compiled at the memory-filling default
+    python3 bench/bench_gpu.py --configs qwen2.5-0.5b,qwen2.5-1.5b --mixes trace --ac off --compile both \
+        --attn torch_varlen --ce liger --rollout-batches '' --rollout-mix-prompts 0 --steps 3 --warmup 1 \
+        --out "$OUT/bench.jsonl" --timeout 120 || return 1
+    python3 bench/bench_gpu.py --configs qwen2.5-1.5b --mixes trace --ac off --compile on --micro-tokens auto \
+        --attn torch_varlen --ce liger --rollout-batches '' --rollout-mix-prompts 0 --steps 3 --warmup 1 \
+        --out "$OUT/bench.jsonl" --timeout 120
+}
+export -f train_rows
+export OUT
+part train 100000 bash -c train_rows
+echo "gpu_check.sh: parts $PARTS done in $((SECONDS - START))s, exit $rc; results in $OUT"
 exit $rc
