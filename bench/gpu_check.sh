@@ -20,7 +20,7 @@
 #           (the tiny preset: train.py in bf16 on CUDA, the engine with CUDA graphs), then its report. The tiny base
 #           takes minutes to build (on the CPU, by design), so build it here and let it travel: `OPR_CACHE=.cache/opr
 #           python -c "from model.base import ensure_base; ensure_base('tiny')"`, then carry `.cache/opr`; the script
-#           passes it as --model (BASE=DIR names another)
+#           puts it where ensure_base looks (BASE=DIR names another)
 #   gap     (cap 40 s) bench/bench_logprob_gap.py: engine vs trainer log-probs with a bf16 and an fp32 LM head
 #   train   (what is left) bench/bench_gpu.py training MFU: Qwen2.5-0.5B and -1.5B, eager and compiled blocks at
 #           16,384 tokens per micro-batch, then compiled at train.py's memory-filling default (--micro-tokens auto)
@@ -79,11 +79,21 @@ export OUT
 part engine 110 bash -c engine_rows
 BASE=${BASE:-$(ls -d .cache/opr/tiny-instruct-* 2>/dev/null | head -n 1)}  # the carried tiny base, if any
 [ -n "$BASE" ] && echo "gpu_check.sh: base $BASE"
-run_dir=${RUN_DIR:-/tmp/gpu_check_run}  # its steps/ stays out of OUT: only the report and numbers come back
-part run 150 python3 run.py --gpus 1 --tasks C-STANCE,FOMC,NumGLUE-cm --methods sft,replay,opr-ru --out "$run_dir" \
-    --quiet ${BASE:+--model "$BASE"}
-cp "$run_dir/report.md" "$OUT/report.md" 2>/dev/null  # the device tool brings back 8 files: the rest joins run.txt
-for f in results.json timing.json; do [ -f "$run_dir/$f" ] && { echo "== $f"; cat "$run_dir/$f"; } >> "$OUT/run.txt"; done
+export BASE RUN_DIR=${RUN_DIR:-/tmp/gpu_check_run}  # its steps/ stay out of OUT: the report and numbers come back
+run_end_to_end() {  # the device tool brings back 8 files: report.md beside, results and timings in run.txt
+    # run.py --model would select the paper preset: the carried base goes where ensure_base("tiny") looks for it
+    # instead (its name hashes torch's version, so this machine's name differs from the one it was built under)
+    local want
+    want=$(python3 -c "from data.embedded import cache_dir; from model.base import tiny_recipe_hash
+print(cache_dir() / f'tiny-instruct-{tiny_recipe_hash()}')") || return 1
+    [ -n "$BASE" ] && [ ! -e "$want" ] && mkdir -p "$(dirname "$want")" && cp -r "$BASE" "$want"
+    python3 run.py --gpus 1 --tasks C-STANCE,FOMC,NumGLUE-cm --methods sft,replay,opr-ru --out "$RUN_DIR" --quiet \
+        || return 1
+    cp "$RUN_DIR/report.md" "$OUT/report.md"
+    for f in results.json timing.json; do echo "== $f"; cat "$RUN_DIR/$f"; done
+}
+export -f run_end_to_end
+part run 150 bash -c run_end_to_end
 part gap 40 python3 bench/bench_logprob_gap.py --prompts 128 ${BASE:+--ckpt "$BASE"}
 train_rows() {  # eager and compiled at 16,384 tokens, then compiled at the memory-filling default
     python3 bench/bench_gpu.py --configs qwen2.5-0.5b,qwen2.5-1.5b --mixes trace --ac off --compile both \
