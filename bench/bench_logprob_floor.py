@@ -7,7 +7,8 @@ engine B" goal: an engine disagrees with itself by as much when only its batch s
 
 Each engine runs in a process of its own on the rollout mix of bench_engine.py (greedy, stop at end-of-turn), once
 per batch size. The reference is --before's engine at the first batch size; the teacher-forced log-probs are this
-checkout's model over prompt + response, one sequence at a time (what rollout.py --check-logprobs compares with).
+checkout's model over prompt + response (model.logprobs.response_stats, what rollout.py --check-logprobs compares
+with).
 Prints, per engine and batch size, how many responses equal the reference's and the largest |log-prob difference|
 over their tokens, to the reference and to the teacher-forced pass.
 """
@@ -28,9 +29,7 @@ def worker(args):
     import torch
     torch.set_num_threads(args.threads)
     job = json.loads(Path(args.job).read_text())
-    for name in [k for k in sys.modules if k.split(".")[0] in ("model", "data", "kernels")]:
-        del sys.modules[name]  # bench_engine imported this checkout's; the engine under test is args.root's
-    sys.path.insert(0, str(args.root))
+    sys.path.insert(0, str(args.root))  # the engine under test: args.root's (nothing of the project imported yet)
     from model.checkpoint import load_model
     from model.generate import generate
     model = load_model(job["ckpt"])
@@ -82,15 +81,10 @@ def main():
                               "--threads", str(args.threads)], capture_output=True, text=True, check=True).stdout
         runs[name] = {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
     from model.checkpoint import load_model
-    model = load_model(ckpt).eval()
+    from model.logprobs import response_stats
     ref = runs["before"][sizes[0]]
     ref_tokens = [t for t, _ in ref]
-    forced = []
-    with torch.no_grad():
-        for p, tokens in zip(prompts, ref_tokens):
-            ids = torch.tensor(p + tokens)
-            lp = torch.log_softmax(model(ids[None], torch.arange(len(ids))[None])[0].float(), -1)
-            forced.append([lp[len(p) - 1 + j, t].item() for j, t in enumerate(tokens)])
+    forced = [s["logprobs"] for s in response_stats(load_model(ckpt), list(zip(prompts, ref_tokens)))]
     print(f"{args.model}, fp32, {args.threads} threads, {len(prompts)} prompts of the rollout mix, greedy, "
           f"<= {args.max_new_tokens} new tokens; reference: before at batch {sizes[0]}\n")
     print("| engine | batch size | responses equal | max |dlogp| to the reference | max |dlogp| to teacher-forced |")

@@ -159,10 +159,11 @@ class Engine:
         cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
         cached = any(b > 0 for _, b, _ in docs)
         hkv, g = self.cfg.num_key_value_heads, self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        if cached:  # per document with a prefix, new token j (position b + j) sees columns 0..b+j, in every layer
-            # (one without: causal among its own tokens, the varlen call below on it alone)
+        if cached:  # built once, the same in every layer: per document with a prefix, the mask by which new token j
+            # (position b + j) sees columns 0..b+j; per document without one, its own cu_seqlens for the varlen call
             masks = [(torch.arange(e, device=dev)[None, :] <= torch.arange(b, e, device=dev)[:, None]).repeat(g, 1)
-                     if b else torch.tensor([0, e], device=dev, dtype=torch.int32) for _, b, e in docs]
+                     if b else None for _, b, e in docs]
+            own_cu = [None if b else torch.tensor([0, e], device=dev, dtype=torch.int32) for _, b, e in docs]
         row_mask = _row_mask(pos[:n_rows], span) if n_rows else None
 
         def attend(i, q, k, v):
@@ -177,9 +178,9 @@ class Engine:
                 out.append(varlen_attention(q, k, v, cu, max(lens)).flatten(1))
             elif docs:
                 at = 0
-                for (slot, b, e), n, mask in zip(docs, lens, masks):  # new tokens attend to the slot's columns 0..e-1
-                    if not b:  # mask: this document's cu_seqlens
-                        out.append(varlen_attention(q[at:at + n], k[at:at + n], v[at:at + n], mask, n).flatten(1))
+                for (slot, b, e), n, mask, cu_d in zip(docs, lens, masks, own_cu):  # sees the slot's columns 0..e-1
+                    if not b:  # no prefix: causal among its own tokens, as in a forward without prefixes
+                        out.append(varlen_attention(q[at:at + n], k[at:at + n], v[at:at + n], cu_d, n).flatten(1))
                         at += n
                         continue
                     # [n, Hq, D] -> [1, Hkv, G * n, D]: each kv head's G query heads as G * n queries (_attend_rows)

@@ -67,6 +67,13 @@ def reference(model, prompts, *, temperature, max_new_tokens, stop_ids=(), seed=
     return outs
 
 
+def reference_alone(model, prompts, caps, seed):
+    """Each prompt through the reference on its own, with its own cap and the key it has in a call of all of them."""
+    keys = row_keys(len(prompts), seed)
+    return [reference(model, [p], temperature=1.0, max_new_tokens=c, seeds=[k])[0]
+            for p, c, k in zip(prompts, caps, keys)]
+
+
 def assert_same(outs, ref):
     assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in ref]
     assert [o["finish_reason"] for o in outs] == [o["finish_reason"] for o in ref]
@@ -109,9 +116,7 @@ def test_the_gpus_schedule_runs_on_the_cpu(model, monkeypatch):
         return eng.decode_step(tokens, pos, keys, counters, span, temperature)
     monkeypatch.setattr(eng, "_decode", eager)
     outs = eng.generate(prompts, temperature=1.0, max_new_tokens=caps, seed=4, progress=False)
-    keys = row_keys(len(prompts), 4)
-    assert_same(outs, [reference(model, [p], temperature=1.0, max_new_tokens=c, seeds=[k])[0]
-                       for p, c, k in zip(prompts, caps, keys)])
+    assert_same(outs, reference_alone(model, prompts, caps, 4))
     assert {b for b, _ in steps} == {1, 2, 4, 5} and {s for _, s in steps} == {256}
 
 
@@ -197,9 +202,7 @@ def test_prefixes_shared_with_live_sequences(model, mix, monkeypatch):
     monkeypatch.setattr(Engine, "_forward", spy)
     outs = Engine(model, max_seqs=3, mix=mix, max_prefill_tokens=30).generate(
         prompts, temperature=1.0, max_new_tokens=caps, seed=5, progress=False)
-    keys = row_keys(len(prompts), 5)
-    assert_same(outs, [reference(model, [p], temperature=1.0, max_new_tokens=c, seeds=[k])[0]
-                       for p, c, k in zip(prompts, caps, keys)])
+    assert_same(outs, reference_alone(model, prompts, caps, 5))
     # the twin prefills its last token only, from its donor in the same forward; the 23-token prompt (11 + 1 + 23
     # tokens > 30) waits with a slot free
     assert seen[0][1:] == ([(0, 0, 11), (1, 10, 11)], [(0, 1, 10)])
