@@ -25,7 +25,8 @@ and arithmetic tasks, "long" MeetingBank and 20Minuten (capped at --max-len).
 Rollouts: the native engine (model/engine.py) on one GPU, random weights (so no row stops by itself): prompts of the
 "trace" mix's prompt lengths with --rollout-new-tokens new tokens each at batch 1 / 32 / 256, and the rollout mix
 (--rollout-mix-prompts prompts whose answer lengths also follow the mix: short letters next to long summaries),
-with the engine's CUDA graphs on, off or both (--rollout-graphs); new tokens/s, time to drain, the GPU's busy share.
+with the engine's CUDA graphs on, off or both (--rollout-graphs); new tokens/s, time to drain, and with --profile the
+GPU's busy share.
 Results: one JSON line per variant in --out, and a markdown table on stdout.
 """
 import argparse
@@ -81,6 +82,8 @@ def parse_args(argv=None):
                    help="prompts of the rollout-mix row, 0 = no such row (default: %(default)s)")
     p.add_argument("--rollout-graphs", choices=["on", "off", "both"], default="on",
                    help="the engine's CUDA graphs for the rollout rows (off: OPR_ENGINE_GRAPHS=0; default: on)")
+    p.add_argument("--profile", action="store_true",
+                   help="rollout rows on a GPU: a third, profiled call for the busy share (after the timed one)")
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="for MFU (default: %(default)s)")
     p.add_argument("--out", default="runs/bench_gpu.jsonl", help="JSON lines, one per variant (default: %(default)s)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per variant before it is recorded as failed")
@@ -217,8 +220,8 @@ def rollout_worker(args):
     prompt lengths with --rollout-new-tokens each, or with --batch 0 the rollout mix: --rollout-mix-prompts prompts
     whose prompt AND answer lengths follow the mix (each prompt capped at its own answer length, as a stop token
     would end it). Reports new tokens/s and the time to drain of a second call over the same engine (the first one
-    allocates the KV cache and captures the CUDA graphs; its time is reported beside) and, on a GPU, the busy share:
-    CUDA kernel time over wall time in a profiled third call."""
+    allocates the KV cache and captures the CUDA graphs; its time is reported beside) and, with --profile on a GPU,
+    the busy share: CUDA kernel time over wall time in a profiled third call."""
     import torch
     from model.checkpoint import load_config
     from model.transformer import Transformer
@@ -260,27 +263,29 @@ def rollout_worker(args):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     outs, seconds = timed()
-    busy = None
-    if cuda:  # a third call under the profiler: the kernels' time against the wall time
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _, wall = timed()
-        kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
-        busy = round(kernel_us / 1e6 / wall, 3)
     new = sum(len(o["token_ids"]) for o in outs)
-    print("RESULT " + json.dumps({
+    result = {
         "kind": "rollout", "device": torch.cuda.get_device_name() if cuda else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "batch": args.batch or "mix", "prompts": len(prompts),
         "graphs": engine.graphs, "new_tokens": new, "mean_prompt": round(sum(n for n, _ in lengths) / len(lengths), 1),
         "seconds": round(seconds, 2), "first_call_seconds": round(first, 2),
-        "new_tokens_per_s": round(new / seconds, 1), "busy_share": busy,
+        "new_tokens_per_s": round(new / seconds, 1), "busy_share": None,
         "peak_memory_gb": round((torch.cuda.max_memory_allocated() if cuda else
-                                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 1e9, 2)}), flush=True)
+                                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 1e9, 2)}
+    print("RESULT " + json.dumps(result), flush=True)  # before any profiling: a profiler hang cannot lose it
+    if cuda and args.profile:  # a third call under the profiler: the kernels' time against the wall time
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _, wall = timed()
+        kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+        print("RESULT " + json.dumps(dict(result, busy_share=round(kernel_us / 1e6 / wall, 3))), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- driver
 
 def backends(kind: str, wanted: str, device: str) -> list[str]:
+    """The backends of `kind` (attn, ce) to run: every one that can run here, or the requested ones, each of which
+    must be able to (a requested backend that cannot run is an error, not an empty table)."""
     if device == "cpu":  # the CPU path: the pure-torch kernels only
         return ["sdpa"] if kind == "attn" else ["chunked"]
     code = ("from kernels import attention as a; print(','.join(b for b in a.BACKENDS if a.available(b) is None))"
@@ -288,14 +293,21 @@ def backends(kind: str, wanted: str, device: str) -> list[str]:
             "from kernels import cross_entropy as c; print('liger,chunked' if c._load_liger() else 'chunked')")
     runnable = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip().split(",")
-    return runnable if wanted == "all" else [b for b in wanted.split(",") if b in runnable]
+    if wanted == "all":
+        return runnable
+    missing = [b for b in wanted.split(",") if b not in runnable]
+    if missing:
+        raise SystemExit(f"bench_gpu.py: --{kind}: {','.join(missing)} cannot run here (runnable: {','.join(runnable)})")
+    return wanted.split(",")
 
 
 def run_variant(cmd: list[str], env: dict, timeout: int) -> dict:
     try:
         p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout}s"}
+    except subprocess.TimeoutExpired as e:  # a result printed before the hang (e.g. in a profiled call) still counts
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        return json.loads(lines[-1][len("RESULT "):]) if lines else {"error": f"timed out after {timeout}s"}
     lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
         tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["?"]
@@ -319,14 +331,16 @@ def main(argv=None):
     tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    attn, ce = backends("attn", args.attn, args.device), backends("ce", args.ce, args.device)
+    training = any(args.mixes.split(","))  # rollout rows only: no kernel probes (two processes) to pay for
+    attn, ce = (backends("attn", args.attn, args.device), backends("ce", args.ce, args.device)) if training else ([], [])
     switch = {"off": [False], "on": [True], "both": [False, True]}
     acs, compiles = switch[args.ac], switch[args.compile]
     launcher = [sys.executable] if gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                    f"--nproc_per_node={gpus}"]
     common = ["--global-batch", str(args.global_batch), "--micro-tokens", str(args.micro_tokens), "--max-len",
               str(args.max_len), "--steps", str(args.steps), "--warmup", str(args.warmup), "--peak-tflops",
-              str(args.peak_tflops), "--device", args.device, "--rollout-new-tokens", str(args.rollout_new_tokens)]
+              str(args.peak_tflops), "--device", args.device, "--rollout-new-tokens", str(args.rollout_new_tokens)] \
+        + (["--profile"] if args.profile else [])
     results = []
     with open(out, "a") as f:
         def record(r):
