@@ -93,7 +93,7 @@ def main(argv=None):
     from data.trace import load_filtered, tasks_in
     from model.checkpoint import load_config, load_model
     from model.logprobs import response_stats
-    from model.sampling import generate, resolve_engine
+    from model.sampling import check_context, generate, resolve_engine
     from model.tokenizer import ChatTokenizer
 
     cur_dir, ref_dir = Path(args.ckpt), Path(args.ref)
@@ -118,6 +118,7 @@ def main(argv=None):
           f"engine={engine}, T={args.temperature}, max_new_tokens={args.max_new_tokens}, seed={args.seed}")
 
     # 3. one response per prompt, sampled from CUR
+    check_context(cur_dir, prompts, args.max_new_tokens)  # before the engine sizes its cache by the cap
     t0 = time.perf_counter()
     outs = generate(cur_dir, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                     seed=args.seed, engine=engine, tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,

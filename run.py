@@ -67,7 +67,7 @@ import rollout
 import train
 
 from data import metrics
-from data.jsonl import check_output, read_records, write_json, write_jsonl
+from data.jsonl import check_output, jsonl_lines, read_records, write_json, write_jsonl
 from data.manifest import check_scorer, held_out, manifest_path, scorer_file, step_fields, use_manifest_from_argv
 from data.replay import replay_budget, replay_counts, select
 from data.tasks import get_task, parse_tasks, task_names
@@ -739,7 +739,7 @@ def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, pro
                 if i + 1 < len(tasks):
                     next_task.append(scores[tasks[i + 1]])
                 log_path = pipe.dir(t_key) / "ckpt" / "train_log.jsonl"
-                log = [json.loads(line) for line in log_path.read_text().splitlines()]
+                log = [json.loads(line) for line in jsonl_lines(log_path.read_text()) if line]
                 losses.append([x["loss"] for x in log])
                 sources.append({"task": [x["loss_task"] for x in log], "replay": [x["loss_replay"] for x in log]}
                                if log and "loss_replay" in log[0] else None)

@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from pipeline.cli import InputError, Parser, UserError, float_in, int_at_least, main_cli
-from data.jsonl import check_output, dumps_strict, read_records
+from data.jsonl import check_output, dumps_strict, jsonl_lines, read_records
 from data.packing import IGNORE, Example, collate, pack, plan_steps, tokenize_sft
 import kernels
 from kernels import attention, cross_entropy
@@ -576,7 +576,7 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     if args.resume:
         start = load_state(model, opt, sched, workdir, plan_id, ema_teacher, settings)
     if rank == 0:  # keep the log consistent with the state we resume from
-        kept = [l for l in (log_path.read_text().splitlines() if log_path.exists() and start else [])
+        kept = [l for l in (jsonl_lines(log_path.read_text()) if log_path.exists() and start else [])
                 if l.endswith("}") and json.loads(l)["step"] <= start]  # a kill can cut the last line short
         log_path.write_text("".join(l + "\n" for l in kept))
 

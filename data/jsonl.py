@@ -18,9 +18,53 @@ from pathlib import Path
 from pipeline.cli import InputError, UserError
 
 
+class NonFiniteError(ValueError):
+    """A number in JSON input that is not a finite number (loads_strict)."""
+
+
+def _refuse_constant(name: str):
+    raise NonFiniteError(f"{name} is not a number (JSON has no NaN or infinity); write a finite number")
+
+
+def _finite_float(s: str) -> float:
+    v = float(s)
+    if math.isinf(v):
+        raise NonFiniteError(f"{s} is too large a number (it reads as infinity); write a finite number")
+    return v
+
+
+def _int(s: str) -> int:
+    try:
+        return int(s)
+    except ValueError:  # Python converts at most sys.get_int_max_str_digits() digits
+        raise NonFiniteError(f"an integer of {len(s)} digits is too large; write a smaller number") from None
+
+
+# Python's JSON reader takes NaN, Infinity and -Infinity (and 1e999 as an infinity), none of which is JSON; a NaN
+# passes every range check written as `x < lo`, so input must refuse them where it is parsed
+STRICT = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_int)
+
+
+def loads_strict(text: str, where) -> object:
+    """json.loads for input files: a NaN, an infinity or an overlong integer is an InputError naming `where` (the
+    file, or the file's record and line) and the constant. Malformed JSON still raises json.JSONDecodeError, for
+    the caller to word."""
+    try:
+        return STRICT.decode(text)
+    except NonFiniteError as e:
+        raise InputError(f"{where}: {e}") from None
+
+
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of JSON Lines text: split at '\\n' only (a '\\r' before it dropped). str.splitlines() also splits
+    at U+2028, U+2029, U+0085 (which JSON allows raw inside a string), \\x0b, \\x0c and \\x1c-\\x1e, cutting a record
+    that holds one in two."""
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+
+
 def _locate_bad_record(text: str, path: Path) -> str:
-    """json.loads failed on a list file: decode it record by record to say which record is broken."""
-    dec = json.JSONDecoder()
+    """Strict decoding failed on a list file: decode it record by record to say which record is broken."""
+    dec = STRICT
     n = len(text)
 
     def skip_ws(p):
@@ -43,6 +87,8 @@ def _locate_bad_record(text: str, path: Path) -> str:
             _, end = dec.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             return f"{path}: malformed JSON in record {rec} (line {e.lineno}, column {e.colno}): {e.msg}"
+        except NonFiniteError as e:
+            return f"{path}: record {rec} (line {line_of(pos)}): {e}"
         pos = skip_ws(end)
         if pos < n and text[pos] == ",":
             pos, rec = skip_ws(pos + 1), rec + 1
@@ -54,8 +100,8 @@ def _locate_bad_record(text: str, path: Path) -> str:
 
 def _single_object(text: str) -> bool:
     try:
-        return isinstance(json.loads(text), dict)
-    except json.JSONDecodeError:
+        return isinstance(STRICT.decode(text), dict)
+    except ValueError:  # malformed or non-finite: the line-by-line reading names the record
         return False
 
 
@@ -98,19 +144,20 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
     located = []  # (record number, " (line n)" or "", record)
     if text.lstrip().startswith("["):
         try:
-            rows = json.loads(text)
-        except json.JSONDecodeError:
+            rows = STRICT.decode(text)
+        except (json.JSONDecodeError, NonFiniteError):
             raise InputError(_locate_bad_record(text, path)) from None
         located = [(i, "", r) for i, r in enumerate(rows)]
     elif text.lstrip().startswith("{") and path.suffix != ".jsonl" and _single_object(text):
         raise InputError(f"{path}: holds a single JSON object; expected a JSON list of records, or JSON Lines "
                          f"(one object per line) in a .jsonl file")
     else:
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
+        for lineno, line in enumerate(jsonl_lines(text), 1):
+            if not line.strip(" \t"):  # JSON's whitespace ('\r' is gone): a line of U+2028 is no blank line
                 continue
             try:
-                located.append((len(located), f" (line {lineno})", json.loads(line)))
+                located.append((len(located), f" (line {lineno})",
+                                loads_strict(line, f"{path}: record {len(located)} (line {lineno})")))
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}: malformed JSON in record {len(located)} (line {lineno}, column "
                                  f"{e.colno}): {e.msg}") from None
@@ -261,10 +308,16 @@ def dumps_strict(obj, path, **kw) -> str:
                          f"{found[1]}); JSON has no NaN or infinity") from None
 
 
+# characters that JSON allows raw in a string but that line splitters (str.splitlines, JavaScript before ES2019, some
+# editors) take for line ends: escaped, a JSON Lines file has one record per line for every reader
+LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\u0085\u2028\u2029"})
+
+
 def write_jsonl(path, records) -> Path:
-    """Write records as JSON Lines atomically (strict JSON: a NaN or infinity is an error naming the record)."""
-    return write_text_atomic(path, "".join(dumps_strict(r, f"{path}: record {i}", ensure_ascii=False) + "\n"
-                                           for i, r in enumerate(records)))
+    """Write records as JSON Lines atomically (strict JSON: a NaN or infinity is an error naming the record), one
+    record per line for any line splitter (LINE_BREAKS)."""
+    return write_text_atomic(path, "".join(dumps_strict(r, f"{path}: record {i}", ensure_ascii=False)
+                                           .translate(LINE_BREAKS) + "\n" for i, r in enumerate(records)))
 
 
 def write_json(path, obj) -> Path:

@@ -24,12 +24,13 @@ the TRACE table stays, untouched. Every problem is one InputError naming the man
 """
 import importlib.util
 import json
+import math
 import random
 import re
 import sys
 from pathlib import Path
 
-from data.jsonl import read_records, read_text
+from data.jsonl import loads_strict, read_records, read_text
 from data.metrics import METRICS, import_scorer
 from data.tasks import Task, active_tasks, use_tasks
 from pipeline.cli import InputError, Parser
@@ -88,7 +89,7 @@ def load_manifest(path: Path) -> dict:
     if not path.is_file():
         raise InputError(f"{path}: task manifest not found")
     try:
-        doc = json.loads(read_text(path))
+        doc = loads_strict(read_text(path), path)  # NaN, Infinity: refused, naming the constant
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: malformed JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
     entries = doc.get("tasks") if isinstance(doc, dict) else doc
@@ -124,9 +125,10 @@ def check_entry(path: Path, i: int, entry) -> Task:
     if not re.fullmatch(r"[A-Za-z0-9._+-]+", name) or name.lower() == "all":
         raise InputError(f"{where}, field 'name': use letters, digits and . _ + - (it names files and --tasks items)")
     for field, lo in (("epochs", 1), ("max_new_tokens", 1), ("temperature", 0)):
-        if field in entry and entry[field] < lo:
+        # written so that a NaN or an infinity (a library caller's dict; files refuse them when parsed) fails too
+        if field in entry and not lo <= entry[field] < math.inf:
             raise InputError(f"{where}, field {field!r}: must be >= {lo}, got {entry[field]}")
-    if not 0 < entry.get("held_out", 0.1) < 1:
+    if not 0 < entry.get("held_out", 0.1) < 1:  # False for a NaN, so refused
         raise InputError(f"{where}, field 'held_out': must be in (0, 1), got {entry['held_out']}")
     labels = entry.get("labels")
     if labels is not None and (not labels or not all(isinstance(x, str) and x.strip() == x and x for x in labels)
@@ -288,6 +290,15 @@ def check_scorer(task: Task, example):
                          f"{example.idx} of its train split: {type(e).__name__}: {e}") from None
 
 
+def length_cap(name: str, max_new_tokens: int) -> tuple[int, str]:
+    """A task's generation length cap and what set it, for error lines: its manifest field, else the run's
+    --max-new-tokens."""
+    t = active_tasks()[name]
+    if t.max_new_tokens:
+        return t.max_new_tokens, f"{t.manifest}: task {t.name!r}, field 'max_new_tokens'"
+    return max_new_tokens, "--max-new-tokens"
+
+
 def sampling_groups(task_of: list, temperature: float, max_new_tokens: int, evaluation: bool) -> dict:
     """{temperature: ([job index], [its max_new_tokens])}: the jobs that one generate call samples together (the
     engine takes a length cap per prompt), each task with its own cap and, in evaluations, its own temperature; one
@@ -298,5 +309,5 @@ def sampling_groups(task_of: list, temperature: float, max_new_tokens: int, eval
         temp = t.temperature if evaluation and t.temperature is not None else temperature
         ix, caps = groups.setdefault(temp, ([], []))
         ix.append(i)
-        caps.append(t.max_new_tokens or max_new_tokens)
+        caps.append(length_cap(name, max_new_tokens)[0])
     return groups

@@ -21,7 +21,7 @@ REPLAY_BUDGETS = ("total", "per-task")
 
 def buffer_size(rho: float, n: int) -> int:
     """b = rho * n rounded half up (rho=0.01, n=5000 -> 50). A tiny epsilon absorbs float error (0.1*30 -> 3)."""
-    if rho < 0 or n < 0:
+    if not (0 <= rho < math.inf and n >= 0):  # a NaN or an infinity fails too
         raise ValueError(f"replay budget needs rho >= 0 and n >= 0, got rho={rho}, n={n}")
     return int(math.floor(rho * n + 0.5 + 1e-9))
 
@@ -33,10 +33,10 @@ def allocate(budget: int, available: dict[str, int]) -> dict[str, int]:
     it has; what it cannot take is split again over the tasks that still have room (repeated until the budget is
     spent or every task is exhausted). Returns task -> count in the same order; sum = min(budget, sum(available)).
     """
-    if budget < 0:
+    if not budget >= 0:  # a NaN fails too
         raise ValueError(f"replay budget must be >= 0, got {budget}")
     for task, n in available.items():
-        if n < 0:
+        if not n >= 0:
             raise ValueError(f"task {task!r}: available count must be >= 0, got {n}")
     alloc = {task: 0 for task in available}
     remaining = budget

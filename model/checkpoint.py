@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.cli import InputError, MissingFileError, MissingWeightError
-from data.jsonl import (dumps_strict, fsync_dir, fsync_tree, read_text, remove_stale_temporaries,
+from data.jsonl import (dumps_strict, fsync_dir, fsync_tree, loads_strict, read_text, remove_stale_temporaries,
                         temp_prefix)
 from model.config import ModelConfig
 from model.transformer import Transformer, hf_parts, to_hf
@@ -38,7 +38,7 @@ def load_config(ckpt_dir) -> ModelConfig:
     except FileNotFoundError:
         raise MissingFileError(f"{path}: no config.json in checkpoint directory {ckpt_dir}") from None
     try:
-        d = json.loads(text)
+        d = loads_strict(text, path)  # a NaN here would be written back on save, which refuses it
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: invalid JSON ({e})") from None
     if not isinstance(d, dict):
@@ -61,7 +61,7 @@ def weight_files(ckpt_dir) -> dict[str, Path]:
     index = ckpt_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(read_text(index))["weight_map"]
+            weight_map = loads_strict(read_text(index), index)["weight_map"]
             files = {name: ckpt_dir / fname for name, fname in weight_map.items()}
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise InputError(f"{index}: not a safetensors index (expected JSON with a 'weight_map' object)") from None

@@ -9,8 +9,11 @@ token is kept as the last entry of token_ids); logprobs[t] is the RAW log-prob (
 token. Outputs come back in prompt order.
 """
 import importlib.util
+from pathlib import Path
 
 import torch
+
+from pipeline.cli import InputError
 
 ENGINES = ("auto", "native", "vllm")
 AUTO_ENGINE = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None else "native"
@@ -48,6 +51,30 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, ma
                            progress=progress)
 
 
+def check_context(ckpt_dir, prompts: list[list[int]], max_new_tokens: int, tasks: list[str] | None = None):
+    """Before any weight loads: refuse a length cap longer than the model's context (the native engine sizes its KV
+    cache for the longest prompt plus its cap, so a cap of 10**9 would ask for terabytes; no response can use more
+    than the context), and warn in one line when prompts plus their cap overrun the context (positions the model was
+    never trained on: they run, as they always have). tasks[i] (prompt i's task): a task's own manifest cap counts
+    for its prompts, and is named as the manifest's field; else --max-new-tokens is named."""
+    import sys
+    from data.manifest import length_cap
+    from model.checkpoint import load_config
+    longest = {}  # (cap, what set it) -> (the longest prompt under it, how many prompts overrun)
+    ctx = load_config(ckpt_dir).max_position_embeddings
+    for i, p in enumerate(prompts):
+        key = length_cap(tasks[i], max_new_tokens) if tasks else (max_new_tokens, "--max-new-tokens")
+        n, over = longest.get(key, (0, 0))
+        longest[key] = (max(n, len(p)), over + (len(p) + key[0] > ctx))
+    where = f"max_position_embeddings {ctx} in {Path(ckpt_dir) / 'config.json'}"
+    for (cap, name), (n, over) in longest.items():
+        if cap > ctx:
+            raise InputError(f"{name}: {cap} new tokens is more than the model's context ({where}); use at most {ctx}")
+        if over:
+            print(f"warning: {over} of {len(prompts)} prompts plus {name} {cap} overrun the model's context ({where}; "
+                  f"the longest prompt has {n} tokens)", file=sys.stderr)
+
+
 def load_native(ckpt_dir):
     """The checkpoint as the native engine samples it: bf16 on a GPU, fp32 on the CPU."""
     from model.checkpoint import load_model
@@ -61,6 +88,7 @@ def generate_tasks(ckpt_dir, prompts: list[list[int]], tasks: list[str], *, temp
     evaluations, its own temperature when the task manifest gives them (data.manifest.sampling_groups); one call per
     temperature, one call in all for TRACE's tasks. Outputs in prompt order."""
     from data.manifest import sampling_groups
+    check_context(ckpt_dir, prompts, max_new_tokens, tasks)
     outs = [None] * len(prompts)
     groups = sampling_groups(tasks, temperature, max_new_tokens, evaluation)
     if len(groups) > 1 and resolve_engine(kw.get("engine", "auto")) == "native" and prompts:

@@ -28,7 +28,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from pipeline.cli import InputError
-from data.jsonl import read_text
+from data.jsonl import loads_strict, read_text
 
 IGNORE_INDEX = -100
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -81,7 +81,7 @@ def _token_str(value) -> str | None:
 
 def _read_json(path: Path) -> dict:
     try:
-        d = json.loads(read_text(path))
+        d = loads_strict(read_text(path), path)
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: invalid JSON ({e})") from None
     if not isinstance(d, dict):

@@ -129,6 +129,77 @@ def test_loader_missing_file_and_unknown_task(tmp_path):
         load_task(tmp_path, "FOMC", "dev")
 
 
+# every character str.splitlines() ends a line at (computed, so that one a later Python adds is covered), and "\r\n"
+LINE_BREAKS = [c for c in map(chr, range(sys.maxunicode + 1)) if len(f"a{c}b".splitlines()) > 1] + ["\r\n"]
+
+
+def test_jsonl_round_trips_every_line_break_in_any_string_field(tmp_path):
+    """write_jsonl -> read_records keeps every record whole, whichever line-ending character a string holds, in
+    whichever field (a key, a nested string included); the file has one line per record for str.splitlines too."""
+    from data.jsonl import read_records, write_jsonl
+    assert {"\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"} <= set(LINE_BREAKS)
+    for i, c in enumerate(LINE_BREAKS):
+        records = [{"prompt": f"p{c}q", "answer": "A"}, {"prompt": "p", "answer": c},
+                   {"prompt": [{"role": "user", "content": f"{c}u"}], "answer": f"a{c}", f"k{c}": [f"x{c}y", {c: c}]}]
+        path = write_jsonl(tmp_path / f"r{i}.jsonl", records)
+        assert read_records(path, required=("prompt", "answer"), types={"prompt": (str, list)}) == records, repr(c)
+        assert len(path.read_text(encoding="utf-8").splitlines()) == len(records), repr(c)
+
+
+def test_jsonl_with_raw_line_separators_inside_strings_is_read(tmp_path):
+    """A hand-written file (another tool's, or ours before U+2028/U+2029/U+0085 were escaped) holds them raw: valid
+    JSON Lines, read whole; a "\r\n" line end is accepted, and line numbers count '\n' only."""
+    text = ('{"prompt": "a\u2028b", "answer": "A"}\n'
+            '{"prompt": "c\u2029d\u0085e", "answer": "B"}\r\n'
+            '\n'
+            '{"prompt": "f", "answer": "C"}\n')
+    path = _write(tmp_path, "FOMC", "train", text)
+    assert [(e.prompt, e.answer) for e in load_task(tmp_path, "FOMC", "train")] == \
+        [("a\u2028b", "A"), ("c\u2029d\u0085e", "B"), ("f", "C")]
+    path.write_text(text + '{"prompt": "g\u2028", "answer": }\n', encoding="utf-8")
+    assert "malformed JSON in record 3 (line 5, column" in _err(tmp_path, path.read_text(encoding="utf-8"))
+
+
+NON_FINITE = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"]
+
+
+@pytest.mark.parametrize("const", NON_FINITE)
+def test_records_refuse_non_finite_numbers_naming_file_record_and_constant(tmp_path, const):
+    """Python's JSON reader takes NaN, Infinity and 1e999 (an infinity); the record readers refuse them, in a JSON
+    Lines file (record and line) and in a JSON list (record)."""
+    good = '{"prompt": "p", "answer": "A"}'
+    bad = f'{{"prompt": "p", "answer": "A", "score": {const}}}'
+    msg = _err(tmp_path, f"{good}\n{bad}\n")
+    assert f"record 1 (line 2): {const} is " in msg and "\n" not in msg, msg
+    msg = _err(tmp_path, f"[{good},\n {bad}]")
+    assert f"record 1 (line 2): {const} is " in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("const", NON_FINITE)
+def test_checkpoint_json_refuses_non_finite_numbers(tmp_path, const):
+    """config.json, the safetensors index and the tokenizer's JSON files: a NaN or infinity anywhere in them is
+    refused when parsed, naming the file and the constant."""
+    from model.checkpoint import load_config, weight_files
+    from model.tokenizer import _read_json
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "rms_norm_eps": 1e-5}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_config(tmp_path).rms_norm_eps == 1e-5
+    files = {"config.json": lambda: load_config(tmp_path),
+             "model.safetensors.index.json": lambda: weight_files(tmp_path),
+             "tokenizer_config.json": lambda: _read_json(tmp_path / "tokenizer_config.json")}
+    for name, read in files.items():
+        (tmp_path / name).write_text(json.dumps({**config, "weight_map": {}}).replace("1e-05", const))
+        with pytest.raises(ValueError) as e:
+            read()
+        assert f"{tmp_path / name}: {const} is " in str(e.value), str(e.value)
+
+
+def test_jsonl_integers_too_long_for_python_are_one_error(tmp_path):
+    msg = _err(tmp_path, '{"prompt": "p", "answer": "A", "n": ' + "9" * 5000 + "}\n")
+    assert "record 0 (line 1): an integer of 5000 digits is too large" in msg
+
+
 def test_filter_overlong():
     exs = [Example("FOMC", i, "w " * i, "A") for i in range(10)]
     kept, dropped = filter_overlong(exs, lambda p, a: len(p.split()) + len(a.split()), max_len=5)

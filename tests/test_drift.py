@@ -222,6 +222,26 @@ def test_drift_refuses_checkpoints_with_different_tokenizers(ckpts, data_root, t
     assert not (tmp_path / "d").exists()
 
 
+def test_drift_refuses_a_length_cap_past_the_model_context_before_loading(ckpts, data_root, tmp_path, monkeypatch):
+    """--max-new-tokens 10**9 would size the KV cache for 10**9 columns: one line naming the flag and the model's
+    context, before any weights load."""
+    import drift
+    import model.checkpoint
+    import model.sampling
+    from pipeline.cli import InputError
+
+    def never(*a, **kw):
+        raise AssertionError("the weights were loaded or sampling started")
+    monkeypatch.setattr(model.sampling, "generate", never)
+    monkeypatch.setattr(model.checkpoint, "load_model", never)
+    with pytest.raises(InputError, match=r"^--max-new-tokens: 1000000000 new tokens "
+                                         r"is more than the model's context \(max_position_embeddings 4096 in "):
+        drift.main([str(a) for a in ["--ckpt", ckpts / "cur", "--ref", ckpts / "prev", "--data", data_root, "--tasks",
+                                     "FOMC", "--max-new-tokens", 10**9, "--limit", "1", "--engine", "native", "--quiet",
+                                     "--out", tmp_path / "d"]])
+    assert not (tmp_path / "d").exists()
+
+
 def test_drift_refuses_a_non_finite_kl_and_writes_nothing(ckpts, data_root, tmp_path, monkeypatch):
     import drift
     import model.logprobs

@@ -161,6 +161,92 @@ def test_gold_outside_labels_and_bad_scorer_are_caught(tmp_path):
         check_scorer(get_task("Words"), load_task(tmp_path, "Words", "train")[0])
 
 
+NON_FINITE = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"]
+# every numeric field a task may have, from the manifest's own table: a field added later is covered
+NUMERIC = [f for f, t in manifest.FIELDS.items() if set(t if isinstance(t, tuple) else (t,)) <= {int, float}]
+
+
+def one_task(root: Path, **fields) -> Path:
+    write(root / "t" / "train.jsonl", [{"prompt": f"p{i}", "answer": "a"} for i in range(4)])
+    (root / "tasks.json").write_text(json.dumps({"tasks": [{"name": "T", "dir": "t", "metric": "exact_match",
+                                                            "epochs": 1, **fields}]}))
+    return root / "tasks.json"
+
+
+@pytest.mark.parametrize("field", NUMERIC)
+@pytest.mark.parametrize("const", NON_FINITE)
+def test_a_non_finite_number_in_any_numeric_field_is_refused(tmp_path, field, const):
+    """Python's JSON reader takes NaN, Infinity and 1e999 (an infinity), and a NaN passes a range check written as
+    `x < lo`: the manifest refuses them when parsed (naming file and constant), and its checks refuse them in a
+    library caller's dict (naming task and field)."""
+    assert {"epochs", "max_new_tokens", "temperature", "held_out"} <= set(NUMERIC)
+    path = one_task(tmp_path, **{field: 123456789})
+    path.write_text(path.read_text().replace("123456789", const))
+    with pytest.raises(InputError) as e:
+        load_manifest(path)
+    assert f"{path}: {const} is " in str(e.value) and "\n" not in str(e.value), str(e.value)
+    entry = {"name": "T", "dir": "t", "metric": "exact_match", "epochs": 1, field: float(const)}
+    with pytest.raises(InputError, match=rf"task 'T', field '{field}': "):
+        manifest.check_entry(path, 0, entry)
+
+
+def sampler_stub(monkeypatch):
+    """generate_tasks up to the engines: loading weights or sampling (where the KV cache is allocated) is recorded
+    instead of done."""
+    from model import sampling
+    calls = []
+    monkeypatch.setattr(sampling, "load_native", lambda *a, **kw: calls.append("load"))
+    monkeypatch.setattr(sampling, "generate", lambda ckpt, prompts, **kw: calls.append(kw["max_new_tokens"]) or [
+        {"token_ids": [], "logprobs": [], "finish_reason": "length"} for _ in prompts])
+    return sampling, calls
+
+
+def tiny_config(path: Path, context=512) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "max_position_embeddings": context}))
+    return path
+
+
+def test_a_length_cap_past_the_model_context_is_refused_at_once(tmp_path, monkeypatch, capsys):
+    """--max-new-tokens 10**9 would size the KV cache for 10**9 columns (~1 TB): refused in one line naming the flag
+    and max_position_embeddings, before any weight loads or the sampler runs; a cap within the context runs, with one
+    warning line when prompts plus it overrun the context."""
+    sampling, calls = sampler_stub(monkeypatch)
+    ckpt = tiny_config(tmp_path / "ckpt")
+    prompts, tasks = [[1] * 40, [1] * 10], ["FOMC", "NumGLUE-cm"]
+    for cap in (10**9, 513):
+        with pytest.raises(InputError) as e:
+            sampling.generate_tasks(ckpt, prompts, tasks, temperature=0.1, max_new_tokens=cap, evaluation=True,
+                                    engine="native")
+        assert calls == []
+        assert str(e.value) == (f"--max-new-tokens: {cap} new tokens is more than the model's context "
+                                f"(max_position_embeddings 512 in {ckpt / 'config.json'}); use at most 512")
+    sampling.generate_tasks(ckpt, prompts, tasks, temperature=0.1, max_new_tokens=472, evaluation=True,
+                            engine="native")
+    assert calls == [[472, 472]] and capsys.readouterr().err == ""
+    sampling.generate_tasks(ckpt, prompts, tasks, temperature=0.1, max_new_tokens=500, evaluation=True,
+                            engine="native")
+    assert calls[-1] == [500, 500]
+    assert capsys.readouterr().err == (f"warning: 1 of 2 prompts plus --max-new-tokens 500 overrun the model's context "
+                                       f"(max_position_embeddings 512 in {ckpt / 'config.json'}; the longest prompt "
+                                       f"has 40 tokens)\n")
+
+
+def test_a_manifest_length_cap_past_the_model_context_names_the_manifest_field(tmp_path, monkeypatch):
+    sampling, calls = sampler_stub(monkeypatch)
+    ckpt = tiny_config(tmp_path / "ckpt")
+    path = one_task(tmp_path, max_new_tokens=10**9)
+    use_manifest(tmp_path)
+    with pytest.raises(InputError) as e:
+        sampling.generate_tasks(ckpt, [[1] * 12], ["T"], temperature=0.1, max_new_tokens=8, evaluation=False,
+                                engine="native")
+    assert str(e.value).startswith(f"{path}: task 'T', field 'max_new_tokens': 1000000000 new tokens is more than "
+                                   f"the model's context (max_position_embeddings 512 in ")
+    assert calls == []
+
+
 def test_new_metrics():
     assert exact_match("  The answer: Paris. ", "answer paris") == 100.0 and exact_match("", "") == 0.0
     assert token_f1("the cat sat", "a cat sat down") == pytest.approx(100 * 2 * 1 * (2 / 3) / (1 + 2 / 3))

@@ -366,6 +366,23 @@ def test_rollout_with_vllm_stand_in(monkeypatch, ckpt, data_root, tmp_path):
                                            else x["token_ids"])
 
 
+def test_rollout_refuses_a_length_cap_past_the_model_context_before_loading(ckpt, data_root, tmp_path, monkeypatch):
+    """--max-new-tokens 10**9 would size the KV cache for 10**9 columns: one line naming the flag and the model's
+    context, before the weights load or the engine allocates anything."""
+    import rollout
+    from pipeline.cli import InputError
+
+    def never(*a, **kw):
+        raise AssertionError("the weights were loaded or sampling started")
+    monkeypatch.setattr(sampling, "load_native", never)
+    monkeypatch.setattr(sampling, "generate", never)
+    with pytest.raises(InputError, match=r"^--max-new-tokens: 1000000000 new tokens "
+                                         r"is more than the model's context \(max_position_embeddings 4096 in "):
+        rollout.main(["--ckpt", str(ckpt), "--data", str(data_root), "--max-new-tokens", str(10**9), "--engine",
+                      "native", "--out", str(tmp_path / "r.jsonl"), "--quiet"])
+    assert not (tmp_path / "r.jsonl").exists()
+
+
 # --- rollout.py --check-logprobs: engine vs trainer ----------------------------------------------------------------
 
 def test_check_logprobs_native_engine_agrees(ckpt, data_root, tmp_path, capsys):
