@@ -1,16 +1,22 @@
-"""The native engine on a rollout mix, against the engine of another checkout and Hugging Face `generate`.
+"""The native engine on a rollout mix, against the engine of another checkout, Hugging Face `generate` and vLLM.
 
     python bench/bench_engine.py --model smollm2 --threads 2 [--before DIR] [--prompts 256] [--batch-size 32]
-        [--before-batch-size N] [--max-new-tokens 64] [--repeats 3] [--fixed] [--no-hf]
+        [--before-batch-size N] [--max-new-tokens 64] [--repeats 3] [--fixed] [--no-hf] [--temperature T] [--trace DIR]
+        [--vllm PYTHON]
 
 The mix: training prompts of all eight embedded tasks in turn (data/embedded.py; short letter answers next to
-summaries, code and simplifications, as TRACE mixes them), chat-templated, greedy, stop at end-of-turn, at most
---max-new-tokens each. --fixed instead: the first --batch-size prompts, exactly --max-new-tokens tokens each, no stop
-(the batch-32 row of bench_generate.py). Each engine runs in a process of its own (the model loaded, one warm-up on
-4 prompts, then the timed call), the engines alternating, median of --repeats: this checkout's engine, --before's
-(e.g. a `git worktree` of an earlier commit: its model.generate.generate is imported from there), and HF `generate`
-(batches of --batch-size prompts sorted by length, left-padded; a batch runs until its last row stops). Reports new
-tokens/s and the time to drain, and how many greedy responses equal --before's (log-prob max |diff| over those).
+summaries, code and simplifications, as TRACE mixes them), or with --trace the real TRACE tasks found under DIR (e.g.
+../shared/trace: FOMC, NumGLUE-cm, NumGLUE-ds) in turn, chat-templated, stop at end-of-turn, at most --max-new-tokens
+each, greedy or at --temperature (OPR samples at 0.1, SDFT at 1.0; the native engines with seed 0, so two native
+engines that draw alike give the same tokens). --fixed instead: the first --batch-size prompts, exactly
+--max-new-tokens tokens each, no stop (the batch-32 row of bench_generate.py). Each engine runs in a process of its
+own (the model loaded, one warm-up on 4 prompts, then the timed call), the engines alternating, median of --repeats:
+this checkout's engine, --before's (e.g. a `git worktree` of an earlier commit: its model.generate.generate is
+imported from there), HF `generate` (batches of --batch-size prompts sorted by length, left-padded; a batch runs until
+its last row stops) and, with --vllm, vLLM run by that interpreter (model.vllm_engine's settings on the CPU backend:
+fp32, eager, its threads bound to the same cores). Reports the timed call's time to drain and new tokens/s (sampled
+answers differ in length between engines: compare the rates), the whole process's wall time (start-up, load,
+warm-up and the timed call), and how many responses equal --before's (log-prob max |diff| over those).
 """
 import argparse
 import json
@@ -33,13 +39,18 @@ def checkpoint(name: str) -> Path:
     return ensure_smollm2()
 
 
-def mix_prompts(ckpt: Path, n: int) -> tuple[list, list]:
-    from data.embedded import generate_task
-    from data.tasks import TASK_ORDER
+def mix_prompts(ckpt: Path, n: int, trace: Path | None = None) -> tuple[list, list]:
     from model.tokenizer import ChatTokenizer
     tok = ChatTokenizer.from_dir(ckpt)
-    per_task = [generate_task(t, -(-n // len(TASK_ORDER)), seed=0) for t in TASK_ORDER]
-    exs = [per_task[i % len(TASK_ORDER)][i // len(TASK_ORDER)] for i in range(n)]
+    if trace:
+        from data.trace import read_trace_file
+        per_task = [[{"prompt": q} for q, _ in read_trace_file(d / "train.json")] for d in sorted(trace.iterdir())
+                    if (d / "train.json").is_file()]
+    else:
+        from data.embedded import generate_task
+        from data.tasks import TASK_ORDER
+        per_task = [generate_task(t, -(-n // len(TASK_ORDER)), seed=0) for t in TASK_ORDER]
+    exs = [per_task[i % len(per_task)][i // len(per_task)] for i in range(n)]
     return [tok.prompt_ids(ex["prompt"]) for ex in exs], sorted(tok.stop_ids)
 
 
@@ -50,9 +61,28 @@ def worker(args):
     sys.path.insert(0, str(args.root))
     job = json.loads(Path(args.job).read_text())
     prompts, stop, n_new, bs = job["prompts"], job["stop_ids"], job["max_new_tokens"], job["batch_size"]
-    from kernels import retain_freed_memory
-    retain_freed_memory()
-    if args.worker == "hf":
+    if args.worker != "vllm":
+        from kernels import retain_freed_memory
+        retain_freed_memory()
+    if args.worker == "vllm":  # run by --vllm's interpreter: the project's wrapper settings, on the CPU backend
+        import os
+        from model.vllm_engine import cpu_threads_env, llm_kwargs, sampling_params
+        os.environ.update(cpu_threads_env(args.threads))
+        import vllm
+        t_start = time.perf_counter()
+        llm = vllm.LLM(**llm_kwargs(vllm, job["ckpt"], tp=1, seed=0, cpu=True), enforce_eager=True)
+        startup = time.perf_counter() - t_start
+        params = sampling_params(vllm, temperature=job["temperature"], max_new_tokens=n_new,
+                                 stop_ids=() if job["fixed"] else stop)
+        if job["fixed"]:
+            params.min_tokens = n_new
+
+        def run(ps):
+            outs = llm.generate([{"prompt_token_ids": list(p)} for p in ps], params, use_tqdm=False)
+            return [{"token_ids": list(o.outputs[0].token_ids), "logprobs": [
+                float(step[t].logprob) for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]}
+                for o in outs]
+    elif args.worker == "hf":
         import transformers
         hf = transformers.AutoModelForCausalLM.from_pretrained(job["ckpt"], dtype=torch.float32).eval()
 
@@ -69,9 +99,11 @@ def worker(args):
                     ids[r, P - len(ps[i]):] = torch.tensor(ps[i])
                     mask[r, P - len(ps[i]):] = 1
                 kw = dict(min_new_tokens=n_new) if job["fixed"] else dict(eos_token_id=stop)
+                if job["temperature"]:
+                    kw.update(do_sample=True, temperature=job["temperature"], top_k=0)
                 with torch.inference_mode():
-                    gen = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n_new,
-                                      pad_token_id=0, **kw)[:, P:].tolist()
+                    gen = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_new, pad_token_id=0,
+                                      **{"do_sample": False, **kw})[:, P:].tolist()
                 for i, g in zip(idx, gen):
                     cut = next((j + 1 for j, t in enumerate(g) if t in stop), len(g)) if not job["fixed"] else len(g)
                     res[i] = {"token_ids": g[:cut], "logprobs": []}
@@ -83,8 +115,8 @@ def worker(args):
         model = load_model(job["ckpt"])
 
         def run(ps):
-            return generate(model, ps, temperature=0.0, max_new_tokens=n_new, stop_ids=() if job["fixed"] else stop,
-                            batch_size=bs, progress=False)
+            return generate(model, ps, temperature=job["temperature"], max_new_tokens=n_new, seed=0,
+                            stop_ids=() if job["fixed"] else stop, batch_size=bs, progress=False)
     run(prompts[:4])
     t0 = time.perf_counter()
     outs = run(prompts)
@@ -106,6 +138,10 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fixed", action="store_true", help="fixed lengths: --batch-size prompts, no stop")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    ap.add_argument("--vllm", help="a Python interpreter with vLLM (e.g. a venv's bin/python): vLLM as a peer, on the "
+                                   "CPU backend with the project's wrapper settings, eager")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    ap.add_argument("--trace", type=Path, help="a TRACE root: its tasks' training prompts instead of the embedded mix")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--job", help=argparse.SUPPRESS)
@@ -114,12 +150,12 @@ def main():
         return worker(args)
 
     ckpt = checkpoint(args.model)
-    prompts, stop = mix_prompts(ckpt, args.batch_size if args.fixed else args.prompts)
+    prompts, stop = mix_prompts(ckpt, args.batch_size if args.fixed else args.prompts, args.trace)
     job = Path(tempfile.mkdtemp()) / "job.json"
     job.write_text(json.dumps(dict(ckpt=str(ckpt), prompts=prompts, stop_ids=stop, max_new_tokens=args.max_new_tokens,
-                                   batch_size=args.batch_size, fixed=args.fixed)))
+                                   batch_size=args.batch_size, fixed=args.fixed, temperature=args.temperature)))
     engines = [("after", "native", REPO)] + ([("before", "native", args.before.resolve())] if args.before else []) \
-        + ([] if args.no_hf else [("HF generate", "hf", REPO)])
+        + ([] if args.no_hf else [("HF generate", "hf", REPO)]) + ([("vLLM", "vllm", REPO)] if args.vllm else [])
     results = {name: [] for name, _, _ in engines}
     before_job = job
     if args.before and args.before_batch_size:
@@ -127,33 +163,40 @@ def main():
         before_job.write_text(json.dumps({**json.loads(job.read_text()), "batch_size": args.before_batch_size}))
     for r in range(args.repeats):
         for name, kind, root in engines:
-            cmd = [sys.executable, __file__, "--worker", kind, "--root", str(root), "--job",
+            cmd = [args.vllm if kind == "vllm" else sys.executable, __file__, "--worker", kind, "--root", str(root), "--job",
                    str(before_job if name == "before" else job),
                    "--threads", str(args.threads)]
-            res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=root).stdout
-                             .strip().splitlines()[-1])
+            t0 = time.perf_counter()
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=root).stdout
+            res = json.loads([line for line in out.splitlines() if line.startswith('{"seconds"')][-1])  # vLLM logs after
+            res["process_seconds"] = time.perf_counter() - t0  # start-up, load, warm-up and the timed call
             results[name].append(res)
             n_tok = sum(len(o["token_ids"]) for o in res["outs"])
-            print(f"repeat {r}: {name}: {res['seconds']:.2f} s, {n_tok} new tokens", flush=True)
+            print(f"repeat {r}: {name}: {res['seconds']:.2f} s, {n_tok} new tokens; whole process "
+                  f"{res['process_seconds']:.1f} s", flush=True)
 
     print(f"\n{args.model}, fp32, {args.threads} threads, {len(prompts)} prompts ("
-          f"{'fixed: ' + str(args.max_new_tokens) + ' new tokens each, no stop' if args.fixed else 'rollout mix of the eight embedded tasks, greedy, stop at end-of-turn, <= ' + str(args.max_new_tokens) + ' new tokens'}), "
+          f"{'fixed: ' + str(args.max_new_tokens) + ' new tokens each, no stop' if args.fixed else 'rollout mix of ' + (str(args.trace) if args.trace else 'the eight embedded tasks') + (f', T {args.temperature}' if args.temperature else ', greedy') + ', stop at end-of-turn, <= ' + str(args.max_new_tokens) + ' new tokens'}), "
           f"batch size {args.batch_size}"
           + (f" (before: {args.before_batch_size})" if args.before and args.before_batch_size else "")
           + f", median of {args.repeats} alternated runs\n")
-    print("| engine | time to drain | new tokens | new tokens/s | vs after |")
-    print("|---|---:|---:|---:|---:|")
-    t_after = statistics.median(x["seconds"] for x in results["after"])
+    print("| engine | time to drain | new tokens | new tokens/s | after's tokens/s over its | whole process | vs after |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    rate = {name: statistics.median(sum(len(o["token_ids"]) for o in x["outs"]) / x["seconds"] for x in results[name])
+            for name, _, _ in engines}  # sampled answers differ in length between engines: compare rates
+    p_after = statistics.median(x["process_seconds"] for x in results["after"])
     for name, _, _ in engines:
         t = statistics.median(x["seconds"] for x in results[name])
+        p = statistics.median(x["process_seconds"] for x in results[name])
         n_tok = sum(len(o["token_ids"]) for o in results[name][0]["outs"])
-        print(f"| {name} | {t:.2f} s | {n_tok} | {n_tok / t:.1f} | {t / t_after:.2f}x the time |")
+        print(f"| {name} | {t:.2f} s | {n_tok} | {rate[name]:.1f} | {rate['after'] / rate[name]:.2f}x | {p:.1f} s | "
+              f"{p / p_after:.2f}x the time |")
     if args.before:
         a, b = results["after"][0]["outs"], results["before"][0]["outs"]
         same = [i for i in range(len(a)) if a[i]["token_ids"] == b[i]["token_ids"]]
         diff = max((abs(x - y) for i in same for x, y in zip(a[i]["logprobs"], b[i]["logprobs"])), default=0.0)
-        print(f"\ngreedy responses equal to before's: {len(same)}/{len(a)}; log-prob max |diff| over them {diff:.2e}")
-    if "HF generate" in results:
+        print(f"\nresponses equal to before's: {len(same)}/{len(a)}; log-prob max |diff| over them {diff:.2e}")
+    if "HF generate" in results and not args.temperature:
         a, h = results["after"][0]["outs"], results["HF generate"][0]["outs"]
         print(f"greedy responses equal to HF generate's: {sum(x['token_ids'] == y['token_ids'] for x, y in zip(a, h))}"
               f"/{len(a)}")

@@ -29,10 +29,24 @@ def _engine_fields(vllm) -> dict:
     return {f.name: f.default for f in dataclasses.fields(engine_args)}
 
 
-def llm_kwargs(vllm, ckpt_dir, *, tp: int, seed: int) -> dict:
-    """Keyword arguments for vllm.LLM, with the version-dependent options only where supported."""
+# vLLM's CPU backend reads gpu_memory_utilization as the share of the NUMA node's memory to reserve (0.92 by default:
+# refused at start-up whenever other processes hold 8 % of it); an explicit KV-cache size skips that reservation
+CPU_KV_CACHE_GIB = 2
+
+
+def cpu_threads_env(threads: int) -> dict:
+    """Environment for vLLM's CPU backend on `threads` cores: no core held back for its own front end (it reserves one
+    by default, a half of a 2-core machine) and its OpenMP threads bound to cores 0..threads-1."""
+    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+
+
+def llm_kwargs(vllm, ckpt_dir, *, tp: int, seed: int, cpu: bool = False) -> dict:
+    """Keyword arguments for vllm.LLM, with the version-dependent options only where supported. cpu: the CPU backend
+    (fp32, as the native engine samples there; a fixed KV-cache size instead of a share of the machine's memory)."""
     fields = _engine_fields(vllm)
     kw = {"model": str(ckpt_dir), "tensor_parallel_size": tp, "seed": seed}
+    if cpu:
+        kw.update(dtype="float32", kv_cache_memory_bytes=CPU_KV_CACHE_GIB << 30)
     if "generation_config" in fields and fields["generation_config"] is not None:
         kw["generation_config"] = "vllm"
     if "logprobs_mode" in fields:
@@ -69,7 +83,14 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float, max_new_
     max_new_tokens: one cap, or one per prompt (LLM.generate takes one SamplingParams per prompt)."""
     import vllm
 
-    llm = vllm.LLM(**llm_kwargs(vllm, ckpt_dir, tp=tp, seed=seed))
+    import os
+
+    import torch
+    cpu = not torch.cuda.is_available()
+    if cpu:  # this process's threads (the step's pinned count), unless the caller set vLLM's own variables
+        for k, v in cpu_threads_env(torch.get_num_threads()).items():
+            os.environ.setdefault(k, v)
+    llm = vllm.LLM(**llm_kwargs(vllm, ckpt_dir, tp=tp, seed=seed, cpu=cpu))
     if not isinstance(max_new_tokens, int) and len(set(max_new_tokens)) == 1:
         max_new_tokens = max_new_tokens[0]  # one cap for all: one SamplingParams, as before per-prompt caps
     if isinstance(max_new_tokens, int):

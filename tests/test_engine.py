@@ -2,6 +2,7 @@
 every new token (no cache, no batching, no fusion), sampling with the same keyed noise. Greedy and sampled tokens
 must be equal and log-probs within 1e-5 (fp32), whatever the batch mix, batch size, prompt order, prefix sharing or
 fusion; the slot bookkeeping must survive thousands of admissions and finishes; the decode step must compile whole."""
+import math
 import random
 
 import pytest
@@ -11,7 +12,8 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 
 from model.checkpoint import load_model  # noqa: E402
-from model.engine import Engine, gumbel, hash32, row_keys, sample  # noqa: E402
+from model.engine import (Engine, _full_draw, _row_hash, _sample_candidates, gumbel, hash32,  # noqa: E402
+                          row_keys, sample)
 from model.generate import generate  # noqa: E402
 
 TOL = 1e-5
@@ -258,6 +260,56 @@ def test_noise_is_a_fixed_function_of_key_counter_and_token():
     assert torch.equal(g[0], gumbel(keys[:1], counters[:1], 50)[0]) and not torch.equal(g[0], g[1])
     u = torch.exp(-torch.exp(-gumbel(torch.arange(2000), torch.zeros(2000, dtype=torch.long), 1)[:, 0]))
     assert abs(u.mean().item() - 0.5) < 0.03  # uniform draws underneath
+
+
+@pytest.mark.parametrize("vocab", [50, 4099, 49152])
+def test_candidate_draw_is_the_full_draw_bit_for_bit(vocab):
+    """sample() draws noise only for the tokens that can still win (model.engine._sample_candidates) and the full
+    draw a few rows at a time (_full_draw): both pick argmax(logits / T + gumbel) over the whole vocabulary, computed
+    in one piece, on every row -- ties included (argmax's first id), rows whose winner is not the top logit, peaked
+    and flat rows, T from 0.05 to 2. Fails when the bound on the noise (G_MAX) is too small or the tie rule differs."""
+    g = torch.Generator().manual_seed(vocab)
+    n, not_top = 48, 0
+    for scale in (0.3, 3.0, 12.0):
+        logits = torch.randn(n, vocab, generator=g) * scale
+        logits[: n // 2, 1:6] = logits[: n // 2, :1]  # exact ties with the first id
+        logits[n // 2:] = logits[n // 2:].round()  # many equal logits
+        keys, counters = torch.randint(0, 1 << 62, (n,), generator=g), torch.randint(0, 512, (n,), generator=g)
+        for t in (0.05, 0.1, 0.7, 1.0, 2.0):
+            full = (logits.double() / t + gumbel(keys, counters, vocab)).argmax(-1)
+            assert torch.equal(_sample_candidates(logits, t, keys, counters), full), (scale, t)
+            assert torch.equal(_full_draw(logits, t, keys, counters, rows=5), full), (scale, t)
+            not_top += (full != logits.argmax(-1)).sum().item()
+    assert not_top > 100  # the noise decided many rows, not only the logits
+
+
+def test_a_token_that_wins_only_by_the_largest_noise_is_a_candidate():
+    """The bound is tight: a token whose scaled logit is G_MAX - 1e-3 below the top token's drawn score wins when
+    its own noise is the largest there is (u's top value), and the candidate draw must find it. Its key is searched
+    for: the vocabulary id whose hash is 0xFFFFFFFF (lowbias32 inverted) must fall inside the vocabulary."""
+    def inverse_lowbias32(v):
+        inv = lambda c: pow(c, -1, 1 << 32)  # noqa: E731
+        v ^= v >> 16
+        v = (v * inv(0x846CA68B)) & 0xFFFFFFFF
+        v ^= (v >> 15) ^ (v >> 30)
+        v = (v * inv(0x7FEB352D)) & 0xFFFFFFFF
+        return v ^ (v >> 16)
+    assert hash32(torch.tensor([inverse_lowbias32(0xFFFFFFFF)])).item() == 0xFFFFFFFF
+    vocab = 4096
+    counters = torch.arange(1 << 21)
+    ids = _row_hash(torch.full_like(counters, 7), counters) ^ inverse_lowbias32(0xFFFFFFFF)
+    hit = (ids < vocab).nonzero()[0].item()
+    keys, counters, j = torch.tensor([7]), counters[hit:hit + 1], ids[hit].item()
+    top = (j + 1) % vocab
+    g = gumbel(keys, counters, vocab)[0]
+    largest = -math.log(-math.log((2 ** 32 - 0.5) / 2 ** 32))  # u's top value through -log(-log u)
+    assert g[j].item() == pytest.approx(largest, abs=1e-9)
+    for t in (1.0, 0.1):
+        logits = torch.full((1, vocab), -1e4)
+        logits[0, top] = 0.0
+        logits[0, j] = (g[top].item() - largest + 1e-3) * t
+        assert (logits.double() / t + g).argmax(-1).item() == j  # the largest noise decides
+        assert _sample_candidates(logits, t, keys, counters).item() == j
 
 
 def test_sampling_follows_the_softmax():

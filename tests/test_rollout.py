@@ -228,6 +228,9 @@ def test_vllm_wrapper_contract(monkeypatch, new_api):
         assert llm["generation_config"] == "vllm" and llm["logprobs_mode"] == "raw_logprobs"
     else:
         assert "generation_config" not in llm and "logprobs_mode" not in llm
+    # the CPU backend (this machine): fp32 as the native engine, a KV cache of its own size rather than a share of the
+    # machine's memory (0.92 by default: refused whenever other processes hold more than 8 %)
+    assert llm["dtype"] == "float32" and llm["kv_cache_memory_bytes"] == 2 << 30
 
 
 def test_vllm_wrapper_rejects_missing_sampled_token(monkeypatch):
