@@ -86,6 +86,9 @@ def gumbel(keys, counters, vocab: int):
 # The largest noise any token can draw (u's largest value, (2^32 - 0.5) / 2^32). A token whose scaled logit plus it
 # falls short of some token's drawn score cannot win the argmax, so its noise need never be drawn.
 G_MAX = -torch.log(-torch.log(torch.tensor((2.0 ** 32 - 0.5) * 2.0 ** -32, dtype=torch.float64))).item()
+# Above this temperature the tokens within T * G_MAX logits of the top are most of a language model's vocabulary, and
+# looking for them costs more than it saves; below it, a few (both ways give the same tokens)
+CANDIDATE_MAX_T = 0.5
 
 
 def sample(logits, temperature: float, keys, counters):
@@ -93,7 +96,8 @@ def sample(logits, temperature: float, keys, counters):
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(-1)
-    elif (logits.is_cuda and torch.cuda.is_current_stream_capturing()) or torch.compiler.is_compiling():
+    elif (temperature > CANDIDATE_MAX_T or (logits.is_cuda and torch.cuda.is_current_stream_capturing())
+          or torch.compiler.is_compiling()):
         tokens = _full_draw(logits, temperature, keys, counters)  # static shapes
     else:
         tokens = _sample_candidates(logits, temperature, keys, counters)
@@ -112,19 +116,17 @@ def _full_draw(logits, temperature: float, keys, counters, rows: int | None = No
 
 def _sample_candidates(logits, temperature: float, keys, counters):
     """_full_draw's tokens, bit for bit, with noise drawn only for the tokens that can win: those whose scaled logit
-    plus G_MAX reaches the top logit's drawn score. At T 0.1 a handful (the noise's range, ~26, is 2.6 logits there);
-    at T 1 most of the vocabulary, where the full draw is cheaper. Its shapes depend on the data: not under a CUDA
-    graph's capture or torch.compile."""
+    plus G_MAX reaches the top logit's drawn score: at T 0.1 a handful (the noise's range, ~26, is 2.6 logits there).
+    Its shapes depend on the data: not under a CUDA graph's capture or torch.compile."""
     n, vocab = logits.shape
     row = _row_hash(keys, counters)
     top = logits.argmax(-1)
     best = logits.gather(-1, top[:, None]).squeeze(-1).double() / temperature + _noise(row, top)
     floor = ((best - G_MAX) * temperature).float()
     floor -= floor.abs() * 1e-6 + 1e-6  # fp32 rounding of the bound: keep a superset of the exact candidates
-    can = logits >= floor[:, None]
-    if can.sum() * 8 > can.numel():
+    r, j = (logits >= floor[:, None]).nonzero(as_tuple=True)  # row-major: ids ascending within a row
+    if r.numel() * 8 > logits.numel():  # a flat distribution: most tokens can win
         return _full_draw(logits, temperature, keys, counters)
-    r, j = can.nonzero(as_tuple=True)  # row-major: ids ascending within a row
     score = logits[r, j].double() / temperature + _noise(row[r], j)  # the full draw's ops, element for element
     row_max = torch.full((n,), -torch.inf, dtype=score.dtype, device=score.device).scatter_reduce(0, r, score, "amax")
     won = score == row_max[r]
