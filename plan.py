@@ -16,7 +16,9 @@ GPU-hours, for a throughput profile (flags below, defaults in the block undernea
   train    tokens / train tok/s per GPU (+ a fixed start/load/save overhead per step on every GPU); the default
            train tok/s is MFU x peak / FLOPs per token, with train.py's own FLOPs count (6 N + 6 V H + attention at
            the mixture's mean document length), SDFT x 4/3 (the teacher's extra forward)
-  generate new tokens / gen tok/s per GPU + prompt tokens / prefill tok/s per GPU (+ the overhead per step)
+  generate new tokens / gen tok/s per GPU + prompt tokens / prefill tok/s per GPU, spread over the generating GPUs
+           of the layout (+ the overhead per step): DP workers of TP GPUs each (run.py --tp; DP = GPUs / TP), every
+           worker sampling its share of the step's prompts at once; the node's GPUs are held for the step's wall time
 FSDP2 memory per GPU at --plan-gpus ranks, as train.py holds it: fp32 master weights, fp32 gradients and AdamW's
 two fp32 moments, all sharded; the bf16 compute copies all-gathered per unit (the root unit -- embeddings, final
 norm, lm_head -- for the whole step, two blocks at a time: current + prefetch) with their bf16 gradients before the
@@ -44,6 +46,8 @@ GPU_MEMORY_GB = 80.0     # H100 80 GB
 MEMORY_SHARE = 0.9       # of a GPU's memory that train.py's --micro-tokens rule plans for (the rest: the CUDA
                          # context, NCCL's buffers, the allocator's fragmentation)
 PAPER_GPU_HOURS = 32.0   # the paper: one model's 8 stages
+TP_SIZES = (1, 2, 4, 8)  # run.py's default --tp: the largest of these that divides the GPUs and the heads take
+GEN_WORKERS = 1          # data-parallel generation workers run.py launches per step: one, until it launches more
 # -------------------------------------------------------------------------------------------------------------------
 
 
@@ -54,12 +58,27 @@ def add_arguments(p: argparse.ArgumentParser):
                                                           f"of {PEAK_TFLOPS:g} TFLOP/s over the model's FLOPs per token)")
     g.add_argument("--plan-gen-tok-s", type=float_in(0, lo_open=True), default=GEN_TOK_S,
                    help="generated tokens/s per GPU for rollouts and evaluation (default: %(default)s)")
-    g.add_argument("--plan-gpus", type=int_at_least(1), default=GPUS, help="GPUs the run uses (default: %(default)s)")
+    g.add_argument("--plan-gpus", type=int_at_least(1),
+                   help=f"GPUs to price the run on (default: run.py's --gpus, or {GPUS} for a CPU run's plan)")
     g.add_argument("--plan-overhead-s", type=float_in(0), default=STEP_OVERHEAD_S,
                    help="fixed seconds per GPU step: start, load, save (default: %(default)s)")
     g.add_argument("--plan-mfu", type=float_in(0, 1, lo_open=True), default=TRAIN_MFU, help="training MFU (default: %(default)s)")
     g.add_argument("--plan-peak-tflops", type=float_in(0, lo_open=True), default=PEAK_TFLOPS,
                    help="peak TFLOP/s per GPU (default: %(default)s, H100 bf16 dense)")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a generating step (rollout, evaluation, drift) uses the node: `dp` data-parallel workers of `tp` GPUs
+    each (vLLM's tensor parallelism inside a worker), every worker sampling its share of the step's prompts, out of
+    the `gpus` the step holds. `why`: how tp was chosen, printed with the plan."""
+    gpus: int
+    tp: int
+    dp: int
+    why: str = ""
+
+    def __str__(self):
+        return f"DP {self.dp} x TP {self.tp} on {self.gpus} GPU{'s' if self.gpus != 1 else ''}"
 
 
 @dataclass
@@ -71,11 +90,86 @@ class Profile:
     mfu: float = TRAIN_MFU
     peak_tflops: float = PEAK_TFLOPS
     micro_tokens: int = 16384  # train.py --micro-tokens: activations, and whether checkpointing is needed
+    layout: Layout | None = None  # None: every GPU a worker of TP 1
+
+    def __post_init__(self):
+        if self.layout is None:
+            self.layout = Layout(self.gpus, 1, self.gpus, "every GPU a worker")
+        if self.layout.gpus != self.gpus or self.layout.dp * self.layout.tp > self.gpus:
+            raise ValueError(f"layout {self.layout} does not fit the profile's {self.gpus} GPUs")
 
     @classmethod
-    def from_args(cls, args, micro_tokens: int) -> "Profile":
-        return cls(args.plan_train_tok_s, args.plan_gen_tok_s, args.plan_gpus, args.plan_overhead_s, args.plan_mfu,
-                   args.plan_peak_tflops, micro_tokens)
+    def from_args(cls, args, micro_tokens: int, layout: Layout) -> "Profile":
+        return cls(args.plan_train_tok_s, args.plan_gen_tok_s, layout.gpus, args.plan_overhead_s, args.plan_mfu,
+                   args.plan_peak_tflops, micro_tokens, layout)
+
+
+# ---------------------------------------------------------------------------------------------- generation layout
+
+def heads_refusal(cfg, tp: int) -> str | None:
+    """Why vLLM cannot split cfg's attention over tp GPUs, or None. vLLM's rule, from its source: ModelConfig.
+    verify_with_parallel_config (vllm/config/model.py) refuses num_attention_heads % tp != 0 ("Total number of
+    attention heads (28) must be divisible by tensor parallel size (8)", vllm issue 11797: Qwen2-7B on 8 GPUs);
+    QKVParallelLinear (vllm/model_executor/layers/linear.py) splits the key-value heads with
+    divide(num_key_value_heads, tp) when tp < num_key_value_heads and else replicates them with
+    divide(tp, num_key_value_heads), where divide() asserts an exact division."""
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if heads % tp:
+        return f"{heads} attention heads do not divide by {tp}"
+    if (kv % tp if tp < kv else tp % kv):
+        return f"{kv} key-value heads {'do not divide by' if tp < kv else 'do not divide'} {tp}"
+    return None
+
+
+def tp_choices(cfg, gpus: int) -> list[int]:
+    """Every --tp run.py accepts for vLLM on `gpus` GPUs: the divisors of gpus that the heads take."""
+    return [t for t in range(1, gpus + 1) if gpus % t == 0 and heads_refusal(cfg, t) is None]
+
+
+def default_tp(cfg, gpus: int) -> tuple[int, str]:
+    """(run.py's --tp when not given on vLLM, why): the largest of TP_SIZES that divides gpus and the heads take: with
+    one generation worker (GEN_WORKERS) that is the most GPUs a step can generate on."""
+    tp = [t for t in TP_SIZES if t in tp_choices(cfg, gpus)][-1]
+    return tp, f"default: the largest TP the heads and GPUs allow, one worker{'' if tp == gpus else ' (the other GPUs wait)'}"
+
+
+def or_list(values) -> str:
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
+
+
+def check_tp(cfg, name: str, gpus: int, tp: int, engine: str, gpus_flag: str = "--gpus"):
+    """A --tp the run cannot launch, refused in one line: one that does not divide the GPUs into workers, that the
+    model's heads cannot take (heads_refusal), or above 1 on an engine without tensor parallelism."""
+    problems = [f"{'more than' if tp > gpus else 'does not divide'} {gpus_flag} {gpus} (TP GPUs per generation "
+                f"worker)"] if gpus % tp else []
+    heads = heads_refusal(cfg, tp)
+    if heads:
+        problems.append(f"{name}'s {heads}")
+    if problems:
+        raise UserError(f"--tp {tp}: {'; '.join(problems)}; use {or_list(tp_choices(cfg, gpus))}")
+    if tp > 1 and engine != "vllm":
+        raise UserError(f"--tp {tp}: the {engine} engine has no tensor parallelism (each of its workers holds the "
+                        f"whole model; --engine auto picks vLLM only where CUDA and vLLM are): pass --engine vllm, "
+                        f"or --tp 1")
+
+
+def generation_layout(gpus: int, tp: int | None = None, cfg=None, name: str = "", engine: str = "vllm",
+                      gpus_flag: str = "--gpus") -> Layout:
+    """The layout run.py launches and the planner prices, from --gpus (gpus_flag: the flag that gave it) and --tp
+    (None: the default) for the model of cfg (`name` names it in a refusal). A CPU run (gpus 0) samples in one
+    process, whatever the model."""
+    if not gpus:
+        if tp not in (None, 1):
+            raise UserError(f"--tp {tp}: a CPU run (--gpus 0) samples in one process: --tp must be 1 (or absent)")
+        return Layout(0, 1, 1, "the CPU")
+    if tp is not None:
+        check_tp(cfg, name, gpus, tp, engine, gpus_flag)
+        return Layout(gpus, tp, GEN_WORKERS, f"--tp {tp}")
+    if engine != "vllm":
+        return Layout(gpus, 1, GEN_WORKERS, f"the {engine} engine: no tensor parallelism, one worker")
+    tp, why = default_tp(cfg, gpus)
+    return Layout(gpus, tp, GEN_WORKERS, why)
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic
@@ -158,6 +252,7 @@ class StepCost:
     new_tokens_est: int = 0
     gpu_hours: float = 0.0
     gpu_hours_max: float = 0.0
+    wall_hours: float = 0.0      # the node's hours for the step (estimate): GPU-hours over the GPUs it holds
     methods: list = field(default_factory=list)
 
 
@@ -171,26 +266,37 @@ def recomputes(cfg, profile: Profile, checkpointing: bool) -> bool:
     return checkpointing or needs_checkpointing(cfg, profile)
 
 
+def generation_hours(profile: Profile, gpu_seconds: float) -> tuple[float, float]:
+    """(wall hours, GPU-hours) of a generating step whose work takes gpu_seconds on one GPU: the layout's DP x TP
+    GPUs share it (each worker its share of the prompts, all at once; a GPU's tok/s taken as the same at any TP),
+    after the per-step start-up that every worker pays at once; the node's GPUs are held for the wall time, also
+    those the layout leaves idle."""
+    wall = (profile.overhead_s + gpu_seconds / (profile.layout.dp * profile.layout.tp)) / 3600
+    return wall, wall * profile.gpus
+
+
 def price(c: StepCost, cfg, profile: Profile, checkpointing: bool = False):
-    """Fill in c.gpu_hours (estimate) and c.gpu_hours_max (upper bound). Training with activation checkpointing
-    (`checkpointing`: the command turns it on; or it only fits with it) pays a second forward (x 4/3); SDFT's
-    teacher forward another 1/3."""
+    """Fill in c.gpu_hours (estimate), c.gpu_hours_max (upper bound) and c.wall_hours. Training with activation
+    checkpointing (`checkpointing`: the command turns it on; or it only fits with it) pays a second forward
+    (x 4/3); SDFT's teacher forward another 1/3. Generation runs on profile.layout (generation_hours)."""
     over = profile.overhead_s * profile.gpus / 3600
     tps = train_tok_s(cfg, c.mean_doc or 512, profile)
+    if c.kind in ("eval", "rollout", "drift"):
+        prefill = c.prompt_tokens / (PREFILL_FACTOR * tps)
+        if c.kind == "drift":  # + two models teacher-forced on the samples and on the gold answers
+            prefill += 4 * (c.prompt_tokens + c.new_tokens_est) / (PREFILL_FACTOR * tps)
+        c.wall_hours, c.gpu_hours = generation_hours(profile, c.new_tokens_est / profile.gen_tok_s + prefill)
+        c.gpu_hours_max = generation_hours(profile, c.new_tokens_max / profile.gen_tok_s + prefill)[1]
+        return
     if c.kind == "train":
         f = 1 + c.sdft / 3  # (a train tok/s given by the user gets no recomputation factor)
         if not profile.train_tok_s:
             f += recomputes(cfg, profile, checkpointing) / 3
         c.gpu_hours = over + f * c.train_tokens / tps / 3600
         c.gpu_hours_max = over + f * c.train_tokens_max / tps / 3600
-    elif c.kind in ("eval", "rollout", "drift"):
-        prefill = c.prompt_tokens / (PREFILL_FACTOR * tps)
-        if c.kind == "drift":  # + two models teacher-forced on the samples and on the gold answers
-            prefill += 4 * (c.prompt_tokens + c.new_tokens_est) / (PREFILL_FACTOR * tps)
-        c.gpu_hours = over + (c.new_tokens_est / profile.gen_tok_s + prefill) / 3600
-        c.gpu_hours_max = over + (c.new_tokens_max / profile.gen_tok_s + prefill) / 3600
     elif c.kind == "buffer-nll":
         c.gpu_hours = c.gpu_hours_max = over + c.prompt_tokens / (PREFILL_FACTOR * tps) / 3600
+    c.wall_hours = c.gpu_hours / profile.gpus  # priced as work that every GPU of the node shares
 
 
 # ---------------------------------------------------------------------------------------------- run.py's plan
@@ -225,6 +331,23 @@ class Lengths:
 def prompt_key(prompt) -> str:
     """A prompt as a dict key: a manifest's chat prompt is a list of messages (data/manifest.py)."""
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+class EstimatedTokenizer:
+    """Token counts for a model directory without a tokenizer (run.py --dry-run from config.json alone): the paper
+    grid's assumptions, CHARS_PER_TOKEN characters per token plus TEMPLATE_PROMPT tokens of chat template around a
+    prompt and TEMPLATE_ANSWER after an answer. Lengths only: what it "encodes" has the right length and no ids."""
+
+    @staticmethod
+    def _tokens(text: str) -> int:
+        return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+    def prompt_ids(self, prompt) -> range:
+        turns = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+        return range(TEMPLATE_PROMPT + sum(self._tokens(t) for t in turns))
+
+    def sft_length(self, prompt, response: str) -> int:
+        return len(self.prompt_ids(prompt)) + self._tokens(response) + TEMPLATE_ANSWER
 
 
 def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data_root, model_cfg,
@@ -336,6 +459,13 @@ def format_memory(model_cfg, gpus: int, micro_tokens: int) -> str:
     return "\n".join(lines)
 
 
+def format_layout(layout: Layout) -> str:
+    gpus = f"{layout.tp} GPU{'s' if layout.tp > 1 else ''}"
+    share = (f"{layout.dp} workers of {gpus} each, every one sampling 1/{layout.dp} of a step's prompts at once"
+             if layout.dp > 1 else f"one worker of {gpus} samples every prompt")
+    return f"generation: {layout} ({layout.why}): {share}"
+
+
 def format_plan(costs: list[StepCost], model_cfg, profile: Profile, micro_tokens: int, title: str,
                 methods: list[str], checkpointing: bool = False) -> str:
     """The printed plan: one line per step, GPU-hours per method and in total, memory per GPU."""
@@ -348,13 +478,14 @@ def format_plan(costs: list[StepCost], model_cfg, profile: Profile, micro_tokens
                      f"{c.gpu_hours_max:>9.2f}  {','.join(c.deps) or '-'}")
     lines.append("")
     lines.append(f"{'GPU-hours':<28} {'train':>8} {'rollout':>8} {'eval':>8} {'probes':>8} {'total':>8} "
-                 f"{'total_max':>10}")
+                 f"{'total_max':>10} {'wall_h':>8}")
     for label, subset in [(m, [c for c in costs if m in c.methods]) for m in methods] + [("ALL (each step once)",
                                                                                         costs)]:
         by = {k: sum(c.gpu_hours for c in subset if c.kind == k) for k in ("train", "rollout", "eval")}
         probes = sum(c.gpu_hours for c in subset if c.kind in ("drift", "buffer-nll"))  # run.py's mechanism probes
         lines.append(f"{label:<28} {by['train']:>8.2f} {by['rollout']:>8.2f} {by['eval']:>8.2f} {probes:>8.2f} "
-                     f"{sum(c.gpu_hours for c in subset):>8.2f} {sum(c.gpu_hours_max for c in subset):>10.2f}")
+                     f"{sum(c.gpu_hours for c in subset):>8.2f} {sum(c.gpu_hours_max for c in subset):>10.2f} "
+                     f"{sum(c.wall_hours for c in subset):>8.2f}")
     train = [c for c in costs if c.kind == "train"]
     mean_doc = sum(c.mean_doc * c.train_tokens for c in train) / max(sum(c.train_tokens for c in train), 1)
     tps = train_tok_s(model_cfg, mean_doc or 512, profile)
@@ -363,8 +494,10 @@ def format_plan(costs: list[StepCost], model_cfg, profile: Profile, micro_tokens
                   f"{' (given)' if profile.train_tok_s else f' ({profile.mfu:.0%} MFU of {profile.peak_tflops:g} TFLOP/s, mean document {mean_doc:.0f} tokens)'}"
                   f", generation {profile.gen_tok_s:,.0f} new tok/s per GPU, prefill {PREFILL_FACTOR:g}x train tok/s, "
                   f"{profile.overhead_s:g} s overhead per step on each of {profile.gpus} GPUs",
+              format_layout(profile.layout),
               "train_tok: exact (train.py's count) except after an OPR buffer (model answers: gold-length estimate; "
-              "train_max: every answer at max_new_tokens); new_max: every response at max_new_tokens", "",
+              "train_max: every answer at max_new_tokens); new_max: every response at max_new_tokens; wall_h: the "
+              "node's hours, one step after another", "",
               format_memory(model_cfg, profile.gpus, micro_tokens)]
     return "\n".join(lines)
 
@@ -384,11 +517,24 @@ def parse_plan(text: str) -> dict:
     return out
 
 
-def print_plan(steps, runs, cfg_run, train_sets, tok, data_root, base, args):
-    """run.py --dry-run: plan every step of the DAG run.py built and print it."""
+def plan_layout(model_cfg, name: str, layout: Layout, plan_gpus: int | None) -> Layout:
+    """The layout run.py --dry-run prices: the run's own on GPUs (which --plan-gpus may only repeat); a CPU run's
+    plan prices the same steps on --plan-gpus GPUs (default GPUS) at vLLM's default layout."""
+    if not layout.gpus:
+        return generation_layout(plan_gpus or GPUS, None, model_cfg, name)
+    if plan_gpus not in (None, layout.gpus):
+        raise UserError(f"--plan-gpus {plan_gpus}: this run uses --gpus {layout.gpus}, and its plan prices those GPUs "
+                        f"at its own layout; drop --plan-gpus (or plan a CPU run's command on other GPUs)")
+    return layout
+
+
+def print_plan(steps, runs, cfg_run, train_sets, tok, data_root, base, args, layout: Layout):
+    """run.py --dry-run: plan every step of the DAG run.py built and print it. layout: the run's generation
+    layout (plan_layout)."""
     from model.checkpoint import load_config
     model_cfg = load_config(base)
-    profile = Profile.from_args(args, cfg_run["micro_tokens"])
+    profile = Profile.from_args(args, cfg_run["micro_tokens"], plan_layout(model_cfg, Path(base).name, layout,
+                                                                           args.plan_gpus))
     checkpointing = bool(cfg_run["activation_checkpointing"] and args.gpus)  # as run.py passes the flag
     costs = plan_run(steps, runs, cfg_run, train_sets, tok, data_root, model_cfg, profile, checkpointing)
     if needs_checkpointing(model_cfg, profile):
@@ -492,6 +638,8 @@ def parse_args(argv=None):
                         f"{GPU_MEMORY_GB:g} GB x {MEMORY_SHARE:g} with activation checkpointing)")
     p.add_argument("--eval-repeats", type=int_at_least(1), default=8, help="samples per test prompt (default: %(default)s, the "
                                                                "paper preset's)")
+    p.add_argument("--tp", type=int_at_least(1), help="vLLM tensor-parallel size of the generating steps (default: "
+                                                      "run.py's rule, see its --help; the paper's rollouts ran at 4)")
     add_arguments(p)
     if not (sys.argv[1:] if argv is None else argv):
         p.error("nothing to plan: pass --paper for the paper's grid (a run.py command: add --dry-run to it)")
@@ -507,14 +655,15 @@ def main(argv=None):
         raise UserError(f"--trace {args.trace}: " + ("no such directory" if not Path(args.trace).is_dir() else
                         "holds none of the paper's tasks (<task>/train.json)") + "; drop --trace to use the assumed "
                         "sizes")
+    layout = generation_layout(args.plan_gpus or GPUS, args.tp, cfg, Path(args.config).name, gpus_flag="--plan-gpus")
     if args.micro_tokens is None:  # the paper's grid is planned with activation checkpointing (format_plan below)
-        args.micro_tokens = micro_tokens_that_fit(cfg, args.plan_gpus, MEMORY_SHARE * GPU_MEMORY_GB * 1e9, True)
+        args.micro_tokens = micro_tokens_that_fit(cfg, layout.gpus, MEMORY_SHARE * GPU_MEMORY_GB * 1e9, True)
         if not args.micro_tokens:
             raise UserError(f"{args.config} does not fit {MEMORY_SHARE:g} x {GPU_MEMORY_GB:g} GB per GPU on "
-                            f"{args.plan_gpus} GPUs (--plan-gpus)")
+                            f"{layout.gpus} GPUs (--plan-gpus)")
         print(f"plan.py: --micro-tokens {args.micro_tokens}: the most that fit {MEMORY_SHARE:g} x {GPU_MEMORY_GB:g} "
               f"GB per GPU with activation checkpointing (train.py's rule)")
-    profile = Profile.from_args(args, args.micro_tokens)
+    profile = Profile.from_args(args, args.micro_tokens, layout)
     table = paper_tasks(args.trace)
     print(f"{'task':<12} {'n_train':>7} {'prompt_tok':>10} {'answer_tok':>10} {'n_test':>6}  source")
     for t, (n, pr, an, nt) in table.items():

@@ -176,6 +176,13 @@ def parse_args(argv=None):
                                       "'srun -N2 torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d "
                                       "--rdzv-endpoint HOST:29400' (default: torchrun on this node when --gpus > 1)")
     p.add_argument("--engine", default="auto", choices=["auto", "native", "vllm"], help="rollout/eval engine")
+    p.add_argument("--tp", type=int_at_least(1),
+                   help="vLLM tensor-parallel size of the generating steps (rollout, evaluate, drift), run as one "
+                        "worker of --tp GPUs (the other GPUs wait: no data-parallel generation workers yet); it must "
+                        "divide --gpus, and the model's attention heads and its key-value heads must divide by it "
+                        "(vLLM's rule; key-value heads may instead divide it). "
+                        f"Default: the largest of {', '.join(map(str, plan.TP_SIZES))} that does so; 1 with the native "
+                        "engine and on the CPU")
     p.add_argument("--epochs", type=comma_list(int_at_least(1)),
                    help="epochs per stage: one int, or a comma list per task (default: per preset; the paper's: "
                         "the task table)")
@@ -259,7 +266,7 @@ def main(argv=None):
           f"already done) in {run_dir}", flush=True)
     if args.dry_run:  # the cost planner: nothing runs and nothing is written
         return plan.print_plan(pipe.steps, runs, cfg, inputs.train_sets, inputs.tok, inputs.data_root, inputs.base,
-                               args)
+                               args, inputs.layout)
     pipe.lock_run_dir()  # creates the run directory: everything above is checked
     pipe.digests.save()
     t0 = time.time()
@@ -343,7 +350,7 @@ class Steps:
         gpus = args.gpus
         # the base checkpoint: every chain starts from it, and gold replay uses its tokenizer
         self.base_files = [inputs.base]
-        self.engine = ["--engine", engine_name, "--tp", str(max(gpus, 1))]
+        self.engine = ["--engine", engine_name, "--tp", str(inputs.layout.tp)]  # (1 on the CPU: keys as before)
         self.py = [sys.executable]
         self.trainer = args.launcher.split() if args.launcher else self.py if gpus <= 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
@@ -538,9 +545,10 @@ class Inputs:
     tasks: list               # the task order
     epochs: dict              # task -> epochs of its stage
     held: dict                # task -> how its test split was held out of its train records (a manifest's)
-    tok: ChatTokenizer        # the base's
+    tok: ChatTokenizer        # the base's (a dry run of a directory without one: plan.EstimatedTokenizer)
     train_sizes: dict         # task -> training subsample size before the over-long filter (the budget rule's n)
     train_sets: dict          # task -> the training examples that fit max_len
+    layout: "plan.Layout"     # how the generating steps use the GPUs (plan.generation_layout)
 
 
 def load_inputs(args, preset: str, cfg: dict, methods: list) -> Inputs:
@@ -548,7 +556,11 @@ def load_inputs(args, preset: str, cfg: dict, methods: list) -> Inputs:
     up front."""
     from data.embedded import ensure_embedded
     from model.base import ensure_base
+    from model.checkpoint import load_config
+    layout = None if args.gpus else plan.generation_layout(0, args.tp)  # a CPU run's --tp: before a base is built
     base = Path(args.model).resolve() if args.model else ensure_base(preset)
+    if layout is None:  # on GPUs the model's heads and size decide it
+        layout = plan.generation_layout(args.gpus, args.tp, load_config(base), base.name, engine_of(args))
     if args.data or args.task_spec:
         data_root = Path(args.data or Path(args.task_spec).parent).resolve()
     else:
@@ -565,17 +577,35 @@ def load_inputs(args, preset: str, cfg: dict, methods: list) -> Inputs:
               f"(seed {info['seed']}); recorded in results.json", flush=True)
     # the training examples that fit max_len, as train.py and rollout.py see them: gold replay draws from these.
     # The budget rule counts the subsample BEFORE that filter (5,000 per TRACE task), as the official code does
-    tok = ChatTokenizer.from_dir(base)
+    tok = base_tokenizer(base, args.dry_run)
     subsamples = {t: load_task(data_root, t, "train", max_train=cfg["max_train"]) for t in tasks}
     train_sizes = {t: len(exs) for t, exs in subsamples.items()}
     train_sets = {t: filter_overlong(exs, tok.sft_length, cfg["max_len"])[0] for t, exs in subsamples.items()}
-    check_inputs(base, data_root, tasks, train_sets, tok, cfg["max_len"])  # before any step runs
+    check_inputs(base, data_root, tasks, train_sets, tok, cfg["max_len"], args.dry_run)  # before any step runs
     for t in tasks:
         check_scorer(get_task(t), train_sets[t][0])
     if task_spec and "sdft" in methods and any(not isinstance(e.prompt, str) for t in tasks for e in train_sets[t]):
         raise UserError(f"{task_spec}: sdft puts a prompt into its teacher's user turn: it needs single-turn prompts, "
                         f"without a system prompt or earlier turns")
-    return Inputs(base, data_root, task_spec, tasks, epochs, held, tok, train_sizes, train_sets)
+    return Inputs(base, data_root, task_spec, tasks, epochs, held, tok, train_sizes, train_sets, layout)
+
+
+def base_tokenizer(base: Path, dry_run: bool):
+    """The base's tokenizer. A dry run prices a model directory without one (config.json is enough) with
+    plan.EstimatedTokenizer's counts, and says so."""
+    if dry_run and not (base / "tokenizer.json").exists():
+        print(f"run.py: {base} holds no tokenizer.json: the plan counts tokens at {plan.CHARS_PER_TOKEN:g} characters "
+              f"per token plus {plan.TEMPLATE_PROMPT} of chat template (plan.EstimatedTokenizer); a real run needs "
+              f"the tokenizer", flush=True)
+        return plan.EstimatedTokenizer()
+    return ChatTokenizer.from_dir(base)
+
+
+def engine_of(args) -> str:
+    """The generating steps' engine: "auto" resolved here, so the keys say which engine sampled (vLLM needs GPUs: a
+    CPU run samples natively)."""
+    from model.sampling import resolve_engine
+    return resolve_engine(args.engine) if args.gpus or args.engine != "auto" else "native"
 
 
 def make_pipeline(args, run_dir: Path):
@@ -600,9 +630,7 @@ def make_pipeline(args, run_dir: Path):
                     device=torch.cuda.get_device_name(0) if gpus and torch.cuda.is_available() else "cpu",
                     cpu=cpu, kernels=kernels.backends())
     pipe = Pipeline(run_dir, jobs, env, args.quiet, numerics)
-    from model.sampling import resolve_engine
-    # "auto" resolved here, so the keys say which engine sampled (vLLM needs GPUs: a CPU run samples natively)
-    engine_name = resolve_engine(args.engine) if gpus or args.engine != "auto" else "native"
+    engine_name = engine_of(args)
     pipe.use_zygote &= gpus == 0 and engine_name != "vllm"  # CUDA and vLLM start in processes of their own
     return pipe, engine_name
 
@@ -684,13 +712,17 @@ def pinned_threads(omp_env) -> int:
     return int(omp_env)
 
 
-def check_inputs(base: Path, data_root: Path, tasks, train_sets: dict, tok, max_len: int):
+def check_inputs(base: Path, data_root: Path, tasks, train_sets: dict, tok, max_len: int, dry_run: bool = False):
     """Everything a step will read, checked up front so no step fails late on a missing or broken input: the base
     checkpoint's config and weights (the tokenizer was loaded already), each task's train split (loaded already)
-    and test split, each with at least one example within max_len."""
+    and test split, each with at least one example within max_len. A dry run needs no weights: a directory that
+    holds none (config.json alone) is priced all the same, and said so."""
     from model.checkpoint import load_config, weight_files
     load_config(base)
-    weight_files(base)
+    if dry_run and not any((base / f).exists() for f in ("model.safetensors", "model.safetensors.index.json")):
+        print(f"run.py: {base} holds no weights: planned all the same; a real run needs them", flush=True)
+    else:
+        weight_files(base)
     for t in tasks:
         if not train_sets[t]:
             raise InputError(f"{data_root / t}/train.json: no example fits --max-len {max_len}")

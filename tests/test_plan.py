@@ -205,6 +205,8 @@ def test_memory_model_for_qwen25_7b_on_8_gpus():
     (["--paper", "--plan-overhead-s", "-1"], "--plan-overhead-s"),
     (["--paper", "--micro-tokens", "0"], "--micro-tokens"),
     (["--paper", "--eval-repeats", "0"], "--eval-repeats"),
+    (["--paper", "--tp", "8"], "--tp 8: qwen2.5-7b's 28 attention heads do not divide by 8; use 1, 2 or 4"),
+    (["--paper", "--plan-gpus", "2", "--tp", "4"], "--tp 4: more than --plan-gpus 2"),
     (["--paper", "--config", "{tmp}/nope"], "{tmp}/nope: no such checkpoint directory"),
     (["--paper", "--trace", "{tmp}/nope"], "--trace {tmp}/nope: no such directory"),
     (["--paper", "--trace", "{tmp}"], "--trace {tmp}: holds none"),
