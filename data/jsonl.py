@@ -52,7 +52,27 @@ def loads_strict(text: str, where) -> object:
     try:
         return STRICT.decode(text)
     except NonFiniteError as e:
-        raise InputError(f"{where}: {e}") from None
+        field = _non_finite_field(text)
+        raise InputError(f"{where}: {f'field {field!r}: ' if field else ''}{e}") from None
+
+
+def _non_finite_field(text: str) -> str | None:
+    """The path ('a.b[2]') of the first NaN or infinity in JSON text, read leniently, for the error line (None when
+    there is none to find, e.g. an overlong integer)."""
+    def find(x, path):
+        if isinstance(x, float) and not math.isfinite(x):
+            return path
+        items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+        for k, v in items:
+            hit = find(v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]")
+            if hit is not None:
+                return hit
+        return None
+    try:
+        found = find(json.loads(text), "")
+    except ValueError:
+        return None
+    return found.lstrip(".") or None if found is not None else None
 
 
 def jsonl_lines(text: str) -> list[str]:
@@ -88,7 +108,8 @@ def _locate_bad_record(text: str, path: Path) -> str:
         except json.JSONDecodeError as e:
             return f"{path}: malformed JSON in record {rec} (line {e.lineno}, column {e.colno}): {e.msg}"
         except NonFiniteError as e:
-            return f"{path}: record {rec} (line {line_of(pos)}): {e}"
+            field = (_non_finite_field(text) or "").removeprefix(f"[{rec}]").lstrip(".")
+            return f"{path}: record {rec} (line {line_of(pos)}): {f'field {field!r}: ' if field else ''}{e}"
         pos = skip_ws(end)
         if pos < n and text[pos] == ",":
             pos, rec = skip_ws(pos + 1), rec + 1

@@ -166,13 +166,13 @@ NON_FINITE = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"]
 @pytest.mark.parametrize("const", NON_FINITE)
 def test_records_refuse_non_finite_numbers_naming_file_record_and_constant(tmp_path, const):
     """Python's JSON reader takes NaN, Infinity and 1e999 (an infinity); the record readers refuse them, in a JSON
-    Lines file (record and line) and in a JSON list (record)."""
+    Lines file (record and line) and in a JSON list (record), with the field that holds them."""
     good = '{"prompt": "p", "answer": "A"}'
     bad = f'{{"prompt": "p", "answer": "A", "score": {const}}}'
     msg = _err(tmp_path, f"{good}\n{bad}\n")
-    assert f"record 1 (line 2): {const} is " in msg and "\n" not in msg, msg
+    assert f"record 1 (line 2): field 'score': {const} is " in msg and "\n" not in msg, msg
     msg = _err(tmp_path, f"[{good},\n {bad}]")
-    assert f"record 1 (line 2): {const} is " in msg and "\n" not in msg, msg
+    assert f"record 1 (line 2): field 'score': {const} is " in msg and "\n" not in msg, msg
 
 
 @pytest.mark.parametrize("const", NON_FINITE)
@@ -192,7 +192,7 @@ def test_checkpoint_json_refuses_non_finite_numbers(tmp_path, const):
         (tmp_path / name).write_text(json.dumps({**config, "weight_map": {}}).replace("1e-05", const))
         with pytest.raises(ValueError) as e:
             read()
-        assert f"{tmp_path / name}: {const} is " in str(e.value), str(e.value)
+        assert f"{tmp_path / name}: field 'rms_norm_eps': {const} is " in str(e.value), str(e.value)
 
 
 def test_jsonl_integers_too_long_for_python_are_one_error(tmp_path):

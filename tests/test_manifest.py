@@ -177,14 +177,14 @@ def one_task(root: Path, **fields) -> Path:
 @pytest.mark.parametrize("const", NON_FINITE)
 def test_a_non_finite_number_in_any_numeric_field_is_refused(tmp_path, field, const):
     """Python's JSON reader takes NaN, Infinity and 1e999 (an infinity), and a NaN passes a range check written as
-    `x < lo`: the manifest refuses them when parsed (naming file and constant), and its checks refuse them in a
+    `x < lo`: the manifest refuses them when parsed (naming file, field and constant), and its checks refuse them in a
     library caller's dict (naming task and field)."""
     assert {"epochs", "max_new_tokens", "temperature", "held_out"} <= set(NUMERIC)
     path = one_task(tmp_path, **{field: 123456789})
     path.write_text(path.read_text().replace("123456789", const))
     with pytest.raises(InputError) as e:
         load_manifest(path)
-    assert f"{path}: {const} is " in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert f"{path}: field 'tasks[0].{field}': {const} is " in str(e.value) and "\n" not in str(e.value), str(e.value)
     entry = {"name": "T", "dir": "t", "metric": "exact_match", "epochs": 1, field: float(const)}
     with pytest.raises(InputError, match=rf"task 'T', field '{field}': "):
         manifest.check_entry(path, 0, entry)

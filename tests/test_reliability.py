@@ -280,10 +280,10 @@ CASES = [
         str(tmp / "r.jsonl") + ": record 0 (line 1): field 'logprobs'")),
     ("score-inf-logprob", "score", lambda env, tmp: (score_args(env, tmp, "--scorer", "sc", rollouts=write(
         tmp, "r.jsonl", '{"task": "FOMC", "idx": 0, "prompt": "p", "response": "A", "logprobs": [Infinity]}\n')),
-        str(tmp / "r.jsonl") + ": record 0 (line 1): Infinity is not a number")),
+        str(tmp / "r.jsonl") + ": record 0 (line 1): field 'logprobs[0]': Infinity is not a number")),
     ("score-nan-logprob", "score", lambda env, tmp: (score_args(env, tmp, "--scorer", "sc", rollouts=write(
         tmp, "r.jsonl", '{"task": "FOMC", "idx": 0, "prompt": "p", "response": "A", "logprobs": [-1, NaN]}\n')),
-        str(tmp / "r.jsonl") + ": record 0 (line 1): NaN is not a number")),
+        str(tmp / "r.jsonl") + ": record 0 (line 1): field 'logprobs[1]': NaN is not a number")),
     ("rollout-nan-weights", "rollout", lambda env, tmp: (gen_args(env, tmp, ckpt=nan_ckpt(env, tmp)),
                                                          "'model.layers.0.mlp.up_proj.weight' holds NaN")),
     ("evaluate-inf-weights", "evaluate", lambda env, tmp: (
