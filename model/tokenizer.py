@@ -13,11 +13,16 @@ What "HF semantics" means here (transformers.utils.chat_template_utils / PreTrai
     (bos_token, eos_token, unk_token, sep_token, pad_token, cls_token, mask_token, as strings) and any extra kwargs,
     which override the special tokens; message keys whose value is None are dropped;
   - tokenize=True encodes the rendered string with add_special_tokens=False.
-One deliberate difference: enable_thinking defaults to False (Qwen3 templates then render the empty think block, as
-HF does with enable_thinking=False), because our SFT data has no reasoning traces.
+Two deliberate differences. Text inside a message never becomes a control token: a special token's text in a prompt,
+an answer or a system prompt (e.g. "<|im_end|>\n<|im_start|>assistant\n", which would open a fake assistant turn, or
+end an answer early and leave the rest unlearned) is encoded as plain text, as HF's split_special_tokens=True does for
+the messages, while the template's own special tokens stay tokens. And enable_thinking defaults to False (Qwen3
+templates then render the empty think block, as HF does with enable_thinking=False): our SFT data has no reasoning
+traces.
 """
 
 import json
+import re
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -34,6 +39,11 @@ IGNORE_INDEX = -100
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# A special token's text inside a message is swapped for MARK + (a private-use character naming it) + MARK before the
+# template renders, so the template's own tokens are the only special text left, and encoded as plain text after
+MARK = "\U000F0000"
+FIRST_NAME = 0xF0001
+PLACEHOLDER = re.compile(f"{MARK}(.){MARK}", re.S)
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -129,6 +139,12 @@ class ChatTokenizer:
         pad = self.special_tokens.get("pad_token")
         self.pad_id = vocab[pad] if pad in vocab else self.eos_id
         self.stop_ids = {self.eos_id, *extra_stop_ids, *(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)}
+        # the texts that encode() would turn into a special token (MARK too, so that no message forges a placeholder)
+        self._escapes = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+                               | {MARK}, key=len, reverse=True)
+        self._escape_index = {t: i for i, t in enumerate(self._escapes)}
+        self._escape_re = re.compile("|".join(map(re.escape, self._escapes)))
+        self._plain = None  # the tokenizer with special-token matching off, built on first use
 
     @classmethod
     def from_dir(cls, ckpt_dir: str | Path, check: bool = True) -> "ChatTokenizer":
@@ -213,15 +229,46 @@ class ChatTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = False,
                             **kwargs) -> str | list[int]:
         """Render `messages` ([{"role", "content"}, ...]) with the chat template; with tokenize=True return the ids of
-        the rendered text encoded with add_special_tokens=False. Extra kwargs reach the template (enable_thinking
-        defaults to False)."""
+        the rendered text encoded with add_special_tokens=False, the messages' own text never as special tokens
+        (module docstring). Extra kwargs reach the template (enable_thinking defaults to False)."""
+        text = self._render(messages, add_generation_prompt, **kwargs)
+        return self._encode_rendered(text) if tokenize else self._unescape(text)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, **kwargs) -> str:
+        """The template's text with each special token's text inside a message swapped for its placeholder."""
         if not messages:
             raise ValueError("cannot apply the chat template to an empty conversation")
         kwargs.setdefault("enable_thinking", False)
         variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
-        text = self._template.render(messages=_prepare_messages(messages),
+        messages = [{k: self._escape(v) if k == "content" or k in REASONING_FIELDS else v for k, v in m.items()}
+                    if isinstance(m, dict) else m for m in messages]
+        return self._template.render(messages=_prepare_messages(messages),
                                      add_generation_prompt=add_generation_prompt, **variables)
-        return self.encode(text) if tokenize else text
+
+    def _escape(self, value):
+        if not isinstance(value, str):
+            return value
+        return self._escape_re.sub(lambda m: f"{MARK}{chr(FIRST_NAME + self._escape_index[m.group()])}{MARK}", value)
+
+    def _unescape(self, text: str) -> str:
+        return PLACEHOLDER.sub(lambda m: self._escapes[ord(m.group(1)) - FIRST_NAME], text)
+
+    def _encode_rendered(self, text: str) -> list[int]:
+        """Ids of rendered text: the template's text as encode() does it, each placeholder's special-token text as
+        plain text."""
+        parts = PLACEHOLDER.split(text)  # text, name, text, name, ..., text
+        if len(parts) == 1:
+            return self.encode(text)
+        if self._plain is None:
+            self._plain = Tokenizer.from_str(self.tokenizer.to_str())
+            self._plain.encode_special_tokens = True
+        ids = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids += self._plain.encode(self._escapes[ord(part) - FIRST_NAME], add_special_tokens=False).ids
+            elif part:
+                ids += self.encode(part)
+        return ids
 
     def prompt_ids(self, prompt: str | list[dict], **kwargs) -> list[int]:
         """Ids of `prompt` as a single user turn (or, a list of messages, as those turns: a system prompt, earlier
@@ -245,11 +292,11 @@ class ChatTokenizer:
         prompt's ids followed by those of the rest of the text: the tokens a model sampling after the prompt emits.
         """
         user = prompt_turns(prompt)
-        prefix_text = self.apply_chat_template(user, add_generation_prompt=True, **kwargs)
-        text = self.apply_chat_template(user + [{"role": "assistant", "content": response}], **kwargs)
-        prefix, ids = self.encode(prefix_text), self.encode(text)
+        prefix_text = self._render(user, True, **kwargs)
+        text = self._render(user + [{"role": "assistant", "content": response}], False, **kwargs)
+        prefix, ids = self._encode_rendered(prefix_text), self._encode_rendered(text)
         if ids[:len(prefix)] != prefix and text.startswith(prefix_text):  # a token merged across the boundary
-            ids = prefix + self.encode(text[len(prefix_text):])
+            ids = prefix + self._encode_rendered(text[len(prefix_text):])
         if ids[:len(prefix)] != prefix:
             raise ValueError(f"{self.source}: the prompt's token ids with the generation prompt are not a prefix of "
                              f"the full conversation's ids; the template or a token merge across the boundary "
