@@ -148,11 +148,13 @@ class Engine:
     rows of max prompt + max_new_tokens columns). graphs: capture the decode step as CUDA graphs (default: on CUDA
     unless OPR_ENGINE_GRAPHS=0).
     lm_head_fp32: compute the logits in fp32 from a bf16 model (an fp32 copy of lm_head's weight).
-    mix: run the live sequences' decode step inside each admission's prefill forward (default: on the CPU)."""
+    mix: run the live sequences' decode step inside each admission's prefill forward (default: on the CPU).
+    pack: multiply by copies of the weights packed once for oneDNN (default: on the CPU in fp32, not under
+    torch.distributed, whose SDFT trains the weights between calls)."""
 
     def __init__(self, model: Transformer, max_seqs: int = 32, *, graphs: bool | None = None,
                  max_prefill_tokens: int | None = None, key_bucket: int | None = None, lm_head_fp32: bool = False,
-                 mix: bool | None = None):
+                 mix: bool | None = None, pack: bool | None = None):
         self.model, self.cfg = model, model.cfg
         w = model.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
@@ -166,8 +168,13 @@ class Engine:
         self.mix = not cuda if mix is None else mix
         self.key_bucket = key_bucket or (256 if cuda else 1)
         self.max_prefill_tokens = max_prefill_tokens or (16384 if cuda else 4096)
-        self.layers = [_layer_weights(block) for block in model.model.layers]
+        if pack is None:
+            pack = (self.device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+                    and not dist.is_initialized())
+        self.layers = [_layer_weights(block, pack) for block in model.model.layers]
         self.lm_head = w.float() if lm_head_fp32 else w
+        if pack:
+            self.lm_head = Packed.of(self.lm_head)
         self.inv_freq = rope_inv_freq(self.cfg, self.device)
         self._graphs, self.K = {}, None
 
@@ -177,22 +184,22 @@ class Engine:
         cfg = self.cfg
         T = x.shape[0]
         h = L["ln1"](x)
-        q, k, v = linear(h, *L["qkv"]).split([L["q_dim"], L["kv_dim"], L["kv_dim"]], dim=-1)
+        q, k, v = _mm(h, *L["qkv"]).split([L["q_dim"], L["kv_dim"], L["kv_dim"]], dim=-1)
         q = q.reshape(T, cfg.num_attention_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
         if L["q_norm"] is not None:
             q, k = L["q_norm"](q), L["k_norm"](k)
         q, k = apply_rope(q[None], cos, sin)[0], apply_rope(k[None], cos, sin)[0]
-        x = x + linear(attend(L["idx"], q, k, v), *L["o"])
+        x = x + _mm(attend(L["idx"], q, k, v), *L["o"])
         h = L["ln2"](x)
-        g, u = linear(h, *L["gate_up"]).chunk(2, dim=-1)
-        return x + linear(F.silu(g) * u, *L["down"])
+        g, u = _mm(h, *L["gate_up"]).chunk(2, dim=-1)
+        return x + _mm(F.silu(g) * u, *L["down"])
 
     def _logits(self, h):
         h = self.model.model.norm(h)
         return F.linear(h.to(self.lm_head.dtype), self.lm_head) if self.lm_head.dtype != h.dtype else \
-            linear(h, self.lm_head)
+            _mm(h, self.lm_head)
 
     def _forward(self, ids, pos, slots, docs, copies, n_rows: int = 0, span: int = 0):
         """One packed forward of n_rows decode rows and then prefill documents -> the logits of each row and of each
@@ -493,10 +500,34 @@ def _prefix_keys(prompt) -> list:
     return out + [("prompt", tuple(prompt))]
 
 
-def _layer_weights(block) -> dict:
-    """A block's weights as the engine reads them (the model's own: fused q/k/v and gate/up, model/transformer.py)."""
+class Packed:
+    """A weight [N, K] copied once into the blocked layout oneDNN's fp32 kernels read (the layout vLLM's CPU backend
+    packs its weights into too): its products run at 2-4x F.linear's on plain weights at decode and prefill sizes."""
+    PACK_ROWS = 64  # the row count the layout is chosen for; other row counts use it as it is
+
+    def __init__(self, w):
+        self.shape, self.dtype = w.shape, w.dtype
+        self.w = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.PACK_ROWS)
+
+    @classmethod
+    def of(cls, w):
+        return cls(w) if w.dim() == 2 and w.dtype == torch.float32 else w
+
+
+def _mm(x, w, b=None):
+    """x @ w.T + b for a plain weight (model.transformer.linear) or a Packed one."""
+    if not isinstance(w, Packed):
+        return linear(x, w, b)
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, w.shape[1]).contiguous(), w.w, b, "none", [], "")
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def _layer_weights(block, pack: bool = False) -> dict:
+    """A block's weights as the engine reads them (the model's own: fused q/k/v and gate/up, model/transformer.py),
+    packed for oneDNN when `pack`."""
     a, m = block.self_attn, block.mlp
+    w = Packed.of if pack else (lambda t: t)
     return dict(idx=a.layer_idx, ln1=block.input_layernorm, ln2=block.post_attention_layernorm, q_dim=a.q_dim,
                 kv_dim=a.kv_dim, q_norm=getattr(a, "q_norm", None), k_norm=getattr(a, "k_norm", None),
-                qkv=(a.qkv_proj.weight, a.qkv_proj.bias), o=(a.o_proj.weight, a.o_proj.bias),
-                gate_up=(m.gate_up_proj.weight, m.gate_up_proj.bias), down=(m.down_proj.weight, m.down_proj.bias))
+                qkv=(w(a.qkv_proj.weight), a.qkv_proj.bias), o=(w(a.o_proj.weight), a.o_proj.bias),
+                gate_up=(w(m.gate_up_proj.weight), m.gate_up_proj.bias), down=(w(m.down_proj.weight), m.down_proj.bias))
