@@ -86,6 +86,7 @@ import numpy as np
 
 from reporting.diagnostics import warnings as diagnostic_warnings
 from data.metrics import acc_bwt, cl_metrics
+from pipeline.cli import Parser, UserError, main_cli
 from reporting.stats import (BOOTSTRAP_B, BOOTSTRAP_SEED, LEVEL, bootstrap_acc_bwt, bootstrap_indices, excludes_zero,
                         known_std_interval, mean_std, noise_sources, paired_differences, pearson,
                         percentile_interval, spearman, t_interval)
@@ -1127,7 +1128,7 @@ def write_report(results, out_dir, summary=None, unc=None) -> Path:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="run directory holding results.json (run.py --out); report.md and the figures "
                                    "are written next to it")
     args = p.parse_args(argv)
@@ -1135,15 +1136,15 @@ def main(argv=None):
     try:
         results = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise SystemExit(f"report.py: {path}: not found (is {args.run_dir} a run.py --out directory?)")
+        raise UserError(f"{path}: not found (is {args.run_dir} a run.py --out directory?)") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SystemExit(f"report.py: {path}: not valid JSON ({e})")
+        raise UserError(f"{path}: not valid JSON ({e})") from None
     try:
         summary = summarize(results)
         unc = uncertainty(results, summary)
         md = write_report(results, args.run_dir, summary, unc)
     except ValueError as e:
-        raise SystemExit(f"report.py: {path}: {e}")
+        raise UserError(f"{path}: {e}") from None
     print(format_table(results, summary, unc))
     for line in warning_lines(results):
         print(line)
@@ -1152,4 +1153,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main_cli(main, "report.py")  # one line and exit 2 for what the user can fix, as every script does

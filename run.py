@@ -40,7 +40,8 @@ re-runs exactly the steps that read it, and a step directory deleted by hand re-
 step's files are fsynced before its rename, so a power loss cannot leave a listed step truncated.
 
 Stopping: Ctrl-C, SIGTERM or SIGHUP stop every running step (SIGTERM, then SIGKILL after 10 s) and keep the finished
-ones; a step outlives no driver, even one killed by SIGKILL. A signal ignored when the driver starts stays ignored
+ones, and the driver exits 130, 143 or 129 (128 + the signal, as shells expect); a step outlives no driver, even one
+killed by SIGKILL. A signal ignored when the driver starts stays ignored
 (`nohup` keeps SIGHUP away; a shell script's `python run.py &` starts with SIGINT ignored: stop that one with kill). `kill -USR1 PID` makes a driver print every thread's
 stack to stderr (for a driver that seems stuck) and go on.
 
@@ -171,7 +172,8 @@ def parse_args(argv=None):
                                        "epochs and optional max_new_tokens, temperature, system prompt, labels "
                                        "(default: <data>/tasks.json when present; README, 'Your own tasks')")
     p.add_argument("--gpus", type=int_at_least(0), default=0,
-                   help="GPUs per node for train.py (torchrun) and vLLM (default: 0, CPU)")
+                   help="GPUs per node for train.py (torchrun) and vLLM; this node must see that many CUDA devices "
+                        "(--dry-run excepted) (default: 0, CPU)")
     p.add_argument("--launcher", help="command prefix that starts train.py on several nodes, e.g. "
                                       "'srun -N2 torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d "
                                       "--rdzv-endpoint HOST:29400' (default: torchrun on this node when --gpus > 1)")
@@ -532,6 +534,9 @@ def configure(args):
     if args.data and (args.n_train is not None or args.n_test is not None):
         raise UserError("--n-train/--n-test size the embedded benchmark; with --data use --max-train "
                         "(training subsample per task) and --eval-limit (test prompts per task)")
+    if not (args.data or args.task_spec):  # before the base is built: the benchmark's templates bound its sizes
+        from data.embedded import check_sizes
+        check_sizes(cfg["n_train"], cfg["n_test"], flags=f"--n-train {cfg['n_train']}, --n-test {cfg['n_test']}")
     seeds = [int(s) for s in args.seeds.split(",")]
     return preset, cfg, methods, rhos, seeds
 
@@ -561,6 +566,7 @@ def load_inputs(args, preset: str, cfg: dict, methods: list) -> Inputs:
     base = Path(args.model).resolve() if args.model else ensure_base(preset)
     if layout is None:  # on GPUs the model's heads and size decide it
         layout = plan.generation_layout(args.gpus, args.tp, load_config(base), base.name, engine_of(args))
+        check_gpus(args.gpus, args.dry_run)
     if args.data or args.task_spec:
         data_root = Path(args.data or Path(args.task_spec).parent).resolve()
     else:
@@ -588,6 +594,17 @@ def load_inputs(args, preset: str, cfg: dict, methods: list) -> Inputs:
         raise UserError(f"{task_spec}: sdft puts a prompt into its teacher's user turn: it needs single-turn prompts, "
                         f"without a system prompt or earlier turns")
     return Inputs(base, data_root, task_spec, tasks, epochs, held, tok, train_sizes, train_sets, layout)
+
+
+def check_gpus(gpus: int, dry_run: bool):
+    """--gpus N needs N CUDA devices here: without them torchrun would start N CPU ranks without a word. A dry run
+    prices the GPUs without having them. (Several CPU ranks, as the tests use them: torchrun train.py directly.)"""
+    import torch
+    visible = torch.cuda.device_count()  # 0 without CUDA, or with CUDA_VISIBLE_DEVICES=""
+    if not dry_run and visible < gpus:
+        raise UserError(f"--gpus {gpus}: needs {gpus} CUDA devices, {visible} visible "
+                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use --gpus "
+                        f"{visible} or run on a node with {gpus} GPUs (--dry-run prices them without)")
 
 
 def base_tokenizer(base: Path, dry_run: bool):

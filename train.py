@@ -201,8 +201,10 @@ def setup_distributed():
 def load_mixture(paths: list[str]) -> list[dict]:
     records = []
     for path in paths:
+        # a list prompt: a chat prompt's turns (data/manifest.py). "answer" is a gold answer: never blank; a
+        # "response" may be a model's (a replay buffer's), which can be empty
         for r in read_records(path, required=("prompt",), any_of=("response", "answer"),
-                              types={"prompt": (str, list)}):  # a list: a chat prompt's turns (data/manifest.py)
+                              types={"prompt": (str, list)}, nonblank=("answer",)):
             response = r["response"] if isinstance(r.get("response"), str) else r["answer"]
             # a record with a "source" (score.py's buffers, run.py's gold replay) is replay: its loss is logged apart
             records.append({"prompt": r["prompt"], "response": response, "replay": "source" in r})

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from data.jsonl import fsync_dir, fsync_tree
 from data.tasks import TASK_ORDER, parse_tasks
+from pipeline.cli import InputError
 
 VERSION = 5  # bumped whenever the generated data changes: part of the cache directory names
 
@@ -256,20 +257,43 @@ def solve(task: str, prompt: str) -> str:
 # Benchmark files
 
 
-def generate_task(task: str, n: int, seed: int) -> list[dict]:
-    """n examples of one task with distinct prompts (so no test prompt is also a training prompt)."""
+def distinct_examples(task: str, n: int, seed: int) -> list[dict]:
+    """Up to n examples of one task with distinct prompts (so no test prompt is also a training prompt): fewer when
+    the task's templates run out of prompts first."""
     rng = random.Random(f"embedded/{task}/{seed}")  # str seeds hash with sha512: stable across runs and machines
     out, seen = [], set()
     for _ in range(50 * n + 1000):
         if len(out) == n:
-            return out
+            break
         ex = MAKERS[task](rng)
         if ex["prompt"] not in seen:
             seen.add(ex["prompt"])
             out.append(ex)
-    if len(out) == n:
-        return out
-    raise ValueError(f"embedded task {task}: could only make {len(out)} distinct prompts, asked for {n}")
+    return out
+
+
+def generate_task(task: str, n: int, seed: int) -> list[dict]:
+    """n examples of one task with distinct prompts; an InputError when it has fewer."""
+    out = distinct_examples(task, n, seed)
+    if len(out) < n:
+        raise InputError(f"embedded task {task}: has only {len(out)} distinct prompts, asked for {n} (train + eval + "
+                         f"test, which share no prompt); ask for fewer examples")
+    return out
+
+
+def check_sizes(n_train: int, n_test: int, *, n_eval: int = 32, seed: int = 0, flags: str = "--n-train/--n-test"):
+    """An InputError naming `flags` when some task cannot make the n_train + n_eval + n_test distinct prompts that
+    ensure_embedded would ask of it (its templates bound them), before anything is built; a cached benchmark of
+    these sizes passes at once. In memory: nothing is written."""
+    if embedded_root(n_train, n_eval, n_test, seed).exists():
+        return
+    n = n_train + n_eval + n_test
+    short = {t: k for t in TASK_ORDER if (k := len(distinct_examples(t, n, seed))) < n}
+    if short:
+        task, k = min(short.items(), key=lambda tk: tk[1])
+        raise InputError(f"{flags}: {n_train} train + {n_eval} eval + {n_test} test examples per task, but the "
+                         f"embedded task {task} has only {k} distinct prompts (the splits share none): ask for at "
+                         f"most {k} in all")
 
 
 def _dump(records) -> str:
@@ -300,18 +324,27 @@ def cache_dir() -> Path:
 def ensure_embedded(root=None, *, n_train: int = 128, n_eval: int = 32, n_test: int = 32, seed: int = 0) -> Path:
     """The embedded benchmark with these sizes, generated once into the cache (or `root`) and reused.
     Written to a temporary sibling directory and renamed, so a reader never sees a partial benchmark."""
-    root = Path(root) if root else cache_dir() / f"embedded-v{VERSION}-s{seed}-{n_train}-{n_eval}-{n_test}"
+    root = Path(root) if root else embedded_root(n_train, n_eval, n_test, seed)
     if not root.exists():
         root.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
-        write_benchmark(tmp, n_train=n_train, n_eval=n_eval, n_test=n_test, seed=seed)
-        fsync_tree(tmp)
+        try:
+            write_benchmark(tmp, n_train=n_train, n_eval=n_eval, n_test=n_test, seed=seed)
+            fsync_tree(tmp)
+        except BaseException:  # a half-written benchmark is no cache: the next call starts afresh
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         try:
             os.rename(tmp, root)
             fsync_dir(root.parent)
         except OSError:  # another process finished first: theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)
     return root
+
+
+def embedded_root(n_train: int, n_eval: int, n_test: int, seed: int) -> Path:
+    """Where the cache holds the embedded benchmark of these sizes."""
+    return cache_dir() / f"embedded-v{VERSION}-s{seed}-{n_train}-{n_eval}-{n_test}"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -146,12 +146,14 @@ def _encodable(s: str) -> bool:
     return True
 
 
-def read_records(path, required=("prompt",), types=None, any_of=(), locate=False) -> list:
+def read_records(path, required=("prompt",), types=None, any_of=(), locate=False, nonblank=()) -> list:
     """Records of a JSON list file or a JSON Lines file (whichever the text is: a list starts with '[').
 
     Each record must be an object holding every `required` field as a string (or the type, or tuple of types, in
-    `types`), and at least one of the `any_of` fields as a string when given. Every problem raises ValueError naming
-    the file, the record number (0-based; blank JSONL lines are skipped), the line for JSON Lines, and the field.
+    `types`), and at least one of the `any_of` fields as a string when given; a `nonblank` field, when a string,
+    must hold more than whitespace (a gold answer: an empty one trains nothing and scores as whatever an empty
+    prediction scores). Every problem raises ValueError naming the file, the record number (0-based; blank JSONL
+    lines are skipped), the line for JSON Lines, and the field.
     With locate=True, returns (where, record) pairs, where = "<file>: record i[ (line n)]", for later errors.
     """
     path = Path(path)
@@ -200,6 +202,8 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
                                  f"got {type(r[field]).__name__}")
         if any_of and not any(isinstance(r.get(f), str) for f in any_of):
             raise InputError(f"{path}: record {i}{where}: needs a string field {' or '.join(map(repr, any_of))}")
+        for field in nonblank:
+            check_answer(f"{path}: record {i}{where}", field, r.get(field))
         if isinstance(r.get("prompt"), list) and not (r["prompt"] and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 and _encodable(m["role"] + m["content"]) for m in r["prompt"])):  # a chat prompt's turns
@@ -212,6 +216,13 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
     if locate:
         return [(f"{path}: record {i}{where}", r) for i, where, r in located]
     return [r for _, _, r in located]
+
+
+def check_answer(where: str, field: str, value):
+    """A gold answer holds text: an empty or all-whitespace one (a string) is refused naming where it is."""
+    if isinstance(value, str) and not value.strip():
+        raise InputError(f"{where}: field {field!r} is {'empty' if not value else 'only whitespace'}: a gold answer "
+                         f"needs text; fill it in or drop the record")
 
 
 def fsync_dir(path):

@@ -8,10 +8,10 @@
       {"name": "SQL", "metric": "my_scorer:sql_match", "epochs": 2, "held_out": 0.2}
     ]}
 
-Fields: name (letters, digits, . _ + -), metric, epochs (required); dir (default: the name), max_new_tokens and
-temperature (default: the run's), system (a system prompt before every prompt), labels (the allowed answers:
-label_accuracy needs them, every gold answer must be one, and the collapse diagnostics count them), held_out (the
-share of train held out, seeded, as the test split of a task without one; default 0.1).
+Fields: name (letters, digits, . _ + -; a letter or digit first), metric, epochs (required); dir (default: the
+name), max_new_tokens and temperature (default: the run's), system (a system prompt before every prompt), labels
+(the allowed answers: label_accuracy needs them, every gold answer must be one, and the collapse diagnostics count
+them), held_out (the share of train held out, seeded, as the test split of a task without one; default 0.1).
 Metrics: data.metrics.METRICS by name, label_accuracy, or `module:function`, a scorer (prediction, gold, record) ->
 number in [0, 100] imported from the manifest's directory or the Python path.
 A split is `<dir>/<split>.json` (a JSON list), `.jsonl` or `.parquet` (with pyarrow); a record is
@@ -30,7 +30,7 @@ import re
 import sys
 from pathlib import Path
 
-from data.jsonl import loads_strict, read_records, read_text
+from data.jsonl import check_answer, loads_strict, read_records, read_text
 from data.metrics import METRICS, import_scorer
 from data.tasks import Task, active_tasks, use_tasks
 from pipeline.cli import InputError, Parser
@@ -122,8 +122,10 @@ def check_entry(path: Path, i: int, entry) -> Task:
             raise InputError(f"{where}, field {field!r}: expected {getattr(want, '__name__', 'a number')}, "
                              f"got {value!r}")
     name = entry["name"]
-    if not re.fullmatch(r"[A-Za-z0-9._+-]+", name) or name.lower() == "all":
-        raise InputError(f"{where}, field 'name': use letters, digits and . _ + - (it names files and --tasks items)")
+    # a letter or digit first: a name starting with '-' would read as a flag in the steps' command lines
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", name) or name.lower() == "all":
+        raise InputError(f"{where}, field 'name': start with a letter or digit, then use letters, digits and . _ + - "
+                         f"(it names files and --tasks items)")
     for field, lo in (("epochs", 1), ("max_new_tokens", 1), ("temperature", 0)):
         # written so that a NaN or an infinity (a library caller's dict; files refuse them when parsed) fails too
         if field in entry and not lo <= entry[field] < math.inf:
@@ -157,8 +159,14 @@ def check_entry(path: Path, i: int, entry) -> Task:
 
 
 # ---- the data of a manifest's task --------------------------------------------------------------------------------
-def find_split(task_dir: Path, split: str) -> Path | None:
-    return next((p for p in (Path(task_dir) / f"{split}{ext}" for ext in FORMATS) if p.is_file()), None)
+def find_split(task_dir: Path, split: str, formats=FORMATS) -> Path | None:
+    """The file of a split in one of `formats`, None when there is none; two of them (test.json and test.jsonl) are
+    refused, since reading either would silently ignore the other."""
+    found = [p for p in (Path(task_dir) / f"{split}{ext}" for ext in formats) if p.is_file()]
+    if len(found) > 1:
+        raise InputError(f"{' and '.join(map(str, found))}: {len(found)} files hold the {split} split; keep one "
+                         f"(move or rename the others)")
+    return found[0] if found else None
 
 
 def split_file(task: Task, split: str) -> Path:
@@ -226,18 +234,20 @@ def to_example(task: Task, where: str, r: dict) -> tuple:
         prompt = [{"role": m["role"], "content": m["content"]} for m in msgs[:-1]]
         if len(prompt) == 1 and prompt[0]["role"] == "user":
             prompt = prompt[0]["content"]  # one user turn: the same prompt as a {"prompt", "answer"} record
-        answer = msgs[-1]["content"]
+        answer, answer_field = msgs[-1]["content"], f"messages[{len(msgs) - 1}].content"
     elif "instruction" in r:
         extra = r.get("input") or ""
         if not isinstance(extra, str):
             raise InputError(f"{where}: field 'input' must be a string")
         prompt, answer = text("instruction") + (f"\n\n{extra}" if extra else ""), text("output")
+        answer_field = "output"
     elif "prompt" in r:
         field = next((f for f in ("answer", "response", "completion") if f in r), "answer")
-        prompt, answer = text("prompt"), text(field)
+        prompt, answer, answer_field = text("prompt"), text(field), field
     else:
         raise InputError(f"{where}: no 'prompt', 'messages' or 'instruction' field (formats: prompt/answer, "
                          f"prompt/response, prompt/completion, chat messages, instruction/input/output)")
+    check_answer(where, answer_field, answer)
     if task.labels is not None and answer.strip() not in task.labels:
         raise InputError(f"{task.manifest}: task {task.name!r}, field 'labels': {where} has the gold answer "
                          f"{answer[:40]!r}, not one of {', '.join(task.labels)}")

@@ -29,6 +29,7 @@ score 0; a 20Minuten prompt without "Paragraph:\\n" under `paper` is an error, a
 """
 
 import math
+import numbers
 import re
 from collections import Counter
 from functools import lru_cache
@@ -307,10 +308,13 @@ def task_metric(task):
 
     def checked(prediction, gold, prompt, record):
         v = user(prediction, gold, record)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 100:
+        # any real number (numpy's int64 and float32 too, which are not int or float) but a bool, a number only by
+        # accident; the range check refuses NaN (every comparison with it is false) and infinities
+        x = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else math.nan
+        if not 0 <= x <= 100:
             raise InputError(f"{task.manifest}: task {task.name!r}, field 'metric': {task.metric} returned {v!r} "
                              f"for prediction {prediction[:40]!r}; a scorer returns a number in [0, 100]")
-        return float(v)
+        return x
     return checked
 
 

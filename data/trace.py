@@ -32,19 +32,17 @@ class Example:
 
 def read_trace_file(path) -> list[tuple[str, str]]:
     """[(prompt, answer), ...] from one TRACE file (JSON list, or JSON Lines when the file does not start with '[')."""
-    return [(r["prompt"], r["answer"]) for r in read_records(path, required=("prompt", "answer"))]
+    records = read_records(path, required=("prompt", "answer"), nonblank=("answer",))
+    return [(r["prompt"], r["answer"]) for r in records]
 
 
 def task_file(root, task: str, split: str) -> Path:
-    """`<root>/<task>/<split>.json`, or the `.jsonl` beside it when only that exists; a manifest's task: the file
-    its split is read from (data.manifest.split_file)."""
+    """`<root>/<task>/<split>.json` or `.jsonl` (both: an InputError naming them; neither: the .json path, which its
+    reader's error then names); a manifest's task: the file its split is read from (data.manifest.split_file)."""
     t = active_tasks().get(task)
     if t is not None and t.manifest:
         return manifest.split_file(t, split)
-    path = Path(root) / task / f"{split}.json"
-    if not path.is_file() and path.with_suffix(".jsonl").is_file():
-        path = path.with_suffix(".jsonl")
-    return path
+    return manifest.find_split(Path(root) / task, split, (".json", ".jsonl")) or Path(root) / task / f"{split}.json"
 
 
 def load_task(root, task: str, split: str, *, max_train: int = MAX_TRAIN, seed: int = 0) -> list[Example]:

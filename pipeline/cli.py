@@ -7,8 +7,8 @@
     if __name__ == "__main__":
         main_cli(main, "train.py")
 
-SIGTERM is raised as `Terminated` (exit 143) and Ctrl-C as KeyboardInterrupt (exit 130), so both run the same
-cleanup as an exception: no temporary is left behind.
+SIGTERM is raised as `Terminated` (exit 143; run.py's SIGHUP too, exit 129) and Ctrl-C as KeyboardInterrupt (exit
+130), so each runs the same cleanup as an exception: no temporary is left behind.
 Expected failures -- a UserError (bad input, flag or file), an OSError naming its file (missing file, disk full,
 read-only output), a decode error -- print ONE line `<script>: error: <message>` on stderr and exit 2. Anything
 else is a bug and keeps its traceback. `--debug` (or OPR_DEBUG=1 in the environment, which run.py passes on to
@@ -84,13 +84,19 @@ def _message(e: BaseException) -> str | None:
 
 
 class Terminated(BaseException):
-    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so that the same cleanup (temporaries removed, nothing
-    half-written) runs; not an Exception, so no `except Exception` takes it for an error to report."""
+    """SIGTERM (or the signal `signum`, e.g. run.py's SIGHUP), raised like Ctrl-C's KeyboardInterrupt so that the same
+    cleanup (temporaries removed, nothing half-written) runs; not an Exception, so no `except Exception` takes it for
+    an error to report. main_cli exits 128 + signum, as a shell reports a process the signal killed; `note` follows
+    "stopped by SIG..." on the script's line."""
+
+    def __init__(self, signum: int = signal.SIGTERM, note: str = ""):
+        super().__init__(signum, note)
+        self.signum, self.note = signum, note
 
 
 def _raise_terminated(signum, frame):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short (SIGKILL still can)
-    raise Terminated()
+    raise Terminated(signum)
 
 
 def debug_requested(argv=None) -> bool:
@@ -100,7 +106,8 @@ def debug_requested(argv=None) -> bool:
 
 def main_cli(main, name: str):
     """Run `main()` as a script: expected failures -> one line on stderr and exit 2 (a failed run.py step: 1),
-    Ctrl-C -> exit 130, SIGTERM -> exit 143 (both after the cleanup an exception gets), bugs -> the traceback. Returns nothing; exits with main's return code when it is an int."""
+    Ctrl-C -> exit 130, SIGTERM -> exit 143, run.py's SIGHUP -> 129 (each after the cleanup an exception gets), bugs
+    -> the traceback. Returns nothing; exits with main's return code when it is an int."""
     debug = debug_requested()
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # one started ignoring it (nohup) stays ignoring it
         signal.signal(signal.SIGTERM, _raise_terminated)
@@ -111,11 +118,11 @@ def main_cli(main, name: str):
             raise
         print(f"{name}: interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
-    except Terminated:
+    except Terminated as e:
         if debug:
             raise
-        print(f"{name}: stopped by SIGTERM", file=sys.stderr, flush=True)
-        sys.exit(128 + signal.SIGTERM)
+        print(f"{name}: stopped by {signal.Signals(e.signum).name}{e.note}", file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum)  # 143 for SIGTERM, 129 for SIGHUP: a failed step is 1, a bad input 2
     except Exception as e:
         msg = user_message(e)
         if msg is None or debug:

@@ -28,7 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.jsonl import fsync_dir, fsync_tree, write_json
-from pipeline.cli import UserError
+from pipeline.cli import Terminated, UserError
 from pipeline.digest import Digests
 from pipeline.zygote import SCRIPTS, Zygote, die_with_parent
 
@@ -296,5 +296,5 @@ def _exited(p, deadline: float) -> bool:
 
 
 def _exit_on_signal(signum, frame):
-    raise SystemExit(f"run.py: stopped by {signal.Signals(signum).name}; finished steps are kept, re-run the same "
-                     f"command to continue")
+    # main_cli exits 128 + signum (143, 129), as shells expect of a process stopped by a signal: not a failed step's 1
+    raise Terminated(signum, "; finished steps are kept, re-run the same command to continue")

@@ -280,6 +280,20 @@ def test_embedded_large_test_splits_have_distinct_prompts():
         assert len({e["prompt"] for e in exs}) == 800, task
 
 
+def test_embedded_sizes_beyond_its_prompts_are_refused_and_leave_nothing(tmp_path, monkeypatch):
+    """A size the templates cannot fill (run.py --n-train 5000) is one InputError naming the flags, checked in memory
+    before anything is built; ensure_embedded's own failure leaves no hidden half-written folder in the cache."""
+    from pipeline.cli import InputError
+    monkeypatch.setenv("OPR_CACHE", str(tmp_path))
+    with pytest.raises(InputError, match=r"^--n-train 2000, --n-test 32: 2000 train \+ 32 eval \+ 32 test examples "
+                                         r"per task, but the embedded task \S+ has only \d+ distinct prompts"):
+        embedded.check_sizes(2000, 32, flags="--n-train 2000, --n-test 32")
+    embedded.check_sizes(128, 32)  # the default sizes fit
+    with pytest.raises(InputError, match="distinct prompts"):
+        embedded.ensure_embedded(n_train=2000)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_embedded_stance_tasks_share_inputs_not_rules(bench):
     _, data = bench
     # the two verb tables are disjoint: no text has a letter in both tasks, so no rule is flipped between them

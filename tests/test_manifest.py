@@ -10,6 +10,7 @@ declared labels, and an edit of one task's settings re-runs exactly the steps th
 """
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -131,7 +132,10 @@ def test_parquet_split(tmp_path):
     (lambda s: s["tasks"][0].pop("labels"), "task 'Tickets', field 'labels': metric label_accuracy needs"),
     (lambda s: s["tasks"][0].update(epochs=0), "task 'Tickets', field 'epochs': must be >= 1"),
     (lambda s: s["tasks"][0].update(epoch=2), "task 'Tickets', field 'epoch': unknown field"),
-    (lambda s: s["tasks"][0].update(name="a,b"), "field 'name': use letters"),
+    (lambda s: s["tasks"][0].update(name="a,b"), "field 'name': start with a letter or digit, then use letters"),
+    # a leading '-' would make the name a flag in the steps' command lines
+    (lambda s: s["tasks"][0].update(name="-x"), "task '-x', field 'name': start with a letter or digit"),
+    (lambda s: s["tasks"][0].update(name="--help"), "task '--help', field 'name': start with a letter or digit"),
 ])
 def test_bad_manifest_is_one_line_naming_task_and_field(tmp_path, edit, message):
     path = make_stream(tmp_path, scorer_module="scorer_b")
@@ -159,6 +163,74 @@ def test_gold_outside_labels_and_bad_scorer_are_caught(tmp_path):
     use_manifest(tmp_path)
     with pytest.raises(InputError, match=r"task 'Words', field 'metric': scorer_d:f returned 'yes'"):
         check_scorer(get_task("Words"), load_task(tmp_path, "Words", "train")[0])
+
+
+@pytest.mark.parametrize("expr, value", [
+    ("numpy.int64(100)", 100.0), ("numpy.int32(0)", 0.0), ("numpy.float32(50.5)", 50.5), ("numpy.float64(7)", 7.0),
+    ("fractions.Fraction(1, 2)", 0.5), ("3", 3.0), ("100.0", 100.0),
+    ("float('nan')", None), ("numpy.float64('nan')", None), ("float('inf')", None), ("numpy.float32('-inf')", None),
+    ("True", None), ("numpy.bool_(True)", None), ("'50'", None), ("None", None), ("numpy.int64(101)", None),
+])
+def test_a_scorer_may_return_any_real_number_but_not_nan_or_a_bool(tmp_path, expr, value):
+    """A user scorer's result is a number when it is a numbers.Real (numpy's scalars included), not a bool, finite and
+    in [0, 100]; the step sees it as a float. Anything else is refused naming the task and the returned value."""
+    path = make_stream(tmp_path, scorer_module="scorer_real")
+    module = f"scorer_real_{abs(hash(expr))}"
+    (tmp_path / f"{module}.py").write_text(f"import fractions\nimport numpy\n\n\ndef f(prediction, gold, record):\n"
+                                           f"    return {expr}\n")
+    spec = json.loads(path.read_text())
+    spec["tasks"][2]["metric"] = f"{module}:f"
+    path.write_text(json.dumps(spec))
+    use_manifest(tmp_path)
+    task, example = get_task("Words"), load_task(tmp_path, "Words", "train")[0]
+    if value is None:
+        with pytest.raises(InputError, match=rf"task 'Words', field 'metric': {module}:f returned "):
+            check_scorer(task, example)
+    else:
+        check_scorer(task, example)
+        got = score("Words", "x", example.answer, example.prompt, record=example.record)
+        assert type(got) is float and got == value
+
+
+@pytest.mark.parametrize("record, field", [
+    ({"prompt": "p", "answer": ""}, "answer"),
+    ({"prompt": "p", "completion": " \t\n"}, "completion"),
+    ({"instruction": "i", "input": "x", "output": ""}, "output"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}, "messages[1].content"),
+])
+def test_a_blank_gold_answer_is_refused_naming_file_record_and_field(tmp_path, record, field):
+    """An empty gold answer trains nothing and scores as an empty prediction does (TRACE's SARI gave it 91.7): each
+    record format's answer field is checked where the split is read."""
+    good = {"prompt": "p", "answer": "a"}
+    write(tmp_path / "t" / "train.jsonl", [good, good, record, good])
+    (tmp_path / "tasks.json").write_text(json.dumps({"tasks": [{"name": "T", "dir": "t", "metric": "exact_match",
+                                                                "epochs": 1}]}))
+    use_manifest(tmp_path)
+    with pytest.raises(InputError, match=rf"train\.jsonl: record 2 \(line 3\): field '{re.escape(field)}' is "
+                                         rf"(empty|only whitespace): a gold answer needs text"):
+        load_task(tmp_path, "T", "train")
+
+
+@pytest.mark.parametrize("formats", [(".json", ".jsonl"), (".jsonl", ".parquet"), (".json", ".jsonl", ".parquet")])
+def test_one_split_in_two_files_is_refused_naming_both(tmp_path, formats):
+    """train.json beside train.jsonl: reading either would ignore the other without a word."""
+    for ext in formats:
+        (tmp_path / "t").mkdir(exist_ok=True)
+        (tmp_path / "t" / f"train{ext}").write_text('[{"prompt": "p", "answer": "a"}]')
+    (tmp_path / "tasks.json").write_text(json.dumps({"tasks": [{"name": "T", "dir": "t", "metric": "exact_match",
+                                                                "epochs": 1}]}))
+    with pytest.raises(InputError) as e:
+        load_manifest(tmp_path / "tasks.json")
+    named = " and ".join(str(tmp_path / "t" / f"train{ext}") for ext in formats)
+    assert str(e.value).startswith(f"{named}: {len(formats)} files hold the train split; keep one"), str(e.value)
+
+
+def test_a_trace_split_in_two_files_is_refused_naming_both(tmp_path):
+    for ext in (".json", ".jsonl"):
+        write(tmp_path / "FOMC" / f"test{ext}", [{"prompt": "p", "answer": "A"}], jsonl=ext == ".jsonl")
+    with pytest.raises(InputError, match=re.escape(f"{tmp_path / 'FOMC' / 'test.json'} and "
+                                                   f"{tmp_path / 'FOMC' / 'test.jsonl'}: 2 files hold the test split")):
+        task_file(tmp_path, "FOMC", "test")
 
 
 NON_FINITE = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"]

@@ -5,8 +5,8 @@
   temp file, no empty run directory, a foreign file or directory untouched)
 - data loss: --out never replaces what the script did not write itself, unless --overwrite
 - resume after the final checkpoint: train.py --resume says so instead of retraining
-- run.py: a failed step is reported in one line with its log; killing only the driver (SIGKILL, SIGTERM, SIGINT)
-  kills its steps too; a second driver on a directory in use is refused
+- run.py: a failed step is reported in one line with its log; killing only the driver (SIGKILL, SIGTERM, SIGINT,
+  SIGHUP) kills its steps too, and it exits 128 + the signal; a second driver on a directory in use is refused
 Validation failures are reached before any model loads, so the table costs about a Python start-up per case.
 """
 import hashlib
@@ -129,6 +129,21 @@ def no_file(env, tmp, path_in_ckpt) -> Path:
     ck = copy_ckpt(env, tmp)
     (ck / path_in_ckpt).unlink()
     return ck
+
+
+def beside(d: Path, src: str, dst: str) -> Path:
+    """d with a copy of its file src at dst too (test.json and test.jsonl side by side)."""
+    recs = json.loads((d / src).read_text())
+    (d / dst).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return d
+
+
+def empty_answer(d: Path, file: str, i: int) -> Path:
+    """d with record i of its JSON list file emptied of its answer."""
+    recs = json.loads((d / file).read_text())
+    recs[i]["answer"] = ""
+    (d / file).write_text(json.dumps(recs))
+    return d
 
 
 # Each case: (id, script, args(env, tmp) -> (argv, named)) where `named` must appear in stderr (a path or a flag).
@@ -300,6 +315,20 @@ CASES = [
                                                        str(tmp / "ck" / "model.safetensors"))),
     ("run-no-tokenizer", "run", lambda env, tmp: (run_args(env, tmp, model=no_file(env, tmp, "tokenizer.json")),
                                                   "tokenizer.json")),
+    # --- issue 50, class 7: what was silent or unclear --------------------------------------------------------------
+    ("run--n-train-beyond-the-embedded-benchmark", "run", lambda env, tmp: (
+        ["--model", env["base"], "--n-train", "5000", "--quiet", "--out", tmp / "run"], "--n-train 5000, --n-test ")),
+    ("run-test-json-and-jsonl", "run", lambda env, tmp: (  # which one was read depended on nothing the user chose
+        run_args(env, tmp, data=beside(copy_data(env, tmp), "FOMC/test.json", "FOMC/test.jsonl")),
+        f"{tmp / 'trace' / 'FOMC' / 'test.json'} and {tmp / 'trace' / 'FOMC' / 'test.jsonl'}: 2 files hold the test")),
+    ("train-blank-answer", "train", bad_data_file("d.jsonl", '{"prompt": "a", "answer": " \\n"}\n',
+                                                  ": record 0 (line 1): field 'answer' is only whitespace")),
+    ("evaluate-empty-gold-answer", "evaluate", lambda env, tmp: (
+        gen_args(env, tmp, data=empty_answer(copy_data(env, tmp), "FOMC/test.json", 2)),
+        f"{tmp / 'trace' / 'FOMC' / 'test.json'}: record 2: field 'answer' is empty")),
+    ("run-empty-gold-answer", "run", lambda env, tmp: (
+        run_args(env, tmp, data=empty_answer(copy_data(env, tmp), "C-STANCE/train.json", 0)),
+        f"{tmp / 'trace' / 'C-STANCE' / 'train.json'}: record 0: field 'answer' is empty")),
     # --- outputs that are not the script's own: refused, left as they were -------------------------------------
     ("train-out-foreign-dir", "train", lambda env, tmp: (
         train_args(env, tmp)[:-3] + ["--out", foreign_dir(tmp), "--quiet"], str(tmp / "mine"))),
@@ -337,6 +366,19 @@ def test_bad_input_fails_in_one_line_and_leaves_nothing(env, tmp_path, case):
     errors = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and named in errors[0], r.stderr[-3000:]
     assert snapshot(work) == before, "the failed run changed or left files behind"
+
+
+def test_gpus_without_cuda_devices_is_refused(env, tmp_path):
+    """--gpus 2 where no CUDA device is visible (hidden here, so that any machine sees none) is one line naming the
+    count: torchrun would otherwise train 2 CPU ranks without a word. A dry run prices the GPUs all the same."""
+    hidden = dict(env, env=dict(env["env"], CUDA_VISIBLE_DEVICES=""))
+    r = run("run.py", run_args(env, tmp_path, "--gpus", "2"), hidden)
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert len(errors) == 1 and "run.py: error: --gpus 2: needs 2 CUDA devices, 0 visible" in errors[0], r.stderr
+    assert not (tmp_path / "run").exists()
+    r = run("run.py", run_args(env, tmp_path, "--gpus", "2", "--dry-run"), hidden)
+    assert r.returncode == 0 and not (tmp_path / "run").exists(), r.stderr[-3000:]
 
 
 def test_debug_shows_the_traceback(env, tmp_path):
@@ -568,7 +610,7 @@ def gone(pid: int, timeout: float = 20) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc are Linux")
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_killing_the_driver_kills_its_steps(env, tmp_path, sig):
     out = tmp_path / "run"
     driver = long_run(env, out)
@@ -588,8 +630,8 @@ def test_killing_the_driver_kills_its_steps(env, tmp_path, sig):
         assert gone(child), f"train.py (pid {child}) outlived run.py killed by {sig.name}"
         err = driver.stderr.read()
         assert "Traceback" not in err, err[-3000:]
-        if sig != signal.SIGKILL:
-            assert driver.returncode != 0 and len([l for l in err.splitlines() if l.strip()]) == 1, err
+        if sig != signal.SIGKILL:  # 128 + the signal, as shells report it: not 1, a failed step's code
+            assert driver.returncode == 128 + sig and len([l for l in err.splitlines() if l.strip()]) == 1, err
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
@@ -606,7 +648,7 @@ def test_a_driver_started_under_nohup_survives_sighup(env, tmp_path):
         assert driver.poll() is None and not gone(child, timeout=0.1)  # nohup's promise kept: both still at work
         os.kill(driver.pid, signal.SIGTERM)
         driver.wait(120)
-        assert gone(child) and "stopped by SIGTERM" in driver.stderr.read()
+        assert gone(child) and "stopped by SIGTERM" in driver.stderr.read() and driver.returncode == 143
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)

@@ -222,7 +222,9 @@ def test_command_line_rebuilds_the_report_from_results_json(tmp_path):
             (bad / "results.json").write_text(content)
         p = subprocess.run([sys.executable, str(repo / "report.py"), str(bad)], cwd=repo, capture_output=True,
                            text=True)
-        assert p.returncode != 0 and "Traceback" not in p.stderr and says in p.stderr, p.stderr
+        # README's promise for every script: one line `report.py: error: ...`, exit 2
+        assert p.returncode == 2 and "Traceback" not in p.stderr and says in p.stderr, p.stderr
+        assert p.stderr.startswith(f"report.py: error: {bad / 'results.json'}: ")
         assert p.stderr.count("\n") == 1 and not (bad / "report.md").exists()
 
 
