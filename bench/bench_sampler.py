@@ -23,10 +23,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 
 def full_sample(logits, temperature, keys, counters):
-    """The sampler before: the whole [n, V] noise tensor at once."""
-    from model.engine import gumbel
+    """The sampler before: the whole [n, V] noise tensor at once (model.engine's full draw in one piece)."""
+    from model.engine import _full_draw
     logits = logits.float()
-    tokens = (logits.double() / temperature + gumbel(keys, counters, logits.shape[-1])).argmax(-1)
+    tokens = _full_draw(logits, temperature, keys, counters, rows=len(logits))
     return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 

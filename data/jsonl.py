@@ -72,7 +72,7 @@ def _non_finite_field(text: str) -> str | None:
         found = find(json.loads(text), "")
     except ValueError:
         return None
-    return found.lstrip(".") or None if found is not None else None
+    return found.lstrip(".") if found else None  # "": the document itself is the NaN
 
 
 def jsonl_lines(text: str) -> list[str]:
