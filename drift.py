@@ -32,7 +32,7 @@ from pathlib import Path
 
 from data.manifest import add_task_spec, data_root, use_manifest_from_argv
 from data.tasks import task_names
-from pipeline.cli import BATCH_SIZE_HELP, InputError, Parser, float_in, int_at_least, main_cli
+from pipeline.cli import BATCH_SIZE_HELP, ENGINE_HELP, InputError, Parser, float_in, int_at_least, main_cli
 
 # ---- defaults (each has a flag below) ----------------------------------------------------------------------------
 LIMIT = 32             # test prompts per task: a few dozen keep the step cheap next to training
@@ -61,8 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=MAX_NEW_TOKENS, help="response length cap (default: %(default)s)")
     p.add_argument("--max-len", type=int_at_least(1), default=MAX_LEN, help="drop test examples whose templated length exceeds this (default: %(default)s)")
     p.add_argument("--seed", type=int, default=SEED, help="sampling seed (default: %(default)s)")
-    p.add_argument("--engine", default=ENGINE, choices=["auto", "native", "vllm"],
-                   help="sampling engine; auto = vllm when CUDA and vllm are present, else native (default: %(default)s)")
+    p.add_argument("--engine", default=ENGINE, choices=["auto", "native", "vllm"], help=ENGINE_HELP)
     p.add_argument("--tp", type=int_at_least(1), default=TP, help="vLLM tensor-parallel size (default: %(default)s)")
     p.add_argument("--batch-size", type=int_at_least(1), default=BATCH_SIZE,
                    help=BATCH_SIZE_HELP)
@@ -93,6 +92,7 @@ def main(argv=None):
     from data.trace import load_filtered, tasks_in
     from model.checkpoint import load_config, load_model
     from model.logprobs import response_stats
+    from model import workers
     from model.sampling import check_context, generate, resolve_engine
     from model.tokenizer import ChatTokenizer
 
@@ -129,15 +129,21 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     cur, ref = load_model(cur_dir, device, dtype), load_model(ref_dir, device, dtype)
-    sampled = response_stats(cur, [(p, o["token_ids"]) for p, o in zip(prompts, outs)], ref,
-                             progress=not args.quiet, desc="kl")
+    # each worker scores its share (model/workers.py): the costs are the sequences' lengths
+    sampled = workers.sharded(lambda ix: response_stats(cur, [(prompts[i], outs[i]["token_ids"]) for i in ix], ref,
+                                                        progress=not args.quiet and workers.is_main(), desc="kl"),
+                              [len(p) + len(o["token_ids"]) for p, o in zip(prompts, outs)])
     gold_seqs = []
     for ex in examples:
         ids, labels = tok.encode_sft(ex.prompt, ex.answer)
         start = next(t for t, lab in enumerate(labels) if lab != -100)
         end = max(t for t, lab in enumerate(labels) if lab != -100) + 1
         gold_seqs.append((ids[:start], ids[start:end]))
-    gold = response_stats(cur, gold_seqs, ref, progress=not args.quiet, desc="gold nll")
+    gold = workers.sharded(lambda ix: response_stats(cur, [gold_seqs[i] for i in ix], ref, desc="gold nll",
+                                                     progress=not args.quiet and workers.is_main()),
+                           [len(p) + len(a) for p, a in gold_seqs])
+    if not workers.is_main():  # rank 0 writes
+        return out_dir
     t_all = time.perf_counter() - t0
 
     rows = []

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from data.manifest import add_task_spec, data_root, use_manifest_from_argv
 from data.tasks import task_names
-from pipeline.cli import BATCH_SIZE_HELP, Parser, UserError, float_in, int_at_least, main_cli
+from pipeline.cli import BATCH_SIZE_HELP, ENGINE_HELP, Parser, UserError, float_in, int_at_least, main_cli
 
 # ---- defaults: the paper's evaluation setup (each has a flag below) ---------------------------------------------
 TEMPERATURE = 0.1      # as for rollouts: near-greedy
@@ -55,8 +55,7 @@ def parse_args(argv=None):
                    help="output directory for predictions.jsonl and scores.json (default: <ckpt>/eval); an earlier "
                         "evaluation there is replaced, a directory with other files is refused")
     p.add_argument("--overwrite", action="store_true", help="write into --out even if it holds other files")
-    p.add_argument("--engine", default=ENGINE, choices=["auto", "native", "vllm"],
-                   help="auto = vllm when CUDA and vllm are present, else native (default: %(default)s)")
+    p.add_argument("--engine", default=ENGINE, choices=["auto", "native", "vllm"], help=ENGINE_HELP)
     p.add_argument("--tp", type=int_at_least(1), default=TP, help="vLLM tensor-parallel size (default: %(default)s)")
     p.add_argument("--temperature", type=float_in(0), default=TEMPERATURE,
                    help="sampling temperature, 0 = greedy (default: %(default)s)")
@@ -91,6 +90,7 @@ def main(argv=None):
     from data.tasks import parse_tasks
     from data.trace import load_filtered, tasks_in
     from model.checkpoint import load_config, weight_files
+    from model import workers
     from model.sampling import generate_tasks, resolve_engine
     from model.tokenizer import ChatTokenizer
 
@@ -122,6 +122,8 @@ def main(argv=None):
                           seed=args.seed, engine=engine, tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,
                           progress=not args.quiet)
     wall = time.perf_counter() - t0
+    if not workers.is_main():  # a data-parallel worker (model/workers.py): rank 0 scores and writes
+        return out_dir
 
     # 4. per-example scores
     records = []

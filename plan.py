@@ -46,8 +46,8 @@ GPU_MEMORY_GB = 80.0     # H100 80 GB
 MEMORY_SHARE = 0.9       # of a GPU's memory that train.py's --micro-tokens rule plans for (the rest: the CUDA
                          # context, NCCL's buffers, the allocator's fragmentation)
 PAPER_GPU_HOURS = 32.0   # the paper: one model's 8 stages
-TP_SIZES = (1, 2, 4, 8)  # run.py's default --tp: the largest of these that divides the GPUs and the heads take
-GEN_WORKERS = 1          # data-parallel generation workers run.py launches per step: one, until it launches more
+TP_SIZES = (1, 2, 4, 8)  # run.py's default --tp: the smallest of these whose share of the weights fits a GPU
+WEIGHT_SHARE = 0.5       # of a GPU's memory the weights may take in a generation worker (the rest: KV cache, graphs)
 # -------------------------------------------------------------------------------------------------------------------
 
 
@@ -127,10 +127,16 @@ def tp_choices(cfg, gpus: int) -> list[int]:
 
 
 def default_tp(cfg, gpus: int) -> tuple[int, str]:
-    """(run.py's --tp when not given on vLLM, why): the largest of TP_SIZES that divides gpus and the heads take: with
-    one generation worker (GEN_WORKERS) that is the most GPUs a step can generate on."""
-    tp = [t for t in TP_SIZES if t in tp_choices(cfg, gpus)][-1]
-    return tp, f"default: the largest TP the heads and GPUs allow, one worker{'' if tp == gpus else ' (the other GPUs wait)'}"
+    """(run.py's --tp when not given on vLLM, why): the smallest of TP_SIZES that divides gpus, that the heads take,
+    and whose share of the bf16 weights fits WEIGHT_SHARE of a GPU: the most workers (DP = gpus / TP), each holding
+    the model with room for its KV cache. (Qwen2.5-7B on 8 H100s: TP 1, 8 workers; the paper ran TP 4.)"""
+    weights_gb = 2 * cfg.num_params(embeddings=True) / 1e9
+    allowed = [t for t in TP_SIZES if t in tp_choices(cfg, gpus)]
+    fits = [t for t in allowed if weights_gb / t <= WEIGHT_SHARE * GPU_MEMORY_GB]
+    if not fits:
+        return allowed[-1], (f"default: the largest TP the heads and GPUs allow ({weights_gb:.0f} GB of weights "
+                             f"fit no smaller one)")
+    return fits[0], f"default: the smallest TP that holds {weights_gb:.0f} GB of weights with room for the KV cache"
 
 
 def or_list(values) -> str:
@@ -155,21 +161,23 @@ def check_tp(cfg, name: str, gpus: int, tp: int, engine: str, gpus_flag: str = "
 
 
 def generation_layout(gpus: int, tp: int | None = None, cfg=None, name: str = "", engine: str = "vllm",
-                      gpus_flag: str = "--gpus") -> Layout:
+                      gpus_flag: str = "--gpus", cpu_workers: int = 1) -> Layout:
     """The layout run.py launches and the planner prices, from --gpus (gpus_flag: the flag that gave it) and --tp
-    (None: the default) for the model of cfg (`name` names it in a refusal). A CPU run (gpus 0) samples in one
-    process, whatever the model."""
+    (None: the default) for the model of cfg (`name` names it in a refusal): DP = gpus / TP workers. A CPU run
+    (gpus 0) has cpu_workers workers (run.py --gen-workers), each with its share of the step's threads."""
     if not gpus:
         if tp not in (None, 1):
-            raise UserError(f"--tp {tp}: a CPU run (--gpus 0) samples in one process: --tp must be 1 (or absent)")
-        return Layout(0, 1, 1, "the CPU")
+            raise UserError(f"--tp {tp}: a CPU run (--gpus 0) has no tensor parallelism: --tp must be 1 (or absent)")
+        return Layout(0, 1, cpu_workers, "the CPU")
+    if cpu_workers != 1:
+        raise UserError(f"--gen-workers {cpu_workers}: on GPUs the workers are {gpus_flag} / --tp; drop --gen-workers")
     if tp is not None:
         check_tp(cfg, name, gpus, tp, engine, gpus_flag)
-        return Layout(gpus, tp, GEN_WORKERS, f"--tp {tp}")
+        return Layout(gpus, tp, gpus // tp, f"--tp {tp}")
     if engine != "vllm":
-        return Layout(gpus, 1, GEN_WORKERS, f"the {engine} engine: no tensor parallelism, one worker")
+        return Layout(gpus, 1, gpus, f"the {engine} engine: no tensor parallelism, a worker per GPU")
     tp, why = default_tp(cfg, gpus)
-    return Layout(gpus, tp, GEN_WORKERS, why)
+    return Layout(gpus, tp, gpus // tp, why)
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from data.manifest import add_task_spec, data_root, use_manifest_from_argv
 from data.tasks import task_names
-from pipeline.cli import BATCH_SIZE_HELP, Parser, UserError, float_in, int_at_least, main_cli
+from pipeline.cli import BATCH_SIZE_HELP, ENGINE_HELP, Parser, UserError, float_in, int_at_least, main_cli
 
 # ---- defaults: the paper's rollout setup (each has a flag below) -----------------------------------------------
 TEMPERATURE = 0.1      # near-greedy, so a rollout is the model's own most likely answer
@@ -61,8 +61,7 @@ def parse_args(argv=None):
                                                "file is replaced, any other file is refused")
     p.add_argument("--overwrite", action="store_true", help="replace the file at --out even if rollout.py did not "
                                                            "write it")
-    p.add_argument("--engine", default=ENGINE, choices=["auto", "native", "vllm"],
-                   help="auto = vllm when CUDA and vllm are present, else native")
+    p.add_argument("--engine", default=ENGINE, choices=["auto", "native", "vllm"], help=ENGINE_HELP)
     p.add_argument("--tp", type=int_at_least(1), default=TP, help="vLLM tensor-parallel size")
     p.add_argument("--temperature", type=float_in(0), default=TEMPERATURE, help="sampling temperature (0 = greedy)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=MAX_NEW_TOKENS, help="response length cap")
@@ -118,6 +117,7 @@ def main(argv=None):
     from data.jsonl import check_output, write_json, write_jsonl
     from data.tasks import parse_tasks
     from data.trace import load_filtered, tasks_in
+    from model import workers
     from model.checkpoint import load_config, weight_files
     from model.sampling import generate_tasks, resolve_engine
     from model.tokenizer import ChatTokenizer
@@ -146,6 +146,8 @@ def main(argv=None):
                           max_new_tokens=args.max_new_tokens, evaluation=False, seed=args.seed, engine=engine,
                           tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids, progress=not args.quiet)
     wall = time.perf_counter() - t0
+    if not workers.is_main():  # a data-parallel worker (model/workers.py): rank 0 writes
+        return out_path
 
     # 4. rollout records
     records = []
@@ -161,7 +163,7 @@ def main(argv=None):
     n_tok = sum(r["num_tokens"] for r in records)
     summary = {"ckpt": str(ckpt), "engine": engine, "temperature": args.temperature,
                "max_new_tokens": args.max_new_tokens, "seed": args.seed, "n": len(records), "tokens": n_tok,
-               "seconds": wall, "tasks": {}, "logprob_check": check}
+               "seconds": wall, "workers": workers.world()[1], "tasks": {}, "logprob_check": check}
     for task in tasks:
         rs = [r for r in records if r["task"] == task]
         lps = [r["mean_logprob"] for r in rs if r["mean_logprob"] is not None]

@@ -74,7 +74,7 @@ from data.replay import replay_budget, replay_counts, select
 from data.tasks import get_task, parse_tasks, task_names
 from data.trace import filter_overlong, load_task, task_file
 from model.tokenizer import ChatTokenizer
-from pipeline.cli import InputError, Parser, UserError, comma_list, float_in, int_at_least, main_cli
+from pipeline.cli import ENGINE_HELP, InputError, Parser, UserError, comma_list, float_in, int_at_least, main_cli
 from pipeline.steps import Pipeline
 from reporting.diagnostics import diagnose
 
@@ -177,14 +177,18 @@ def parse_args(argv=None):
     p.add_argument("--launcher", help="command prefix that starts train.py on several nodes, e.g. "
                                       "'srun -N2 torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d "
                                       "--rdzv-endpoint HOST:29400' (default: torchrun on this node when --gpus > 1)")
-    p.add_argument("--engine", default="auto", choices=["auto", "native", "vllm"], help="rollout/eval engine")
+    p.add_argument("--engine", default="auto", choices=["auto", "native", "vllm"], help=ENGINE_HELP)
     p.add_argument("--tp", type=int_at_least(1),
-                   help="vLLM tensor-parallel size of the generating steps (rollout, evaluate, drift), run as one "
-                        "worker of --tp GPUs (the other GPUs wait: no data-parallel generation workers yet); it must "
-                        "divide --gpus, and the model's attention heads and its key-value heads must divide by it "
-                        "(vLLM's rule; key-value heads may instead divide it). "
-                        f"Default: the largest of {', '.join(map(str, plan.TP_SIZES))} that does so; 1 with the native "
-                        "engine and on the CPU")
+                   help="vLLM tensor-parallel size of the generating steps (rollout, evaluate, drift): --gpus / --tp "
+                        "data-parallel workers of --tp GPUs each (torchrun's ranks), each sampling its share of a "
+                        "step's prompts. It must divide --gpus, and the model's attention heads and its key-value "
+                        "heads must divide by it (vLLM's rule; key-value heads may instead divide it). "
+                        f"Default: the smallest of {', '.join(map(str, plan.TP_SIZES))} that does so and holds the "
+                        f"weights in {plan.WEIGHT_SHARE:g} of a GPU's memory; 1 with the native engine and on the CPU")
+    p.add_argument("--gen-workers", type=int_at_least(1), default=1,
+                   help="CPU runs: data-parallel workers per generating step (torchrun's ranks), each with --threads "
+                        "threads, so a generating step takes N x --threads cores (the default --jobs counts them); "
+                        "the same tokens as one worker. On GPUs the workers are --gpus / --tp")
     p.add_argument("--epochs", type=comma_list(int_at_least(1)),
                    help="epochs per stage: one int, or a comma list per task (default: per preset; the paper's: "
                         "the task table)")
@@ -354,6 +358,11 @@ class Steps:
         self.base_files = [inputs.base]
         self.engine = ["--engine", engine_name, "--tp", str(inputs.layout.tp)]  # (1 on the CPU: keys as before)
         self.py = [sys.executable]
+        # generating steps: one process, or torchrun's ranks as data-parallel workers (model/workers.py) on this node.
+        # The layout is not in their keys: the workers give the tokens one process gives (tests/test_workers.py)
+        dp = inputs.layout.dp
+        self.gen_py = self.py if dp == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                               f"--nproc_per_node={dp}"]
         self.trainer = args.launcher.split() if args.launcher else self.py if gpus <= 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
         self.gen = ["--temperature", str(cfg["temperature"]), "--max-new-tokens", str(cfg["max_new_tokens"]),
@@ -415,7 +424,7 @@ class Steps:
         def build(tmp, dirs):
             limit = ["--limit", str(cfg["eval_limit"])] if cfg["eval_limit"] else []
             ckpt = dirs[train_key] / "ckpt" if train_key else base
-            return self.py + [str(HERE / "evaluate.py"), "--ckpt", str(ckpt), *self.common_data,
+            return self.gen_py + [str(HERE / "evaluate.py"), "--ckpt", str(ckpt), *self.common_data,
                               "--tasks", ",".join(task_list), "--out", str(tmp / "eval"), "--seed", str(seed),
                               "--repeats", str(cfg["eval_repeats"]), "--scoring", cfg["scoring"], *self.gen,
                               *self.engine, *limit]
@@ -443,7 +452,7 @@ class Steps:
         cfg = self.cfg
 
         def build(tmp, dirs):
-            return self.py + [str(HERE / "rollout.py"), "--ckpt", str(dirs[train_key] / "ckpt"), *self.common_data,
+            return self.gen_py + [str(HERE / "rollout.py"), "--ckpt", str(dirs[train_key] / "ckpt"), *self.common_data,
                               "--tasks", ",".join(prior), "--out", str(tmp / "rollouts.jsonl"), "--seed", str(seed),
                               "--max-train", str(cfg["max_train"]), *self.gen, *self.engine]
         spec = self.with_fields(dict(prior=prior, seed=seed, gen=self.gen_spec, max_train=cfg["max_train"]), prior,
@@ -491,7 +500,7 @@ class Steps:
         cfg = self.cfg
 
         def build(tmp, dirs):
-            return self.py + [str(HERE / "drift.py"), "--ckpt", str(dirs[cur_key] / "ckpt"), "--ref",
+            return self.gen_py + [str(HERE / "drift.py"), "--ckpt", str(dirs[cur_key] / "ckpt"), "--ref",
                               str(dirs[prev_key] / "ckpt"), *self.common_data, "--tasks", ",".join(prior), "--out",
                               str(tmp / "drift"), "--seed", str(seed), "--limit", str(cfg["drift_limit"]),
                               "--max-new-tokens", str(cfg["max_new_tokens"]), "--quiet", *self.engine]
@@ -562,10 +571,11 @@ def load_inputs(args, preset: str, cfg: dict, methods: list) -> Inputs:
     from data.embedded import ensure_embedded
     from model.base import ensure_base
     from model.checkpoint import load_config
-    layout = None if args.gpus else plan.generation_layout(0, args.tp)  # a CPU run's --tp: before a base is built
+    layout = None if args.gpus else plan.generation_layout(0, args.tp, cpu_workers=args.gen_workers)  # before a base
     base = Path(args.model).resolve() if args.model else ensure_base(preset)
     if layout is None:  # on GPUs the model's heads and size decide it
-        layout = plan.generation_layout(args.gpus, args.tp, load_config(base), base.name, engine_of(args))
+        layout = plan.generation_layout(args.gpus, args.tp, load_config(base), base.name, engine_of(args),
+                                        cpu_workers=args.gen_workers)
         check_gpus(args.gpus, args.dry_run)
     if args.data or args.task_spec:
         data_root = Path(args.data or Path(args.task_spec).parent).resolve()
@@ -630,7 +640,8 @@ def make_pipeline(args, run_dir: Path):
     at once, and the numerics that are part of every step's key."""
     gpus = args.gpus
     threads = args.threads or pinned_threads(os.environ.get("OMP_NUM_THREADS"))
-    jobs = 1 if gpus else (args.jobs or max(1, (os.cpu_count() or 2) // threads))  # GPU steps share the devices
+    # GPU steps share the devices; on the CPU a generating step's workers take --threads cores each
+    jobs = 1 if gpus else (args.jobs or max(1, (os.cpu_count() or 2) // (threads * args.gen_workers)))
     import kernels
     cpu_env, cpu = kernels.cpu_numerics(args.portable)
     if args.portable and "model" in cpu:

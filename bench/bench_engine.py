@@ -66,18 +66,20 @@ def worker(args):
         retain_freed_memory()
     if args.worker == "vllm":  # run by --vllm's interpreter: the project's wrapper settings, on the CPU backend
         import os
-        from model.vllm_engine import cpu_threads_env, llm_kwargs, sampling_params
-        os.environ.update(cpu_threads_env(args.threads))
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the engine process's threads (worker_env: not bound)
+        from model.engine import row_keys
+        from model.vllm_engine import engine_env, llm_kwargs, sampling_params, worker_env
         import vllm
         t_start = time.perf_counter()
-        llm = vllm.LLM(**llm_kwargs(vllm, job["ckpt"], tp=1, seed=0, cpu=True), enforce_eager=True)
+        with engine_env(worker_env(1, cpu=True)):
+            llm = vllm.LLM(**llm_kwargs(vllm, job["ckpt"], tp=1, seed=0, cpu=True))
         startup = time.perf_counter() - t_start
-        params = sampling_params(vllm, temperature=job["temperature"], max_new_tokens=n_new,
-                                 stop_ids=() if job["fixed"] else stop)
-        if job["fixed"]:
-            params.min_tokens = n_new
 
         def run(ps):
+            params = [sampling_params(vllm, temperature=job["temperature"], max_new_tokens=n_new,
+                                      stop_ids=() if job["fixed"] else stop, seed=k) for k in row_keys(len(ps), 0)]
+            for sp in params if job["fixed"] else ():
+                sp.min_tokens = n_new
             outs = llm.generate([{"prompt_token_ids": list(p)} for p in ps], params, use_tqdm=False)
             return [{"token_ids": list(o.outputs[0].token_ids), "logprobs": [
                 float(step[t].logprob) for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]}

@@ -41,14 +41,21 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, ma
     if stop_ids is None:
         from model.tokenizer import ChatTokenizer
         stop_ids = ChatTokenizer.from_dir(ckpt_dir).stop_ids
-    if engine == "vllm":
-        from model import vllm_engine
-        return vllm_engine.generate(ckpt_dir, prompts, temperature=temperature, max_new_tokens=max_new_tokens,
-                                    stop_ids=stop_ids, seed=seed, tp=tp, progress=progress)
-    from model.generate import generate as native_generate
-    return native_generate(model if model is not None else load_native(ckpt_dir), prompts, temperature=temperature,
-                           max_new_tokens=max_new_tokens, stop_ids=stop_ids, seed=seed, batch_size=batch_size,
-                           progress=progress)
+    from model import workers
+    from model.engine import row_keys
+    keys = row_keys(len(prompts), seed)  # prompt i's sampling key, whichever worker samples it
+    caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+
+    def run(mine):  # this worker's share (model/workers.py; all prompts in a plain process)
+        kw = dict(temperature=temperature, max_new_tokens=[caps[i] for i in mine], stop_ids=stop_ids,
+                  seeds=[keys[i] for i in mine], progress=progress and workers.is_main())
+        if engine == "vllm":
+            from model import vllm_engine
+            return vllm_engine.generate(ckpt_dir, [prompts[i] for i in mine], seed=seed, tp=tp, **kw)
+        from model.generate import generate as native_generate
+        return native_generate(model if model is not None else load_native(ckpt_dir), [prompts[i] for i in mine],
+                               batch_size=batch_size, **kw)
+    return workers.sharded(run, [len(p) + c for p, c in zip(prompts, caps)])
 
 
 def check_context(ckpt_dir, prompts: list[list[int]], max_new_tokens: int, tasks: list[str] | None = None):
@@ -76,8 +83,11 @@ def check_context(ckpt_dir, prompts: list[list[int]], max_new_tokens: int, tasks
 
 
 def load_native(ckpt_dir):
-    """The checkpoint as the native engine samples it: bf16 on a GPU, fp32 on the CPU."""
+    """The checkpoint as the native engine samples it: bf16 on a GPU, fp32 on the CPU (a worker's own GPU, or its
+    share of the threads: model/workers.py)."""
+    from model import workers
     from model.checkpoint import load_model
+    workers.start()
     cuda = torch.cuda.is_available()
     return load_model(ckpt_dir, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
 

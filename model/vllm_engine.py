@@ -18,7 +18,9 @@ What we pin, and why (checked against vLLM's source/docs):
 - Prompts go in as token ids ({"prompt_token_ids": ids}, i.e. vllm.inputs.TokensPrompt), so vLLM never re-renders or
   re-tokenizes them.
 """
+import contextlib
 import dataclasses
+import os
 
 
 def _engine_fields(vllm) -> dict:
@@ -34,19 +36,13 @@ def _engine_fields(vllm) -> dict:
 CPU_KV_CACHE_GIB = 2
 
 
-def cpu_threads_env(threads: int) -> dict:
-    """Environment for vLLM's CPU backend on `threads` cores: no core held back for its own front end (it reserves one
-    by default, a half of a 2-core machine) and its OpenMP threads bound to cores 0..threads-1."""
-    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
-
-
 def llm_kwargs(vllm, ckpt_dir, *, tp: int, seed: int, cpu: bool = False) -> dict:
     """Keyword arguments for vllm.LLM, with the version-dependent options only where supported. cpu: the CPU backend
     (fp32, as the native engine samples there; a fixed KV-cache size instead of a share of the machine's memory)."""
     fields = _engine_fields(vllm)
     kw = {"model": str(ckpt_dir), "tensor_parallel_size": tp, "seed": seed}
-    if cpu:
-        kw.update(dtype="float32", kv_cache_memory_bytes=CPU_KV_CACHE_GIB << 30)
+    if cpu:  # eager: compiling the model costs ~40 s per process on 2 cores, more than a CPU step's sampling gains
+        kw.update(dtype="float32", kv_cache_memory_bytes=CPU_KV_CACHE_GIB << 30, enforce_eager=True)
     if "generation_config" in fields and fields["generation_config"] is not None:
         kw["generation_config"] = "vllm"
     if "logprobs_mode" in fields:
@@ -54,12 +50,14 @@ def llm_kwargs(vllm, ckpt_dir, *, tp: int, seed: int, cpu: bool = False) -> dict
     return kw
 
 
-def sampling_params(vllm, *, temperature: float, max_new_tokens: int, stop_ids):
+def sampling_params(vllm, *, temperature: float, max_new_tokens: int, stop_ids, seed: int):
+    """seed: this request's own seed (its prompt's key), so its tokens do not depend on the other requests of the
+    batch or on which worker samples it."""
     top_k_disabled = vllm.SamplingParams().top_k  # -1 on old vLLM, 0 on new
     return vllm.SamplingParams(temperature=temperature, top_p=1.0, top_k=top_k_disabled, min_p=0.0,
                                repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                                max_tokens=max_new_tokens, logprobs=0, stop_token_ids=sorted(stop_ids),
-                               skip_special_tokens=True)
+                               skip_special_tokens=True, seed=seed)
 
 
 def sampled_logprobs(completion) -> list[float]:
@@ -77,27 +75,65 @@ def sampled_logprobs(completion) -> list[float]:
     return out
 
 
+# torchrun's variables: a worker's vLLM must not take them for its own (it starts its own process group, of its tp
+# processes, in the engine process it spawns)
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
+
+
+def worker_env(tp: int, cpu: bool) -> dict:
+    """What this process's vLLM engine is given (model/workers.py): on GPUs, the tp GPUs of this node's worker
+    (local rank r: r*tp .. r*tp+tp-1); on the CPU, OMP_NUM_THREADS threads left to the OS to place, as the native
+    engine's are (vLLM would bind them to cores 0.. of its own choosing whatever else runs there, and hold one core
+    back for its front end: half of a 2-core machine)."""
+    if cpu:
+        return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    import torch
+
+    from model import workers
+    rank, _ = workers.local()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[rank * tp:(rank + 1) * tp])}
+
+
+@contextlib.contextmanager
+def engine_env(env: dict):
+    """os.environ with env set (a variable the caller set already is kept) and torchrun's variables hidden, for
+    as long as vLLM starts its engine process."""
+    saved = {k: os.environ.get(k) for k in (*env, *TORCHRUN_ENV)}
+    for k in TORCHRUN_ENV:
+        os.environ.pop(k, None)
+    for k, v in env.items():
+        if k == "CUDA_VISIBLE_DEVICES" or k not in os.environ:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float, max_new_tokens, stop_ids, seed: int,
-             tp: int = 1, progress: bool = True) -> list[dict]:
+             seeds: list[int] | None = None, tp: int = 1, progress: bool = True) -> list[dict]:
     """One response per prompt (token id lists) in input order: {"token_ids", "logprobs", "finish_reason"}.
-    max_new_tokens: one cap, or one per prompt (LLM.generate takes one SamplingParams per prompt)."""
+    max_new_tokens: one cap, or one per prompt (LLM.generate takes one SamplingParams per prompt). seeds: one per
+    prompt (model.engine.row_keys: the native engine's keys), default (seed, i)."""
+    import torch
     import vllm
 
-    import os
-
-    import torch
+    from model.engine import row_keys
     cpu = not torch.cuda.is_available()
-    if cpu:  # this process's threads (the step's pinned count), unless the caller set vLLM's own variables
-        for k, v in cpu_threads_env(torch.get_num_threads()).items():
-            os.environ.setdefault(k, v)
-    llm = vllm.LLM(**llm_kwargs(vllm, ckpt_dir, tp=tp, seed=seed, cpu=cpu))
-    if not isinstance(max_new_tokens, int) and len(set(max_new_tokens)) == 1:
-        max_new_tokens = max_new_tokens[0]  # one cap for all: one SamplingParams, as before per-prompt caps
-    if isinstance(max_new_tokens, int):
-        params = sampling_params(vllm, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-    else:
-        params = [sampling_params(vllm, temperature=temperature, max_new_tokens=m, stop_ids=stop_ids)
-                  for m in max_new_tokens]
+    with engine_env(worker_env(tp, cpu)):
+        llm = vllm.LLM(**llm_kwargs(vllm, ckpt_dir, tp=tp, seed=seed, cpu=cpu))
+    caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    seeds = row_keys(len(prompts), seed, seeds)
+    params = [sampling_params(vllm, temperature=temperature, max_new_tokens=m, stop_ids=stop_ids, seed=s)
+              for m, s in zip(caps, seeds)]
     outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=progress)
     results = []
     for out in outputs:

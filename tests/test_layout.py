@@ -1,7 +1,7 @@
-"""The generation layout (run.py --tp, plan.generation_layout): DP workers of TP GPUs each; DP is 1 until run.py
-launches data-parallel generation workers.
+"""The generation layout (run.py --tp, plan.generation_layout): DP = GPUs / TP workers of TP GPUs each.
 
-The default TP is valid for the shipped model configs (bench/configs) on 8 GPUs and the largest the heads allow; a
+The default TP is valid for the shipped model configs (bench/configs) on 8 GPUs and the smallest that holds the
+weights, so every GPU generates; a
 TP that vLLM's head rule, the GPU count or the engine cannot take is refused in one line before anything is
 written; the planner's generation hours follow the layout; and run.py --dry-run prices a run from a model's
 config.json alone.
@@ -64,35 +64,51 @@ def test_heads_rule_is_vllms(heads, kv, tp, ok):
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.iterdir()))
-def test_default_layout_on_8_gpus_is_valid_and_the_largest_the_heads_allow(name):
-    """One generation worker (run.py launches no data-parallel workers yet): the most GPUs it can use."""
+def test_default_layout_on_8_gpus_is_valid_and_uses_every_gpu(name):
+    """Every GPU generates (DP x TP = 8), at the smallest TP the heads take that holds the weights in WEIGHT_SHARE of
+    a GPU."""
     cfg = load_config(CONFIGS / name)
     layout = plan.generation_layout(8, None, cfg, name)
-    assert layout.tp in plan.TP_SIZES and layout.dp == 1 and 8 % layout.tp == 0
+    assert layout.tp in plan.TP_SIZES and layout.dp * layout.tp == 8
     assert plan.heads_refusal(cfg, layout.tp) is None
-    assert all(plan.heads_refusal(cfg, t) is not None for t in plan.TP_SIZES if layout.tp < t <= 8)
+    weights_gb = 2 * cfg.num_params(embeddings=True) / 1e9
+    assert weights_gb / layout.tp <= plan.WEIGHT_SHARE * plan.GPU_MEMORY_GB
+    assert all(plan.heads_refusal(cfg, t) is not None or weights_gb / t > plan.WEIGHT_SHARE * plan.GPU_MEMORY_GB
+               for t in plan.TP_SIZES if t < layout.tp)
 
 
-def test_qwen7b_defaults_to_the_papers_tp_4(qwen7b):
-    """vllm issue 11797: Qwen2.5-7B's 28 heads refuse TP 8; the paper ran its rollouts at TP 4."""
+def test_qwen7b_defaults_to_a_worker_per_gpu(qwen7b):
+    """vllm issue 11797: Qwen2.5-7B's 28 heads refuse TP 8; its 15 GB of bf16 weights fit one H100, so 8 workers of
+    TP 1 (the paper ran TP 4: --tp 4 gives 2 workers)."""
     layout = plan.generation_layout(8, None, qwen7b, "q")
-    assert str(layout) == "DP 1 x TP 4 on 8 GPUs" and "the other GPUs wait" in layout.why
-    assert str(plan.generation_layout(4, None, qwen7b, "q")) == "DP 1 x TP 4 on 4 GPUs"
+    assert str(layout) == "DP 8 x TP 1 on 8 GPUs" and "smallest TP" in layout.why
+    assert str(plan.generation_layout(8, 4, qwen7b, "q")) == "DP 2 x TP 4 on 8 GPUs"
+    assert str(plan.generation_layout(4, 2, qwen7b, "q")) == "DP 2 x TP 2 on 4 GPUs"
+
+
+def test_a_model_too_big_for_one_gpu_gets_the_tp_that_holds_it():
+    """A 70B-class config (140 GB of bf16 weights): TP 4 is the smallest that leaves half of each 80 GB GPU free."""
+    cfg = ModelConfig(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                      num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128)
+    layout = plan.generation_layout(8, None, cfg, "big")
+    assert (layout.dp, layout.tp) == (2, 4)
 
 
 def test_cpu_and_native_layouts(qwen7b):
-    """A CPU run samples in one process at --tp 1 (its step keys pass --tp 1, as before the flag); the native engine
-    has no tensor parallelism: one worker on one GPU."""
+    """A CPU run has --gen-workers workers at --tp 1 (its step keys pass --tp 1, as before the flag); the native
+    engine has no tensor parallelism: a worker per GPU."""
     assert plan.generation_layout(0) == plan.Layout(0, 1, 1, "the CPU")
-    assert plan.generation_layout(0, 1).tp == 1
+    assert plan.generation_layout(0, 1, cpu_workers=2) == plan.Layout(0, 1, 2, "the CPU")
     native = plan.generation_layout(8, None, qwen7b, "q", engine="native")
-    assert (native.dp, native.tp) == (1, 1)
+    assert (native.dp, native.tp) == (8, 1)
     with pytest.raises(UserError, match=r"^--tp 2: a CPU run \(--gpus 0\)"):
         plan.generation_layout(0, 2)
     with pytest.raises(UserError, match="^--tp 4: the native engine has no tensor parallelism"):
         plan.generation_layout(8, 4, qwen7b, "q", engine="native")
     with pytest.raises(UserError, match=r"^--tp 4: does not divide --gpus 6 .*; use 1 or 2$"):
         plan.generation_layout(6, 4, qwen7b, "q")
+    with pytest.raises(UserError, match=r"^--gen-workers 2: on GPUs the workers are --gpus / --tp"):
+        plan.generation_layout(8, None, qwen7b, "q", cpu_workers=2)
 
 
 def test_help_states_the_default_rule(capsys):
@@ -101,7 +117,8 @@ def test_help_states_the_default_rule(capsys):
         run.parse_args(["--help"])
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "Default: the largest of 1, 2, 4, 8 that does so; 1 with the native engine and on the CPU" in text
+    assert ("Default: the smallest of 1, 2, 4, 8 that does so and holds the weights in 0.5 of a GPU's memory; 1 "
+            "with the native engine and on the CPU") in text
 
 
 # ---- run.py's refusals: one line, before anything is written -------------------------------------------------------
@@ -109,7 +126,8 @@ def test_help_states_the_default_rule(capsys):
     (["--gpus", "8", "--tp", "8"], "--tp 8: Qwen2.5-7B-Instruct's 28 attention heads do not divide by 8; use 1, 2 or 4"),
     (["--gpus", "8", "--tp", "3", "--engine", "vllm"], "--tp 3: does not divide --gpus 8"),
     (["--gpus", "8", "--tp", "16", "--engine", "vllm"], "--tp 16: more than --gpus 8"),
-    (["--gpus", "0", "--tp", "2"], "--tp 2: a CPU run (--gpus 0) samples in one process"),
+    (["--gpus", "0", "--tp", "2"], "--tp 2: a CPU run (--gpus 0) has no tensor parallelism"),
+    (["--gpus", "8", "--gen-workers", "2"], "--gen-workers 2: on GPUs the workers are --gpus / --tp"),
     (["--gpus", "8", "--tp", "4", "--engine", "native"], "--tp 4: the native engine has no tensor parallelism"),
 ])
 def test_a_tp_the_run_cannot_launch_is_refused_in_one_line(tmp_path, config_only, extra, named):
@@ -159,8 +177,8 @@ def test_generation_hours_follow_the_layout(qwen7b):
 
 def test_dry_run_from_config_json_alone_prices_the_layout(tmp_path, config_only):
     """run.py --gpus 8 --dry-run on a directory holding only config.json: a valid layout, printed; token counts
-    estimated (said so); nothing written. One worker of TP 4 on 8 GPUs and on 4: the same wall time for each
-    generating step, and twice the GPU-hours on 8 (the four GPUs that wait are charged)."""
+    estimated (said so); nothing written. A generating step on 2 workers of TP 4 costs what one worker of TP 4 on 4
+    GPUs costs, plus the start-up on the 4 more GPUs it holds (its work is shared, not repeated)."""
     out = {}
     for gpus, tp in ((8, None), (8, 4), (4, 4)):
         r = run_py(tmp_path, config_only, "--gpus", str(gpus), "--engine", "vllm", "--dry-run",
@@ -170,8 +188,8 @@ def test_dry_run_from_config_json_alone_prices_the_layout(tmp_path, config_only)
         out[gpus, tp] = r.stdout
     assert not (tmp_path / "run").exists() and [p.name for p in config_only.iterdir()] == ["config.json"]
 
-    assert "generation: DP 1 x TP 4 on 8 GPUs (default: the largest TP" in out[8, None]
-    assert "generation: DP 1 x TP 4 on 8 GPUs (--tp 4)" in out[8, 4]
+    assert "generation: DP 8 x TP 1 on 8 GPUs (default: the smallest TP" in out[8, None]
+    assert "generation: DP 2 x TP 4 on 8 GPUs (--tp 4)" in out[8, 4]
     assert "generation: DP 1 x TP 4 on 4 GPUs (--tp 4)" in out[4, 4]
 
     on8, on4 = (list(plan.parse_plan(out[key]).values()) for key in ((8, 4), (4, 4)))
@@ -179,4 +197,4 @@ def test_dry_run_from_config_json_alone_prices_the_layout(tmp_path, config_only)
     generating = [(a, b) for a, b in zip(on8, on4) if a["kind"] in ("eval", "rollout", "drift")]
     assert {a["kind"] for a, _ in generating} == {"eval", "rollout", "drift"}
     for a, b in generating:  # (printed to 0.01)
-        assert a["gpu_hours"] == pytest.approx(2 * b["gpu_hours"], abs=0.021)
+        assert a["gpu_hours"] == pytest.approx(b["gpu_hours"] + 4 * plan.STEP_OVERHEAD_S / 3600, abs=0.021)

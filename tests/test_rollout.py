@@ -189,7 +189,8 @@ def fake_vllm(new_api: bool):
             calls["llm"] = kw
 
         def generate(self, prompts, sampling_params, use_tqdm=True):
-            calls["prompts"], calls["params"] = prompts, sampling_params.kw
+            each = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+            calls["prompts"], calls["params"], calls["each"] = prompts, each[0].kw, [sp.kw for sp in each]
             outs = []
             for i, p in enumerate(prompts):
                 ids = p["prompt_token_ids"]
@@ -222,6 +223,10 @@ def test_vllm_wrapper_contract(monkeypatch, new_api):
     assert params["temperature"] == 0.1 and params["top_p"] == 1.0 and params["max_tokens"] == 512
     assert params["logprobs"] == 0 and params["stop_token_ids"] == [2, 7]
     assert params["top_k"] == (0 if new_api else -1) and params["repetition_penalty"] == 1.0
+    # each request its own seed: its prompt's key in the native engine, so no other request (nor which worker
+    # samples it) changes its tokens
+    from model.engine import row_keys
+    assert [kw["seed"] for kw in calls["each"]] == row_keys(3, 7) and len(set(row_keys(3, 7))) == 3
     llm = calls["llm"]
     assert llm["model"] == "/ckpt/dir" and llm["tensor_parallel_size"] == 4 and llm["seed"] == 7
     if new_api:
@@ -230,7 +235,7 @@ def test_vllm_wrapper_contract(monkeypatch, new_api):
         assert "generation_config" not in llm and "logprobs_mode" not in llm
     # the CPU backend (this machine): fp32 as the native engine, a KV cache of its own size rather than a share of the
     # machine's memory (0.92 by default: refused whenever other processes hold more than 8 %)
-    assert llm["dtype"] == "float32" and llm["kv_cache_memory_bytes"] == 2 << 30
+    assert llm["dtype"] == "float32" and llm["kv_cache_memory_bytes"] == 2 << 30 and llm["enforce_eager"]
 
 
 def test_vllm_wrapper_rejects_missing_sampled_token(monkeypatch):

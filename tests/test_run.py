@@ -303,6 +303,41 @@ def test_a_subset_of_methods_reuses_every_step(env, run_a):
     assert b == {m: a[m] for m in ("replay", "opr-sc")}
 
 
+def test_generation_workers_give_the_same_results(env, run_a):
+    """run.py --gen-workers 2: its evaluations and drift probes, re-run as two torchrun workers each (on a copy of the
+    run, their step directories deleted), have the same keys and write the same predictions; results.json's sft
+    entry is the one-process run's (drift's KLs within the engine's batch-composition tolerance)."""
+    out = env["root"] / "run_workers"
+    shutil.copytree(run_a, out)
+    regenerated = [d.name for d in step_dirs(out, "*-eval-*") + step_dirs(out, "*-drift-*")]
+    for name in regenerated:
+        shutil.rmtree(out / "steps" / name)
+    p = subprocess.run(command(env["base"], out, "sft", "--gen-workers", "2", "--jobs", "1"), cwd=REPO,
+                       env=env["env"], capture_output=True, text=True)
+    assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    ran = [d for d in regenerated if (out / "steps" / d).is_dir()]
+    assert sum("-eval-" in d for d in ran) == 4 and sum("-drift-" in d for d in ran) == 2  # sft's, same keys
+    for d in ran:  # each worker announces its step: "evaluate: N test prompts ..." / "drift: N test prompts ..."
+        assert (out / "steps" / d / "log.txt").read_text().count(" test prompts ") == 2, d
+        if "-eval-" in d:
+            f = "eval/predictions.jsonl"
+            assert (out / "steps" / d / f).read_bytes() == (run_a / "steps" / d / f).read_bytes(), d
+    a = json.loads((run_a / "results.json").read_text())["methods"]["sft"]
+    b = json.loads((out / "results.json").read_text())["methods"]["sft"]
+    assert _close(a, b)
+
+
+def _close(a, b, tol=1e-4):
+    """Equal structures, numbers within tol."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], tol) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= tol * max(1.0, abs(a))
+    return a == b
+
+
 def test_per_task_replay_budget_and_eval_repeats(env, run_a):
     """--replay-budget per-task: after stage i each prior task contributes rho * its own size (4 of 8 here), so
     stage 3's buffer holds 8, where the total budget held 4 split 2/2. Stage 1 training is re-used; evaluation
