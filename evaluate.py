@@ -29,7 +29,7 @@ from pathlib import Path
 
 from data.manifest import add_task_spec, data_root, use_manifest_from_argv
 from data.tasks import task_names
-from pipeline.cli import BATCH_SIZE_HELP, ENGINE_HELP, Parser, UserError, float_in, int_at_least, main_cli
+from pipeline.cli import BATCH_SIZE_HELP, ENGINE_HELP, InputError, Parser, UserError, float_in, int_at_least, main_cli
 
 # ---- defaults: the paper's evaluation setup (each has a flag below) ---------------------------------------------
 TEMPERATURE = 0.1      # as for rollouts: near-greedy
@@ -88,7 +88,7 @@ def main(argv=None):
     from data.jsonl import check_output, write_json, write_jsonl
     from data.metrics import score
     from data.tasks import parse_tasks
-    from data.trace import load_filtered, tasks_in
+    from data.trace import load_filtered, task_file, tasks_in
     from model.checkpoint import load_config, weight_files
     from model import workers
     from model.sampling import generate_tasks, resolve_engine
@@ -130,7 +130,10 @@ def main(argv=None):
     for (ex, k), o in tqdm(list(zip(jobs, outs)), desc="score", unit="response", disable=args.quiet):
         ids = o["token_ids"]
         pred = tok.decode_response(ids)
-        s = float(score(ex.task, pred, ex.answer, ex.prompt, scoring=args.scoring, record=ex.record))
+        try:
+            s = float(score(ex.task, pred, ex.answer, ex.prompt, scoring=args.scoring, record=ex.record))
+        except InputError as e:  # a user scorer failing on this prediction, a prompt --scoring cannot score: which one
+            raise InputError(f"{task_file(root, ex.task, 'test')}: record {ex.idx}: {e}") from None
         records.append({"task": ex.task, "idx": ex.idx, "repeat": k, "prompt": ex.prompt, "prediction": pred,
                         "gold": ex.answer, "score": s, "finish_reason": o["finish_reason"], "num_tokens": len(ids)})
 

@@ -139,8 +139,10 @@ def check_results(results) -> None:
     if not isinstance(methods, dict) or not methods:
         raise ValueError("results['methods']: expected a non-empty dict {method: {'seeds': ...}}")
     test_idx = results.get("test_idx") or {}
-    if not isinstance(test_idx, dict):
+    if not isinstance(test_idx, dict) or not all(isinstance(v, list) for v in test_idx.values()):
         raise ValueError("results['test_idx']: expected a dict {task: [idx, ...]}")
+    if not isinstance(results.get("meta") or {}, dict):
+        raise ValueError("results['meta']: expected a dict of settings")
     sizes = {t: len(v) for t, v in test_idx.items()}  # examples per task: every example_scores list must agree
     for m, entry in methods.items():
         seeds = entry.get("seeds") if isinstance(entry, dict) else None
@@ -163,6 +165,9 @@ def check_results(results) -> None:
                 if vals is not None and (not isinstance(vals, list) or len(vals) < want or
                                          not all(_is_number(v) for v in vals)):
                     raise ValueError(f"{where}[{key!r}]: expected at least {want} finite numbers, got {vals!r}")
+            for key in ("loss_curves", "drift", "buffer_stats", "rollout_checks", "loss_sources"):  # optional lists
+                if not isinstance(run.get(key) or [], list):
+                    raise ValueError(f"{where}[{key!r}]: expected a list, got {type(run[key]).__name__}")
             for i, curve in enumerate(run.get("loss_curves") or []):
                 if not isinstance(curve, list) or not all(_is_number(v) for v in curve):
                     raise ValueError(f"{where}['loss_curves'][{i}]: expected a list of finite numbers")
@@ -1142,11 +1147,18 @@ def main(argv=None):
     try:
         summary = summarize(results)
         unc = uncertainty(results, summary)
+        text, warnings = format_table(results, summary, unc), warning_lines(results)  # before anything is written
         md = write_report(results, args.run_dir, summary, unc)
     except ValueError as e:
         raise UserError(f"{path}: {e}") from None
-    print(format_table(results, summary, unc))
-    for line in warning_lines(results):
+    except (TypeError, KeyError, AttributeError, IndexError) as e:
+        # check_results checks what every report needs; the optional parts (drift, buffer_stats, diagnostics, meta,
+        # ...) are read as run.py writes them, so one of another shape fails here: the file's fault, not a traceback
+        # (--debug shows where)
+        raise UserError(f"{path}: a field is missing or has the wrong type ({type(e).__name__}: {e}); restore the "
+                        f"file run.py wrote, or re-run run.py --out {args.run_dir} to write it again") from None
+    print(text)
+    for line in warnings:
         print(line)
     print(f"report.py: wrote {md}", file=sys.stderr)
     return md

@@ -255,6 +255,9 @@ def main(argv=None):
     run_dir = check_output(Path(args.out or f"runs/{preset}").resolve(), "run", args.overwrite)
     inputs = load_inputs(args, preset, cfg, methods)  # built once before anything runs in parallel, and checked
     pipe, engine_name = make_pipeline(args, run_dir)
+    if not args.dry_run:  # the steps' engine, before any runs: a missing vLLM is one line, not a failed step
+        from model.sampling import resolve_engine
+        resolve_engine(engine_name)
     steps = Steps(pipe, cfg, inputs, args, engine_name)
 
     # plan every (rho, method, seed) chain, then the mechanism probes on each
@@ -632,7 +635,7 @@ def engine_of(args) -> str:
     """The generating steps' engine: "auto" resolved here, so the keys say which engine sampled (vLLM needs GPUs: a
     CPU run samples natively)."""
     from model.sampling import resolve_engine
-    return resolve_engine(args.engine) if args.gpus or args.engine != "auto" else "native"
+    return resolve_engine(args.engine, check=False) if args.gpus or args.engine != "auto" else "native"
 
 
 def make_pipeline(args, run_dir: Path):

@@ -179,7 +179,11 @@ def ru_scores(records: list[dict], root: Path, scoring: str = SCORING) -> list[f
         if scoring == "lenient" and is_empty(r["response"]):
             out.append(0.0)
         else:
-            out.append(float(score(r["task"], r["response"], ex.answer, ex.prompt, scoring=scoring, record=ex.record)))
+            try:
+                out.append(float(score(r["task"], r["response"], ex.answer, ex.prompt, scoring=scoring,
+                                       record=ex.record)))
+            except InputError as e:  # a user scorer failing on this response, a prompt `scoring` cannot score
+                raise InputError(f"{r['_where']} (train record {r['idx']} of {r['task']}): {e}") from None
     return out
 
 

@@ -293,8 +293,8 @@ def check_scorer(task: Task, example):
     from data.metrics import score
     try:
         score(task.name, example.answer, example.answer, example.prompt, record=example.record)
-    except InputError:
-        raise
+    except InputError as e:  # a scorer that raised or returned a non-number: data.metrics names no record
+        raise InputError(f"{e} (record {example.idx} of its train split, its gold answer against itself)") from None
     except Exception as e:
         raise InputError(f"{task.manifest}: task {task.name!r}, field 'metric': {task.metric} failed on record "
                          f"{example.idx} of its train split: {type(e).__name__}: {e}") from None

@@ -31,6 +31,7 @@ score 0; a 20Minuten prompt without "Paragraph:\\n" under `paper` is an error, a
 import math
 import numbers
 import re
+import sys
 from collections import Counter
 from functools import lru_cache
 
@@ -215,6 +216,14 @@ def sari(source: str, prediction: str, references: list[str]) -> float:
 _PARAGRAPH = re.compile(r"Paragraph:\s*\n(.*)", re.S)
 
 
+def prompt_text(prompt) -> str:
+    """The text of a prompt: a manifest's chat prompt (a list of turns: a system prompt, earlier turns) is its user
+    turns' text, which SARI reads its source from (a list failed there as a TypeError traceback)."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n\n".join(m["content"] for m in prompt if m["role"] == "user")
+
+
 def simplification_source(prompt: str) -> str:
     """The paragraph to simplify inside a 20Minuten prompt.
 
@@ -222,7 +231,7 @@ def simplification_source(prompt: str) -> str:
     <text>" optionally followed by a short cue line such as "Simplified version:". We take the text after
     "Paragraph:" and drop a final short line ending in ':'; without the marker the whole prompt is the source.
     """
-    m = _PARAGRAPH.search(prompt)
+    m = _PARAGRAPH.search(prompt := prompt_text(prompt))
     if not m:
         return prompt.strip()
     lines = m.group(1).strip().split("\n")
@@ -305,9 +314,15 @@ def task_metric(task):
         fn = METRICS[task.metric]
         return lambda prediction, gold, prompt, record: fn(prediction, gold, prompt)
     user = import_scorer(task.metric)
+    source = getattr(sys.modules.get(task.metric.partition(":")[0]), "__file__", None) or task.metric
 
     def checked(prediction, gold, prompt, record):
-        v = user(prediction, gold, record)
+        try:
+            v = user(prediction, gold, record)
+        except Exception as e:  # the user's code failing on some predictions is bad input, not our bug: one line
+            # naming the scorer (the caller adds the record), not a traceback through our frames
+            raise InputError(f"{task.manifest}: task {task.name!r}, field 'metric': {task.metric} ({source}) raised "
+                             f"{type(e).__name__}: {e} on prediction {prediction[:40]!r}") from None
         # any real number (numpy's int64 and float32 too, which are not int or float) but a bool, a number only by
         # accident; the range check refuses NaN (every comparison with it is false) and infinities
         x = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else math.nan
@@ -385,9 +400,11 @@ def paper_code_fuzz(prediction: str, gold: str, prompt: str = "") -> float:
 
 def paper_sari(prediction: str, gold: str, prompt: str = "") -> float:
     """tools/eval.py eval_sari: source = prompt.split('Paragraph:\\n')[1].split('\\n\\nSimplification:')[0]."""
+    prompt = prompt_text(prompt)
     if "Paragraph:\n" not in prompt:
-        raise ValueError("paper scoring: a 20Minuten prompt has no 'Paragraph:\\n' to cut the source from "
-                         f"(the official code fails here too): {prompt[:80]!r}")
+        # the data's fault, not a bug: an InputError, to which evaluate.py / score.py add the record
+        raise InputError("--scoring paper: a 20Minuten prompt has no 'Paragraph:\\n' to cut the source from (the "
+                         f"official code fails here too; use --scoring lenient or trace): {prompt[:80]!r}")
     source = prompt.split("Paragraph:\n")[1].split("\n\nSimplification:")[0]
     return sari(source, prediction, [gold])
 
@@ -462,7 +479,7 @@ def trace_code_fuzz(prediction: str, gold: str, prompt: str = "") -> float:
 
 def trace_sari(prediction: str, gold: str, prompt: str = "") -> float:
     """TRACE eval_20Minuten + metrics.caculate_sari: HF SARI with the whole prompt (its input sequence) as source."""
-    return sari(prompt, prediction, [gold])
+    return sari(prompt_text(prompt), prediction, [gold])
 
 
 # ---------------------------------------------------------------------------------------------------------------

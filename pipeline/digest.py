@@ -29,15 +29,23 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _entry_ok(v) -> bool:
+    return (isinstance(v, list) and len(v) == 5 and isinstance(v[2], str)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in (v[0], v[1], v[3], v[4])))
+
+
 class Digests:
     def __init__(self, cache_path=None):
         self.cache_path = Path(cache_path) if cache_path else None
         self.cache = {}
         if self.cache_path and self.cache_path.is_file():
             try:
-                self.cache = json.loads(self.cache_path.read_text())
+                cache = json.loads(self.cache_path.read_text())
             except ValueError:  # a damaged cache is only a lost speed-up
-                self.cache = {}
+                cache = {}
+            # so is one of another shape (a list, an entry not [size, mtime_ns, sha256, inode, ctime_ns]): those
+            # entries are hashed again instead of failing in file()
+            self.cache = {k: v for k, v in cache.items() if _entry_ok(v)} if isinstance(cache, dict) else {}
 
     def file(self, path: Path) -> str:
         st = path.stat()

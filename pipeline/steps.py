@@ -39,6 +39,26 @@ def stable_hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+def read_manifest(path: Path) -> dict:
+    """A run directory's manifest.json ({} when there is none): {key: {"kind", "seconds", "id", "inputs"}}. A damaged
+    one (truncated, edited, not written by run.py) is one line saying what to do, not a traceback."""
+    if not path.exists():
+        return {}
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # truncated or not JSON (UnicodeDecodeError too)
+        manifest, what = None, f"not valid JSON ({e})"
+    else:
+        what = "not a JSON object of {step: {kind, seconds, id, inputs}} as run.py writes it"
+    if not isinstance(manifest, dict) or not all(
+            isinstance(r, dict) and isinstance(r.get("inputs", {}), dict)
+            and isinstance(r.get("seconds"), (int, float)) and not isinstance(r.get("seconds"), bool)
+            for r in manifest.values()):
+        raise UserError(f"{path}: {what}; it lists the steps that are done: restore it, or delete it to re-run every "
+                        f"step")
+    return manifest
+
+
 class Pipeline:
     """A DAG of subprocess steps, executed with `jobs` in parallel, each committed atomically to the manifest."""
 
@@ -47,7 +67,7 @@ class Pipeline:
         self.steps = {}  # key -> dict(kind, name, deps, build)
         self.digests = Digests(run_dir / "digests.json")
         self.manifest_path = run_dir / "manifest.json"
-        self.manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
+        self.manifest = read_manifest(self.manifest_path)
         self.lock = threading.Lock()
         self.procs = set()  # running step processes (each the leader of its own process group)
         self.stopping = False  # set by stop_children: a step that starts after it is killed at once
@@ -193,7 +213,7 @@ class Pipeline:
                     self.run_dir.rmdir()
             raise OSError(e.errno, e.strerror, str(lock)) from None
         self.lock_fd = fd
-        self.manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
+        self.manifest = read_manifest(self.manifest_path)
 
     def execute(self):
         committed = self.committed()  # grows as steps finish
