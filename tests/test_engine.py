@@ -262,18 +262,23 @@ def test_noise_is_a_fixed_function_of_key_counter_and_token():
     assert abs(u.mean().item() - 0.5) < 0.03  # uniform draws underneath
 
 
-def test_the_cpu_engine_packs_its_weights_except_under_torch_distributed(model):
-    """The reference comparisons above run the packed products (the CPU default); train.py's SDFT, which changes the
-    weights between calls and runs under torch.distributed, samples with the model's own tensors; packed and plain
-    products give the same greedy tokens, log-probs within TOL."""
+def test_the_cpu_engine_packs_frozen_weights_only(model):
+    """The reference comparisons above run the packed products (the CPU default), also inside a process group (the
+    generation workers'); weights that train (train.py's SDFT: requires_grad) are sampled with the model's own
+    tensors; packed and plain products give the same greedy tokens, log-probs within TOL."""
     import torch.distributed as dist
     from model.engine import Packed
     assert isinstance(Engine(model).lm_head, Packed) and isinstance(Engine(model).layers[0]["qkv"][0], Packed)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        plain = Engine(model)
+        assert isinstance(Engine(model).lm_head, Packed)
     finally:
         dist.destroy_process_group()
+    model.requires_grad_(True)
+    try:
+        plain = Engine(model)
+    finally:
+        model.requires_grad_(False)
     assert not isinstance(plain.lm_head, Packed) and not isinstance(plain.layers[0]["down"][0], Packed)
     kw = dict(temperature=0.0, max_new_tokens=12, progress=False)
     a, b = plain.generate(PROMPTS, **kw), Engine(model).generate(PROMPTS, **kw)
