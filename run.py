@@ -185,6 +185,9 @@ def parse_args(argv=None):
                         "heads must divide by it (vLLM's rule; key-value heads may instead divide it). "
                         f"Default: the smallest of {', '.join(map(str, plan.TP_SIZES))} that does so and holds the "
                         f"weights in {plan.WEIGHT_SHARE:g} of a GPU's memory; 1 with the native engine and on the CPU")
+    p.add_argument("--save-every", type=int_at_least(0), default=train.SAVE_EVERY,
+                   help="optimizer steps between a training stage's resumable states: a stopped run.py resumes a "
+                        "stage from its last one, bit-identically (0 = restart the stage) (default: %(default)s)")
     p.add_argument("--gen-workers", type=int_at_least(1), default=1,
                    help="CPU runs: data-parallel workers per generating step (torchrun's ranks), each with --threads "
                         "threads, so a generating step takes N x --threads cores (the default --jobs counts them); "
@@ -361,6 +364,7 @@ class Steps:
         self.base_files = [inputs.base]
         self.engine = ["--engine", engine_name, "--tp", str(inputs.layout.tp)]  # (1 on the CPU: keys as before)
         self.py = [sys.executable]
+        self.save_every = args.save_every  # train steps: resumable states, kept across a stop (Pipeline.run_step)
         # generating steps: one process, or torchrun's ranks as data-parallel workers (model/workers.py) on this node.
         # The layout is not in their keys: the workers give the tokens one process gives (tests/test_workers.py)
         dp = inputs.layout.dp
@@ -415,7 +419,7 @@ class Steps:
                 str(HERE / "train.py"), "--model", str(model), "--data", str(tmp / "mixture.jsonl"),
                 "--out", str(tmp / "ckpt"), "--epochs", str(spec["ep"]), "--lr", str(cfg["lr"]),
                 "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
-                "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", "0",
+                "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", str(self.save_every), "--resume",
                 "--warmup", str(cfg["warmup"]), "--quiet", *extra, *self.ac]
         return self.pipe.add("train", name, spec, [d for d in (prev, buffer_key) if d], build,
                              reads=self.files("train", task_list) + ([] if prev else self.base_files))

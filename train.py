@@ -577,6 +577,8 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     dist.barrier()
     if args.resume:
         start = load_state(model, opt, sched, workdir, plan_id, ema_teacher, settings)
+        if start and rank == 0:
+            print(f"train.py: resumed at step {start} of {total_steps} from {workdir / 'state'}", flush=True)
     if rank == 0:  # keep the log consistent with the state we resume from
         kept = [l for l in (jsonl_lines(log_path.read_text()) if log_path.exists() and start else [])
                 if l.endswith("}") and json.loads(l)["step"] <= start]  # a kill can cut the last line short

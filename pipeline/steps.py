@@ -106,8 +106,15 @@ class Pipeline:
     def run_step(self, key: str):
         step, final = self.steps[key], self.dir(key)
         tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)  # a partial output is never reused
-        tmp.mkdir(parents=True)
+        if step["kind"] == "train" and (tmp / "ckpt.partial" / "state" / "progress.pt").is_file():
+            # a stopped training stage: train.py --resume continues from its last saved state (the same step key,
+            # so the same settings and inputs; train.py checks its plan too), everything else of the try is redone
+            for p in tmp.iterdir():
+                if p.name != "ckpt.partial":
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)  # any other partial output is never reused
+        tmp.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         argv = step["build"](tmp, {d: self.dir(d) for d in step["deps"]})
         rc = self.call(argv, tmp / "log.txt") if argv else 0

@@ -418,6 +418,37 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(env, run_a):
         assert (out / name).is_file()
 
 
+def test_a_stage_stopped_mid_training_resumes_from_its_saved_state(env, run_a):
+    """run.py --save-every 1, SIGKILLed while a training step runs after it saved a state: the re-run continues that
+    stage from the state (train.py says so in the step's log) and ends with run_a's weights, bit for bit."""
+    out = env["root"] / "run_midstage"
+    cmd = command(env["base"], out, "sft", "--save-every", "1")
+    driver = subprocess.Popen(cmd, cwd=REPO, env=env["env"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              start_new_session=True)
+    try:
+        while not list((out / "steps").glob("*-train-*.tmp/ckpt.partial/state/progress.pt")):
+            assert driver.poll() is None, f"run.py ended before it could be killed:\n{driver.stderr.read()[-3000:]}"
+            time.sleep(0.005)
+    finally:
+        try:
+            os.killpg(driver.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        driver.wait()
+        driver.stderr.close()
+    stopped = [p.parent.parent.parent.name.removesuffix(".tmp")
+               for p in (out / "steps").glob("*-train-*.tmp/ckpt.partial/state/progress.pt")]
+    assert len(stopped) == 1
+    p = subprocess.run(cmd, cwd=REPO, env=env["env"], capture_output=True, text=True)
+    assert p.returncode == 0, f"resumed run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    log = (out / "steps" / stopped[0] / "log.txt").read_text()
+    assert "train.py: resumed at step 1 of 2 from " in log, log[-2000:]
+    assert not (out / "steps" / stopped[0] / "ckpt.partial").exists()
+    for d in step_dirs(out, "*-train-*"):
+        rel = "ckpt/model.safetensors"
+        assert (d / rel).read_bytes() == (run_a / "steps" / d.name / rel).read_bytes(), d.name
+
+
 def test_sdft_and_sft_kl_rows(env):
     """Both SDFT rows exist: sdft trains on-policy (train.py --objective sdft with the preset's Algorithm 1 settings),
     sft-kl is SFT + KL to an EMA teacher; every stage of each is its own training step."""
