@@ -46,12 +46,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# pipeline.cli before torch: from its import on, a Ctrl-C while torch loads (~2 s) ends in one line, not a traceback
+from pipeline.cli import InputError, Parser, UserError, float_in, int_at_least, main_cli
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from pipeline.cli import InputError, Parser, UserError, float_in, int_at_least, main_cli
 from data.jsonl import check_output, dumps_strict, jsonl_lines, read_records
 from data.packing import IGNORE, Example, collate, pack, plan_steps, tokenize_sft
 import kernels
