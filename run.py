@@ -56,6 +56,7 @@ import argparse
 import faulthandler
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -287,6 +288,7 @@ def main(argv=None):
     meta = run_meta(args, preset, cfg, rhos, inputs, pipe, engine_name)
     results = collect(pipe, runs, row0, inputs.tasks, meta, probes)
     write_json(run_dir / "results.json", results)
+    write_tensorboard(results, run_dir / "tb" / "results")
     print_report(results, run_dir)
     write_timing(pipe, run_dir)
     print(f"run.py: done in {time.time() - t0:.0f}s; report: {run_dir / 'report.md'}")
@@ -420,7 +422,8 @@ class Steps:
                 "--out", str(tmp / "ckpt"), "--epochs", str(spec["ep"]), "--lr", str(cfg["lr"]),
                 "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
                 "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", str(self.save_every), "--resume",
-                "--warmup", str(cfg["warmup"]), "--quiet", *extra, *self.ac]
+                "--warmup", str(cfg["warmup"]), "--quiet", *extra, *self.ac,
+                "--tensorboard", str(self.pipe.run_dir / "tb" / "train" / tmp.name.removesuffix(".tmp"))]
         return self.pipe.add("train", name, spec, [d for d in (prev, buffer_key) if d], build,
                              reads=self.files("train", task_list) + ([] if prev else self.base_files))
 
@@ -702,6 +705,24 @@ def print_report(results: dict, run_dir: Path):
               f"off-format, empty or length-capped); all in {run_dir / 'report.md'}, the first:")
         for line in flagged[:3]:
             print(f"  {line}")
+
+
+def write_tensorboard(results: dict, tb_dir: Path):
+    """Each method and seed's scores as TensorBoard scalars under tb_dir/<method>-seed<k> (`tensorboard --logdir
+    RUN_DIR` shows them beside the training steps' events under tb/train/): a(i, task) of every cell of the matrix
+    at step i, the row's mean (acc_so_far) at step i, and the final continual-learning metrics at the last stage.
+    Rewritten from results.json by every run."""
+    from reporting import tensorboard
+    shutil.rmtree(tb_dir, ignore_errors=True)
+    tasks = results["tasks"]
+    for label, by_seed in results["methods"].items():
+        for seed, r in by_seed["seeds"].items():
+            w = tensorboard.writer(tb_dir / f"{label}-seed{seed}")
+            for i, row in enumerate(r["matrix"], 1):
+                tensorboard.add(w, "a", dict(zip(tasks, row)), i)
+                tensorboard.add(w, "stage", {"acc_so_far": sum(row) / len(row)}, i)
+            tensorboard.add(w, "final", r["cl_metrics"], len(r["matrix"]))
+            w.close()
 
 
 def write_timing(pipe: Pipeline, run_dir: Path):

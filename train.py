@@ -60,6 +60,7 @@ from kernels import attention, cross_entropy
 from model.checkpoint import load_config, load_into, replace_dir, save_checkpoint
 from model.tokenizer import ChatTokenizer
 from model.transformer import Transformer
+from reporting import tensorboard
 
 # ---- defaults: the paper's hyperparameters (7-8B models, 8xH100) ------------------------------------------
 LR = 1e-5                # AdamW, cosine to 0
@@ -119,6 +120,9 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from the last training state in OUT.partial/; "
                    "when OUT is already the final checkpoint of the same settings, say so and exit 0")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
+    p.add_argument("--tensorboard", metavar="DIR", help="also write each step's numbers (loss, the task and replay "
+                                                        "losses, lr, grad norm, tokens/s, ...) as TensorBoard events "
+                                                        "into DIR (rank 0)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction,
                    help="compile each transformer block with torch.compile(fullgraph=True) (default: on CUDA in bf16 "
                         "with a varlen attention kernel; off on the CPU, where it does not pay: BENCHMARKS.md, "
@@ -157,7 +161,8 @@ def parse_args(argv=None):
 
 # flags that do not change the weights a run ends with; every other flag is part of the resume check, so a new flag
 # is checked unless it is listed here
-NOT_PLAN_ARGS = ("out", "resume", "quiet", "debug", "overwrite", "save_every", "peak_tflops", "activation_checkpointing")
+NOT_PLAN_ARGS = ("out", "resume", "quiet", "debug", "overwrite", "save_every", "peak_tflops", "activation_checkpointing",
+                 "tensorboard")
 # ... nor the weights of a training state at a given step: the schedule spans the whole plan whatever --max-steps is
 NOT_STATE_ARGS = NOT_PLAN_ARGS + ("max_steps",)
 OBJECTIVE_PREFIXES = {"sft": (), "sft-kl": ("sft_kl_",), "sdft": ("sdft_",)}
@@ -404,6 +409,8 @@ def main(argv=None):
         numbers = train_step(stage, step)
         log_and_save(stage, step, numbers, time.perf_counter() - t0, bar)
     bar.close()
+    if stage.tb is not None:
+        stage.tb.close()
     save_final(stage, t_start)  # 5. the final weights
     dist.destroy_process_group()
 
@@ -437,6 +444,7 @@ class Stage:
     start: int                 # the first step to run (0, or where a resumed state stopped)
     peak: float                # the device's peak FLOP/s, for the MFU
     flops_per_token: float
+    tb: object = None          # rank 0's TensorBoard writer (--tensorboard), else None
     tokens_seen: int = 0       # tokens trained on in this run
     packed_tokens: int = 0     # tokens in micro-batches ...
     packed_slots: int = 0      # ... of the budget's capacity: the packing efficiency
@@ -604,7 +612,8 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
                  workdir=workdir, log_path=log_path, examples=examples, dropped=dropped, lengths=lengths,
                  prompt_ids=prompt_ids, teacher_ids=teacher_ids, stop_ids=tok.stop_ids, has_replay=has_replay,
                  steps=steps, settings=settings, plan_id=plan_id, model=model, teacher=teacher, ema_rate=ema_rate,
-                 opt=opt, sched=sched, start=start, peak=peak, flops_per_token=flops_per_token)
+                 opt=opt, sched=sched, start=start, peak=peak, flops_per_token=flops_per_token,
+                 tb=tensorboard.writer(Path(args.tensorboard), start + 1) if args.tensorboard and rank == 0 else None)
 
 
 def train_step(s: Stage, step: int) -> dict:
@@ -722,6 +731,8 @@ def log_and_save(s: Stage, step: int, numbers: dict, dt: float, bar):
             f.write(dumps_strict(record, s.log_path) + "\n")
         bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{numbers['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update()
+        if s.tb is not None:
+            tensorboard.add(s.tb, "train", record, step + 1)
     if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < len(s.steps):
         save_state(s.model, s.opt, s.sched, step + 1, s.workdir, s.rank, s.plan_id, s.ema_teacher, s.settings)
 

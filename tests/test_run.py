@@ -303,6 +303,42 @@ def test_a_subset_of_methods_reuses_every_step(env, run_a):
     assert b == {m: a[m] for m in ("replay", "opr-sc")}
 
 
+def scalars(event_dir: Path) -> dict:
+    """{tag: [(step, value)]} as TensorBoard's own reader loads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(event_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_events_hold_the_training_logs_and_the_matrices(run_a):
+    """tb/train/<step key>: every train step's per-step loss, lr, grad norm and tokens/s (and the task and replay
+    losses where it mixes a buffer), equal to its train_log.jsonl; tb/results/<method>-seed0: every cell of the
+    accuracy matrix, and the final ACC and BWT of results.json."""
+    pytest.importorskip("tensorboard")
+    trains = step_dirs(run_a, "*-train-*")
+    assert sorted(p.name for p in (run_a / "tb" / "train").iterdir()) == sorted(d.name for d in trains)
+    replay_seen = False
+    for d in trains:
+        log = read_jsonl(d / "ckpt" / "train_log.jsonl")
+        got = scalars(run_a / "tb" / "train" / d.name)
+        for k in ("loss", "lr", "grad_norm", "tokens_per_s"):
+            assert got[f"train/{k}"] == [(r["step"], pytest.approx(r[k], rel=1e-6)) for r in log], (d.name, k)
+        if log[0].get("loss_replay") is not None:
+            replay_seen = True
+            assert [v for _, v in got["train/loss_replay"]] == pytest.approx([r["loss_replay"] for r in log])
+    assert replay_seen
+    res = json.loads((run_a / "results.json").read_text())
+    for m in METHODS:
+        r = res["methods"][m]["seeds"]["0"]
+        got = scalars(run_a / "tb" / "results" / f"{m}-seed0")
+        for j, t in enumerate(TASKS):
+            assert got[f"a/{t}"] == [(i + 1, pytest.approx(row[j])) for i, row in enumerate(r["matrix"])
+                                     if j < len(row)]
+        assert got["final/acc"] == [(3, pytest.approx(r["cl_metrics"]["acc"]))]
+        assert got["final/bwt"] == [(3, pytest.approx(r["cl_metrics"]["bwt"]))]
+
+
 def test_generation_workers_give_the_same_results(env, run_a):
     """run.py --gen-workers 2: its evaluations and drift probes, re-run as two torchrun workers each (on a copy of the
     run, their step directories deleted), have the same keys and write the same predictions; results.json's sft
