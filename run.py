@@ -69,7 +69,7 @@ import rollout
 import train
 
 from data import metrics
-from data.jsonl import check_output, jsonl_lines, read_records, write_json, write_jsonl
+from data.jsonl import check_output, jsonl_lines, read_records, write_json, write_jsonl, write_text_atomic
 from data.manifest import check_scorer, held_out, manifest_path, scorer_file, step_fields, use_manifest_from_argv
 from data.replay import replay_budget, replay_counts, select
 from data.tasks import get_task, parse_tasks, task_names
@@ -282,6 +282,7 @@ def main(argv=None):
                                args, inputs.layout)
     pipe.lock_run_dir()  # creates the run directory: everything above is checked
     pipe.digests.save()
+    write_index(pipe, runs, row0, run_dir / "index.md")
     t0 = time.time()
     pipe.execute()
 
@@ -705,6 +706,29 @@ def print_report(results: dict, run_dir: Path):
               f"off-format, empty or length-capped); all in {run_dir / 'report.md'}, the first:")
         for line in flagged[:3]:
             print(f"  {line}")
+
+
+def write_index(pipe: Pipeline, runs: dict, row0: dict, path: Path):
+    """index.md: which step directory holds what, by method, seed and stage (step keys name only stage and kind,
+    and the early steps are shared by methods). Written before the steps run, so a running stage's live training
+    log is found from it."""
+    lines = ["# Steps of this run", "",
+             "A step's output is `steps/KEY/` once done; while it runs it is `steps/KEY.tmp/` (a training stage's "
+             "live log: `steps/KEY.tmp/ckpt.partial/train_log.jsonl`, and `tb/train/KEY/` for "
+             "`tensorboard --logdir`). The checkpoint of a stage: `steps/KEY/ckpt`.", "",
+             "| method | seed | stage | train | eval | buffer it trained with | rollouts scored into it |",
+             "|---|---|---|---|---|---|---|"]
+    for seed, key in row0.items():
+        lines.append(f"| (base) | {seed} | 0 | - | {key} | - | - |")
+    for label, by_seed in runs.items():
+        for seed, chain in by_seed.items():
+            prev = None
+            for i, (t_key, e_key) in enumerate(chain, 1):
+                buffer = next((d for d in pipe.steps[t_key]["deps"] if d != prev), None)
+                rollout = next(iter(pipe.steps[buffer]["deps"]), None) if buffer else None
+                lines.append(f"| {label} | {seed} | {i} | {t_key} | {e_key} | {buffer or '-'} | {rollout or '-'} |")
+                prev = t_key
+    write_text_atomic(path, "\n".join(lines) + "\n")
 
 
 def write_tensorboard(results: dict, tb_dir: Path):

@@ -339,6 +339,27 @@ def test_tensorboard_events_hold_the_training_logs_and_the_matrices(run_a):
         assert got["final/bwt"] == [(3, pytest.approx(r["cl_metrics"]["bwt"]))]
 
 
+def test_index_names_every_stages_steps(run_a):
+    """index.md: for each method, seed and stage the train, eval, buffer and rollout step directories, all of them
+    steps of the manifest, and the chain's own (opr-ru's buffer was scored from the rollout of the stage before)."""
+    rows = [line.strip("|").split(" | ") for line in (run_a / "index.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| method")]
+    manifest = json.loads((run_a / "manifest.json").read_text())
+    cells = {(r[0].strip(), int(r[1]), int(r[2])): [c.strip() for c in r[3:]] for r in rows}
+    assert len(cells) == 1 + len(METHODS) * len(TASKS)
+    for (method, _, stage), keys in cells.items():
+        assert all(k == "-" or k in manifest for k in keys), keys
+        train, ev, buffer, rollout = keys
+        assert ev.startswith(f"s{stage}-eval-")
+        if method == "opr-ru" and stage > 1:
+            assert manifest[train]["kind"] == "train" and manifest[buffer]["kind"] == "score"
+            assert manifest[rollout]["kind"] == "rollout" and rollout.startswith(f"s{stage - 1}-rollout-")
+        if method == "sft" or stage == 1:
+            assert buffer == rollout == "-"
+        if method == "replay" and stage > 1:
+            assert manifest[buffer]["kind"] == "replay" and rollout == "-"
+
+
 def test_generation_workers_give_the_same_results(env, run_a):
     """run.py --gen-workers 2: its evaluations and drift probes, re-run as two torchrun workers each (on a copy of the
     run, their step directories deleted), have the same keys and write the same predictions; results.json's sft
