@@ -1144,6 +1144,9 @@ def main(argv=None):
         raise UserError(f"{path}: not found (is {args.run_dir} a run.py --out directory?)") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{path}: not valid JSON ({e})") from None
+    if isinstance(results, dict) and results.get("partial"):  # run.py writes it so after every evaluation
+        raise UserError(f"{path}: partial results of a run that has not finished (its matrices so far, without "
+                        f"the metrics); the report is written when run.py --out {args.run_dir} finishes")
     try:
         summary = summarize(results)
         unc = uncertainty(results, summary)

@@ -284,7 +284,9 @@ def main(argv=None):
     pipe.digests.save()
     write_index(pipe, runs, row0, run_dir / "index.md")
     t0 = time.time()
-    pipe.execute()
+
+    pipe.execute(on_commit=lambda key, done: pipe.steps[key]["kind"] == "eval"
+                 and write_partial(pipe, runs, row0, inputs.tasks, done, run_dir))
 
     meta = run_meta(args, preset, cfg, rhos, inputs, pipe, engine_name)
     results = collect(pipe, runs, row0, inputs.tasks, meta, probes)
@@ -708,6 +710,15 @@ def print_report(results: dict, run_dir: Path):
             print(f"  {line}")
 
 
+def write_partial(pipe: Pipeline, runs: dict, row0: dict, tasks: list, done: set, run_dir: Path) -> None:
+    """results.json while the run runs: rewritten whenever an evaluation commits, with every method's stages whose
+    training and evaluation are done; "partial": true at the top and on each seed's entry, its "stages" done, and no
+    continual-learning metrics or probes (they need the whole matrix). The finished run overwrites it."""
+    results = collect(pipe, runs, row0, tasks, {"partial": True}, done=done)
+    results["partial"] = True
+    write_json(run_dir / "results.json", results)
+
+
 def write_index(pipe: Pipeline, runs: dict, row0: dict, path: Path):
     """index.md: which step directory holds what, by method, seed and stage (step keys name only stage and kind,
     and the early steps are shared by methods). Written before the steps run, so a running stage's live training
@@ -823,7 +834,8 @@ def epochs_per_task(spec, tasks) -> dict:
     return dict(zip(tasks, values))
 
 
-def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, probes: dict | None = None) -> dict:
+def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, probes: dict | None = None,
+            done: set | None = None) -> dict:
     """results.json (its schema: report.py's docstring): per method and seed, the accuracy matrix (row i: tasks 1..i
     after stage i), row 0 (the base on every task), next_task (a(i, i+1): task i+1 after stage i, before training on
     it), the continual-learning metrics of data.metrics.cl_metrics, the per-step training loss of every stage, from
@@ -842,8 +854,12 @@ def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, pro
     for label, by_seed in runs.items():
         methods[label] = {"seeds": {}}
         for seed, chain in by_seed.items():
+            if done is not None and row0[seed] not in done:  # (a partial collection: write_partial)
+                continue
             matrix, next_task, losses, sources, examples, diagnostics = [], [], [], [], [], []
             for i, (t_key, e_key) in enumerate(chain):
+                if done is not None and (t_key not in done or e_key not in done):
+                    break
                 scores, per_example, diag = eval_of(e_key)
                 matrix.append([scores[t] for t in tasks[:i + 1]])
                 examples.append([per_example[t] for t in tasks[:i + 1]])
@@ -856,10 +872,14 @@ def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, pro
                 sources.append({"task": [x["loss_task"] for x in log], "replay": [x["loss_replay"] for x in log]}
                                if log and "loss_replay" in log[0] else None)
             base_row = [eval_of(row0[seed])[0][t] for t in tasks]
+            partial = done is not None and len(matrix) < len(chain)
             methods[label]["seeds"][str(seed)] = {"matrix": matrix, "row0": base_row, "next_task": next_task,
-                                                  "cl_metrics": cl_metrics(matrix, base_row, next_task),
+                                                  "cl_metrics": None if partial else cl_metrics(matrix, base_row,
+                                                                                                next_task),
                                                   "loss_curves": losses, "example_scores": examples,
                                                   "diagnostics": diagnostics}
+            if partial:
+                methods[label]["seeds"][str(seed)].update(partial=True, stages=len(matrix))
             if probes:
                 methods[label]["seeds"][str(seed)].update(collect_probes(pipe, probes[label][seed], sources))
     return {"tasks": tasks, "methods": methods, "test_idx": {t: test_idx[t] for t in tasks if t in test_idx},

@@ -222,7 +222,9 @@ class Pipeline:
         self.lock_fd = fd
         self.manifest = read_manifest(self.manifest_path)
 
-    def execute(self):
+    def execute(self, on_commit=None):
+        """Run every step not committed yet; on_commit(key, committed): called (in this thread) after step `key`
+        commits, with the set of committed steps."""
         committed = self.committed()  # grows as steps finish
         todo = [k for k in self.steps if k not in committed]
         if self.use_zygote and todo:  # started by this (the main) thread: it dies with the driver
@@ -260,6 +262,8 @@ class Pipeline:
                     committed.add(key)
                     bar.set_postfix_str(key[:40])
                     bar.update()
+                    if on_commit is not None:
+                        on_commit(key, committed)
             if failure is not None:
                 raise failure
         except BaseException:  # a failure, Ctrl-C, SIGTERM or a bug: no step outlives the driver

@@ -443,7 +443,21 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(env, run_a):
         driver.stderr.close()
 
     killed = json.loads(manifest_path.read_text())  # written atomically: never half a file
-    assert 0 < len(killed) < sum(N_STEPS.values()) and not (out / "results.json").exists()
+    assert 0 < len(killed) < sum(N_STEPS.values())
+    # results.json so far (written after every evaluation): the stages each chain finished, marked partial, each a
+    # prefix of the uninterrupted run's matrix; report.py refuses it in one line
+    if (out / "results.json").exists():
+        part, full = (json.loads((d / "results.json").read_text()) for d in (out, run_a))
+        assert part["partial"] is True
+        for m, entry in part["methods"].items():
+            for seed, r in entry["seeds"].items():
+                whole = full["methods"][m]["seeds"][seed]["matrix"]
+                assert r["matrix"] == whole[:len(r["matrix"])]
+                assert r.get("partial") == (len(r["matrix"]) < len(whole)) and (r["cl_metrics"] is None) == r.get(
+                    "partial", False)
+        rep = subprocess.run([sys.executable, str(REPO / "report.py"), str(out)], cwd=REPO, capture_output=True,
+                             text=True)
+        assert rep.returncode == 2 and "partial results of a run that has not finished" in rep.stderr
     assert all((out / "steps" / k).is_dir() for k in killed)  # a recorded step is always complete
     assert list((out / "steps").glob("*.tmp")), "the kill should have interrupted a step in progress"
     stamps = {k: (out / "steps" / k).stat().st_ino for k in killed}
@@ -504,6 +518,35 @@ def test_a_stage_stopped_mid_training_resumes_from_its_saved_state(env, run_a):
     for d in step_dirs(out, "*-train-*"):
         rel = "ckpt/model.safetensors"
         assert (d / rel).read_bytes() == (run_a / "steps" / d.name / rel).read_bytes(), d.name
+
+
+def test_a_run_stopped_after_stage_k_has_its_matrix_so_far(env, run_a):
+    """results.json is rewritten after every evaluation: run.py --methods sft SIGKILLed once stage 2's evaluation is
+    committed leaves the rows of stages 1..k (k >= 2), equal to the uninterrupted run's, marked partial."""
+    out = env["root"] / "run_partial"
+    driver = subprocess.Popen(command(env["base"], out, "sft", "--jobs", "1"), cwd=REPO, env=env["env"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    manifest_path = out / "manifest.json"
+    try:
+        while not any(k.startswith("s2-eval-") for k in (json.loads(manifest_path.read_text())
+                                                          if manifest_path.exists() else {})):
+            assert driver.poll() is None, f"run.py ended before it could be killed:\n{driver.stderr.read()[-3000:]}"
+            time.sleep(0.01)
+    finally:
+        try:
+            os.killpg(driver.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        driver.wait()
+        driver.stderr.close()
+    part = json.loads((out / "results.json").read_text())
+    r = part["methods"]["sft"]["seeds"]["0"]
+    whole = json.loads((run_a / "results.json").read_text())["methods"]["sft"]["seeds"]["0"]
+    assert part["partial"] is True and 2 <= len(r["matrix"]) <= 3
+    assert r["matrix"] == whole["matrix"][:len(r["matrix"])] and r["row0"] == whole["row0"]
+    assert r["loss_curves"] == whole["loss_curves"][:len(r["matrix"])]
+    if len(r["matrix"]) < 3:
+        assert r["partial"] is True and r["stages"] == len(r["matrix"]) and r["cl_metrics"] is None
 
 
 def test_sdft_and_sft_kl_rows(env):
