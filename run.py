@@ -76,6 +76,7 @@ from data.tasks import get_task, parse_tasks, task_names
 from data.trace import filter_overlong, load_task, task_file
 from model.tokenizer import ChatTokenizer
 from pipeline.cli import ENGINE_HELP, InputError, Parser, UserError, comma_list, float_in, int_at_least, main_cli
+from pipeline import config
 from pipeline.steps import Pipeline
 from reporting.diagnostics import diagnose
 
@@ -246,9 +247,15 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--dry-run", action="store_true", help="print the plan: every step, its tokens, GPU-hours per "
                                                           "method, FSDP2 memory per GPU (plan.py); run and write nothing")
+    p.add_argument("--config", metavar="FILE", help="an experiment file (YAML or TOML) of these flags by name; flags "
+                                                    "on the command line override it. Each run writes its own to "
+                                                    "RUN_DIR/config.yaml (pipeline/config.py)")
     plan.add_arguments(p)
+    argv = config.expand(p, argv)
     use_manifest_from_argv(argv)  # the manifest's task names are what --tasks checks against
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.settings = config.resolved(p, args)  # the experiment, as RUN_DIR/config.yaml holds it
+    return args
 
 
 def main(argv=None):
@@ -282,6 +289,7 @@ def main(argv=None):
                                args, inputs.layout)
     pipe.lock_run_dir()  # creates the run directory: everything above is checked
     pipe.digests.save()
+    write_text_atomic(run_dir / "config.yaml", config.dump(args.settings, sys.argv[1:] if argv is None else argv))
     write_index(pipe, runs, row0, run_dir / "index.md")
     t0 = time.time()
 
@@ -677,12 +685,17 @@ def make_pipeline(args, run_dir: Path):
 
 
 # ---- after the run: results.json, the report, the timing ---------------------------------------------------------
+# settings that change how a run runs, not its numbers: out of results.json, which stays byte-identical across them
+HOW_IT_RUNS = ("out", "jobs", "quiet", "save-every", "gen-workers")
+
+
 def run_meta(args, preset: str, cfg: dict, rhos: list, inputs: Inputs, pipe: Pipeline, engine_name: str) -> dict:
     """results.json's meta: the preset, base, data, settings, numerics and training-set sizes; the preset's seed noise
     when the run is the one it was measured on; a manifest's path and held-out test splits."""
     numerics, base = pipe.numerics, inputs.base
     meta = dict(preset=preset, base=str(base), data=str(inputs.data_root), cfg=cfg,
-                numerics=numerics, train_sizes=inputs.train_sizes)
+                numerics=numerics, train_sizes=inputs.train_sizes,
+                settings={k: v for k, v in args.settings.items() if k not in HOW_IT_RUNS})
     weights = base / "model.safetensors"
     noise = preset_seed_noise(preset, cfg, rhos,
                               custom=bool(args.data or args.model or args.tasks or inputs.task_spec),

@@ -360,6 +360,22 @@ def test_index_names_every_stages_steps(run_a):
             assert manifest[buffer]["kind"] == "replay" and rollout == "-"
 
 
+def test_the_saved_experiment_reruns_the_same_steps(env, run_a):
+    """run_a wrote config.yaml; `run.py --config run_a/config.yaml` plans the same steps (all done, the same keys)
+    and results.json's meta holds the same settings (those that change numbers)."""
+    import yaml
+    saved = yaml.safe_load((run_a / "config.yaml").read_text())
+    assert saved["methods"] == ",".join(METHODS) and saved["out"] == str(run_a) and saved["tasks"] == TASKS
+    p = subprocess.run([sys.executable, str(REPO / "run.py"), "--config", str(run_a / "config.yaml"), "--dry-run"],
+                       cwd=REPO, env=env["env"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    n = sum(N_STEPS.values())
+    assert f"; {n} steps ({n} already done)" in p.stdout
+    meta = json.loads((run_a / "results.json").read_text())["meta"]
+    assert meta["settings"] == {k: v for k, v in saved.items() if k not in ("out", "jobs", "quiet", "save-every",
+                                                                             "gen-workers")}
+
+
 def test_generation_workers_give_the_same_results(env, run_a):
     """run.py --gen-workers 2: its evaluations and drift probes, re-run as two torchrun workers each (on a copy of the
     run, their step directories deleted), have the same keys and write the same predictions; results.json's sft

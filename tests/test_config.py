@@ -1,0 +1,61 @@
+"""Experiment files (pipeline/config.py): run.py --config FILE (YAML or TOML) gives flags by name, the command line
+overrides them, a file holds nothing the flags could not, and a bad file is one line naming the file and key."""
+import pytest
+
+import run
+from pipeline import config
+from pipeline.cli import InputError
+
+
+def args_of(tmp_path, text, *cli, name="exp.yaml"):
+    f = tmp_path / name
+    f.write_text(text)
+    return run.parse_args(["--config", str(f), *cli])
+
+
+def test_a_file_gives_the_flags_and_the_command_line_wins(tmp_path):
+    a = args_of(tmp_path, "methods: [sft, opr-ru]\nrho: [0.1, 0.2]\nlr: 1.0e-4\nquiet: true\ngen_workers: 2\n",
+                "--lr", "3e-4")
+    b = run.parse_args(["--methods", "sft,opr-ru", "--rho", "0.1,0.2", "--lr", "3e-4", "--quiet", "--gen-workers", "2"])
+    assert vars(a) == vars(b)
+    assert a.lr == 3e-4 and a.rho == "0.1,0.2" and a.quiet is True
+    assert a.settings == {"methods": "sft,opr-ru", "rho": "0.1,0.2", "seeds": "0", "gpus": 0, "engine": "auto", "gen-workers": 2,
+                          "save-every": 50, "lr": 3e-4, "quiet": True} | {k: v for k, v in a.settings.items()
+                                                                           if k.startswith("plan-")}
+
+
+def test_toml_and_yaml_read_the_same(tmp_path):
+    y = args_of(tmp_path, "tasks: [C-STANCE, FOMC]\nepochs: 2\nportable: false\n")
+    t = args_of(tmp_path, 'tasks = ["C-STANCE", "FOMC"]\nepochs = 2\nportable = false\n', name="exp.toml")
+    assert vars(y) == vars(t) and y.tasks == ["C-STANCE", "FOMC"] and y.portable is False
+
+
+def test_the_saved_experiment_reads_back_to_the_same_settings(tmp_path):
+    a = run.parse_args(["--methods", "sft,replay", "--rho", "0.05", "--seeds", "0,1", "--lr", "2e-5", "--quiet"])
+    (tmp_path / "config.yaml").write_text(config.dump(a.settings, ["--methods", "sft,replay"]))
+    b = run.parse_args(["--config", str(tmp_path / "config.yaml")])
+    assert b.settings == a.settings and {k: v for k, v in vars(b).items() if k != "config"} == \
+        {k: v for k, v in vars(a).items() if k != "config"}
+
+
+@pytest.mark.parametrize("text, named", [
+    ("bogus: 1\n", "'bogus' is not a setting of this script"),
+    ("lr: .nan\n", "lr: nan is not a finite number"),
+    ("rho: .inf\n", "rho: inf is not a finite number"),
+    ("quiet: 1\n", "quiet: must be true or false"),
+    ("tasks: {a: 1}\n", "tasks: {'a': 1} is not a value --tasks takes"),
+    ("config: other.yaml\n", "'config' is not a setting"),
+    ("- a\n- b\n", "must map setting names to values, got list"),
+    ("lr: [1, [2]]\n", "is not a value --lr takes"),
+    ("a: b: c\n", "not valid YAML"),
+])
+def test_a_bad_file_is_one_line_naming_it(tmp_path, text, named):
+    with pytest.raises(InputError, match=r"exp\.yaml") as e:
+        args_of(tmp_path, text)
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_value_the_flag_refuses_is_refused_as_the_flag_would(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        args_of(tmp_path, "rho: 5\n")
+    assert e.value.code == 2 and "--rho" in capsys.readouterr().err
