@@ -76,6 +76,7 @@ class Pipeline:
         # OPR_NO_ZYGOTE=1 starts each as its own `python script.py` instead (slower, same results)
         self.use_zygote = os.environ.get("OPR_NO_ZYGOTE", "") in ("", "0")
         self.zygote = None
+        self.warned = set()  # steps whose changed outputs were reported (intact)
 
     def add(self, kind: str, name: str, spec: dict, deps: list[str], build, reads=()) -> str:
         """Register a step; `build(tmp_dir, dep_dirs) -> argv` writes its inputs and returns the command that
@@ -97,11 +98,37 @@ class Pipeline:
         def done(key):
             if key not in memo:
                 rec = self.manifest.get(key)
-                memo[key] = rec is not None and self.dir(key).is_dir() and all(
+                memo[key] = rec is not None and self.dir(key).is_dir() and self.intact(key, rec) and all(
                     done(d) and rec.get("inputs", {}).get(d) == self.manifest[d].get("id")
                     for d in self.steps[key]["deps"])
             return memo[key]
         return {k for k in self.steps if done(k)}
+
+    def outputs(self, key: str) -> dict:
+        """{relative path: sha256} of every file of a step's directory (pipeline.digest's cache: a file is read
+        again only when its size, times or inode changed)."""
+        d = self.dir(key)
+        return {str(p.relative_to(d)): self.digests.file(p) for p in sorted(d.rglob("*")) if p.is_file()}
+
+    def intact(self, key: str, rec: dict) -> bool:
+        """A committed step's files are the ones it committed (their digests are in its manifest entry): one edited,
+        truncated, emptied, removed or added by hand makes the step not done, so it runs again (and every step that
+        read it), with one line saying so. Entries from before digests were recorded are trusted."""
+        if "files" not in rec:
+            return True
+        try:
+            now = self.outputs(key)
+        except OSError:
+            now = None
+        if now == rec["files"]:
+            return True
+        if key not in self.warned:
+            self.warned.add(key)
+            now = now or {}
+            changed = sorted(f for f in set(rec["files"]) | set(now) if rec["files"].get(f) != now.get(f))
+            print(f"run.py: {self.dir(key)}: {', '.join(changed[:3]) or 'its files'} changed since the step "
+                  f"committed; running it again", file=sys.stderr, flush=True)
+        return False
 
     def run_step(self, key: str):
         step, final = self.steps[key], self.dir(key)
@@ -133,8 +160,10 @@ class Pipeline:
             # input was re-run since (deleted by hand, possibly different bytes on a GPU) is stale, not done
             self.manifest[key] = {"kind": step["kind"], "seconds": round(time.time() - t0, 2),
                                   "id": os.urandom(8).hex(),
-                                  "inputs": {d: self.manifest[d].get("id") for d in step["deps"]}}
+                                  "inputs": {d: self.manifest[d].get("id") for d in step["deps"]},
+                                  "files": self.outputs(key)}  # what a later run checks it against (intact)
             write_json(self.manifest_path, self.manifest)
+            self.digests.save()
 
     def call(self, argv, log_path: Path) -> int:
         """Run one step's command, its output to log_path. The child leads its own process group (so the driver

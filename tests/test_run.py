@@ -376,6 +376,30 @@ def test_the_saved_experiment_reruns_the_same_steps(env, run_a):
                                                                              "gen-workers")}
 
 
+def test_a_committed_step_edited_by_hand_runs_again(env, run_a):
+    """Each step's files are checked against the digests recorded when it committed: an evaluation whose scores were
+    edited and a rollout file emptied are redone (one line each), with the steps that read the rollouts; results.json
+    is the uninterrupted run's again."""
+    out = env["root"] / "run_edited"
+    shutil.copytree(run_a, out)
+    ev = step_dirs(out, "s3-eval-*")[0]
+    preds = ev / "eval" / "predictions.jsonl"
+    preds.write_text(preds.read_text().replace('"score": 0.0', '"score": 100.0'))
+    (ev / "eval" / "scores.json").write_text((ev / "eval" / "scores.json").read_text().replace("0.0", "100.0"))
+    rollout = step_dirs(out, "s2-rollout-*")[0]
+    (rollout / "rollouts.jsonl").write_text("")
+    p = subprocess.run(command(env["base"], out), cwd=REPO, env=env["env"], capture_output=True, text=True)
+    assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    assert f"{ev}: eval/predictions.jsonl, eval/scores.json changed since the step committed" in p.stderr
+    assert f"{rollout}: rollouts.jsonl changed since the step committed" in p.stderr
+    a, b = (json.loads((d / "manifest.json").read_text()) for d in (run_a, out))
+    redone = {k for k in a if a[k]["id"] != b[k]["id"]}
+    assert ev.name in redone and rollout.name in redone
+    assert any(b[k]["kind"] == "score" for k in redone)  # the buffer scored from the emptied rollouts, and so on
+    assert json.loads((out / "results.json").read_text())["methods"] == \
+        json.loads((run_a / "results.json").read_text())["methods"]
+
+
 def test_generation_workers_give_the_same_results(env, run_a):
     """run.py --gen-workers 2: its evaluations and drift probes, re-run as two torchrun workers each (on a copy of the
     run, their step directories deleted), have the same keys and write the same predictions; results.json's sft
