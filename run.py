@@ -70,7 +70,7 @@ import train
 
 from data import metrics
 from data.jsonl import check_output, jsonl_lines, read_records, write_json, write_jsonl, write_text_atomic
-from data.manifest import check_scorer, held_out, manifest_path, scorer_file, step_fields, use_manifest_from_argv
+from data.manifest import check_scorer, held_out, manifest_path, scorer_files, step_fields, use_manifest_from_argv
 from data.replay import replay_budget, replay_counts, select
 from data.tasks import get_task, parse_tasks, task_names
 from data.trace import filter_overlong, load_task, task_file
@@ -401,7 +401,7 @@ class Steps:
 
     @staticmethod
     def scorers(task_list):  # a user's own scorer is read like a data file by the steps that score with it
-        return [f for f in (scorer_file(get_task(t)) for t in task_list) if f]
+        return [f for t in task_list for f in scorer_files(get_task(t))]
 
     @staticmethod
     def with_fields(spec, task_list, kind):  # a manifest's task settings; absent without one (TRACE's keys)

@@ -277,12 +277,43 @@ def step_fields(tasks, kind: str) -> dict | None:
     return {t: {f: list(v) if isinstance(v := getattr(table[t], f), tuple) else v for f in fields} for t in tasks}
 
 
-def scorer_file(task: Task) -> Path | None:
-    """The source file of a task's own scorer: part of the keys of the steps that score with it."""
+def scorer_files(task: Task) -> list[Path]:
+    """The source files of a task's own scorer: its module and every module it imports, directly or through
+    another, from the user's tree (the scorer's directory and below); part of the keys of the steps that score with
+    it, so editing a helper module re-scores too. Imports of the standard library and installed packages are not."""
     if ":" not in task.metric:
-        return None
+        return []
     spec = importlib.util.find_spec(task.metric.partition(":")[0])
-    return Path(spec.origin) if spec and spec.origin and Path(spec.origin).is_file() else None
+    if not (spec and spec.origin and Path(spec.origin).is_file()):
+        return []
+    root, todo, found = Path(spec.origin).resolve().parent, [Path(spec.origin).resolve()], []
+    while todo:
+        f = todo.pop()
+        if f in found:
+            continue
+        found.append(f)
+        for name in _imported(f):
+            try:
+                sub = importlib.util.find_spec(name)
+            except (ImportError, ValueError):  # a relative or missing name: the scorer's own import says so
+                continue
+            origin = Path(sub.origin).resolve() if sub and sub.origin and Path(sub.origin).is_file() else None
+            if origin and origin.is_relative_to(root):
+                todo.append(origin)
+    return sorted(found)
+
+
+def _imported(path: Path) -> list[str]:
+    """Absolute module names a source file imports, with their parents (`import a.b`: a and a.b)."""
+    import ast
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+        for m in mods:
+            parts = m.split(".")
+            names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return sorted(names)
 
 
 def check_scorer(task: Task, example):

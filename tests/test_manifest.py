@@ -455,3 +455,22 @@ def test_evaluate_reads_a_task_spec_outside_the_data_root(e2e, tmp_path):
     assert [p["task"] for p in preds] == ["Words", "Words", "Tickets", "Tickets"]
     assert all(p["num_tokens"] <= (3 if p["task"] == "Tickets" else 5) for p in preds)
     assert all(p["score"] == exact_match(p["prediction"], p["gold"]) for p in preds if p["task"] == "Words")
+
+
+def test_a_scorers_helper_modules_are_part_of_its_files(tmp_path, monkeypatch):
+    """scorer_files: the scorer's module and what it imports from its own tree, through other modules too (so editing
+    a helper re-scores: the files are read into the scoring steps' keys); the standard library and installed
+    packages are not the user's."""
+    from types import SimpleNamespace
+    (tmp_path / "helpers").mkdir()
+    (tmp_path / "sc_main.py").write_text("import json\nimport numpy\nfrom sc_helper import norm\n"
+                                         "def f(prediction, gold, record):\n    return 100.0 * (norm(prediction) == norm(gold))\n")
+    (tmp_path / "sc_helper.py").write_text("import re\nimport helpers.words as w\ndef norm(s):\n    return w.clean(s)\n")
+    (tmp_path / "helpers" / "__init__.py").write_text("")
+    (tmp_path / "helpers" / "words.py").write_text("def clean(s):\n    return s.strip().lower()\n")
+    (tmp_path / "unused.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    files = manifest.scorer_files(SimpleNamespace(metric="sc_main:f"))
+    assert [f.relative_to(tmp_path.resolve()).as_posix() for f in files] == [
+        "helpers/__init__.py", "helpers/words.py", "sc_helper.py", "sc_main.py"]
+    assert manifest.scorer_files(SimpleNamespace(metric="exact_match")) == []
