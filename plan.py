@@ -552,7 +552,19 @@ def print_plan(steps, runs, cfg_run, train_sets, tok, data_root, base, args, lay
     print(format_plan(costs, model_cfg, profile, cfg_run["micro_tokens"],
                       f"plan (dry run: nothing ran, nothing was written): {len(costs)} steps, model {base}", list(runs),
                       checkpointing))
+    print(format_disk(costs, model_cfg, gpus=bool(args.gpus)))
     return costs
+
+
+def format_disk(costs, model_cfg, gpus: bool) -> str:
+    """The disk the run's steps keep: every train step's checkpoint stays in steps/ (a later stage, a re-run and a
+    new method read them), in train.py's compute dtype (bf16 on GPUs, fp32 on the CPU); a running stage's
+    resumable state (fp32 weights and AdamW's two moments, 12 bytes per parameter) until it ends."""
+    n = sum(c.kind == "train" for c in costs)
+    params = model_cfg.num_params(embeddings=True)
+    ckpt, state = params * (2 if gpus else 4), params * 12
+    return (f"disk: {n} stage checkpoints of {gb(ckpt)} each kept in steps/ = {gb(n * ckpt)}, plus {gb(state)} "
+            f"of resumable state per stage while it trains")
 
 
 # ---------------------------------------------------------------------------------------------- the paper's grid

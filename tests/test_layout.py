@@ -189,6 +189,11 @@ def test_dry_run_from_config_json_alone_prices_the_layout(tmp_path, config_only)
     assert not (tmp_path / "run").exists() and [p.name for p in config_only.iterdir()] == ["config.json"]
 
     assert "generation: DP 8 x TP 1 on 8 GPUs (default: the smallest TP" in out[8, None]
+    # the disk the kept checkpoints take: 3 train steps (stage 1 shared, stage 2 of sft and of opr-ru), bf16
+    from plan import gb
+    params = load_config(config_only).num_params(embeddings=True)
+    assert f"disk: 3 stage checkpoints of {gb(2 * params)} each kept in steps/ = {gb(6 * params)}, plus " \
+           f"{gb(12 * params)} of resumable state per stage while it trains" in out[8, None]
     assert "generation: DP 2 x TP 4 on 8 GPUs (--tp 4)" in out[8, 4]
     assert "generation: DP 1 x TP 4 on 4 GPUs (--tp 4)" in out[4, 4]
 
