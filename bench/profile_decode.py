@@ -57,7 +57,7 @@ def main(argv=None):
         model = Transformer(load_config(config_dir(args.config, Path(tempfile.mkdtemp()))))
     model.to_empty(device=device)
     random_init(model, None)
-    model.to(dtype).eval()
+    model.to(dtype).eval().requires_grad_(False)  # frozen, as a loaded checkpoint is: the engine packs it
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
                for _ in range(args.batch)]
