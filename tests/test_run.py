@@ -529,17 +529,14 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(env, run_a):
         assert (out / name).is_file()
 
 
-def test_a_stage_stopped_mid_training_resumes_from_its_saved_state(env, run_a):
-    """run.py --save-every 1, SIGKILLed while a training step runs after it saved a state: the re-run continues that
-    stage from the state (train.py says so in the step's log) and ends with run_a's weights, bit for bit."""
-    out = env["root"] / "run_midstage"
-    cmd = command(env["base"], out, "sft", "--save-every", "1")
-    driver = subprocess.Popen(cmd, cwd=REPO, env=env["env"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              start_new_session=True)
+def kill_when(cmd, env, ready, poll: float = 0.005):
+    """Start run.py, SIGKILL it and everything it started as soon as ready() holds (it must not end before)."""
+    driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              start_new_session=True)  # its own process group: the kill reaches every child
     try:
-        while not list((out / "steps").glob("*-train-*.tmp/ckpt.partial/state/progress.pt")):
+        while not ready():
             assert driver.poll() is None, f"run.py ended before it could be killed:\n{driver.stderr.read()[-3000:]}"
-            time.sleep(0.005)
+            time.sleep(poll)
     finally:
         try:
             os.killpg(driver.pid, signal.SIGKILL)
@@ -547,6 +544,14 @@ def test_a_stage_stopped_mid_training_resumes_from_its_saved_state(env, run_a):
             pass
         driver.wait()
         driver.stderr.close()
+
+
+def test_a_stage_stopped_mid_training_resumes_from_its_saved_state(env, run_a):
+    """run.py --save-every 1, SIGKILLed while a training step runs after it saved a state: the re-run continues that
+    stage from the state (train.py says so in the step's log) and ends with run_a's weights, bit for bit."""
+    out = env["root"] / "run_midstage"
+    cmd = command(env["base"], out, "sft", "--save-every", "1")
+    kill_when(cmd, env["env"], lambda: list((out / "steps").glob("*-train-*.tmp/ckpt.partial/state/progress.pt")))
     stopped = [p.parent.parent.parent.name.removesuffix(".tmp")
                for p in (out / "steps").glob("*-train-*.tmp/ckpt.partial/state/progress.pt")]
     assert len(stopped) == 1
@@ -564,21 +569,10 @@ def test_a_run_stopped_after_stage_k_has_its_matrix_so_far(env, run_a):
     """results.json is rewritten after every evaluation: run.py --methods sft SIGKILLed once stage 2's evaluation is
     committed leaves the rows of stages 1..k (k >= 2), equal to the uninterrupted run's, marked partial."""
     out = env["root"] / "run_partial"
-    driver = subprocess.Popen(command(env["base"], out, "sft", "--jobs", "1"), cwd=REPO, env=env["env"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     manifest_path = out / "manifest.json"
-    try:
-        while not any(k.startswith("s2-eval-") for k in (json.loads(manifest_path.read_text())
-                                                          if manifest_path.exists() else {})):
-            assert driver.poll() is None, f"run.py ended before it could be killed:\n{driver.stderr.read()[-3000:]}"
-            time.sleep(0.01)
-    finally:
-        try:
-            os.killpg(driver.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        driver.wait()
-        driver.stderr.close()
+    kill_when(command(env["base"], out, "sft", "--jobs", "1"), env["env"],
+              lambda: any(k.startswith("s2-eval-") for k in (json.loads(manifest_path.read_text())
+                                                             if manifest_path.exists() else {})), poll=0.01)
     part = json.loads((out / "results.json").read_text())
     r = part["methods"]["sft"]["seeds"]["0"]
     whole = json.loads((run_a / "results.json").read_text())["methods"]["sft"]["seeds"]["0"]
