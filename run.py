@@ -679,12 +679,18 @@ def make_pipeline(args, run_dir: Path):
                     device=torch.cuda.get_device_name(0) if gpus and torch.cuda.is_available() else "cpu",
                     cpu=cpu, kernels=kernels.backends())
     pipe = Pipeline(run_dir, jobs, env, args.quiet, numerics)
+    pipe.outputs_of = STEP_OUTPUTS
     engine_name = engine_of(args)
     pipe.use_zygote &= gpus == 0 and engine_name != "vllm"  # CUDA and vLLM start in processes of their own
     return pipe, engine_name
 
 
 # ---- after the run: results.json, the report, the timing ---------------------------------------------------------
+# what each kind of step must have written when it exits 0; otherwise it failed (and is not committed)
+STEP_OUTPUTS = {"train": ["ckpt/model.safetensors"], "eval": ["eval/scores.json", "eval/predictions.jsonl"],
+                "rollout": ["rollouts.jsonl"], "score": ["buffer.jsonl"], "replay": ["buffer.jsonl"],
+                "drift": ["drift/drift.json"], "buffer-nll": ["buffer_stats.json"]}
+
 # settings that change how a run runs, not its numbers: out of results.json, which stays byte-identical across them
 HOW_IT_RUNS = ("out", "jobs", "quiet", "save-every", "gen-workers")
 

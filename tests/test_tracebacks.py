@@ -268,3 +268,17 @@ def test_sari_reads_a_chat_prompt(tmp_path):
     turns = [{"role": "system", "content": "Du vereinfachst."}, {"role": "user", "content": text}]
     for fn in (sari_metric, trace_sari, paper_sari):
         assert fn("Die Katze sass .", "Die Katze sass .", turns) == fn("Die Katze sass .", "Die Katze sass .", text)
+
+
+def test_a_step_that_exits_0_without_its_outputs_is_not_committed(tmp_path):
+    """A step whose command succeeds but wrote none of its kind's outputs (a user scorer that called sys.exit(0)
+    inside evaluate.py) fails in one line naming the missing file; nothing is committed."""
+    from pipeline.steps import Pipeline, StepFailed
+    pipe = Pipeline(tmp_path / "run", 1, dict(os.environ), True, {})
+    pipe.use_zygote = False
+    pipe.outputs_of = {"eval": ["eval/scores.json"]}
+    key = pipe.add("eval", "s1-eval", {}, [], lambda tmp, dirs: [sys.executable, "-c", "import sys; sys.exit(0)"])
+    pipe.lock_run_dir()
+    with pytest.raises(StepFailed, match=rf"step {key} exited 0 without writing eval/scores.json; full log: "):
+        pipe.execute()
+    assert pipe.manifest == {} and not pipe.dir(key).exists()
