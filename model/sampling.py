@@ -97,8 +97,8 @@ def check_context(ckpt_dir, prompts: list[list[int]], max_new_tokens: int, tasks
 
 
 def load_native(ckpt_dir):
-    """The checkpoint as the native engine samples it: bf16 on a GPU, fp32 on the CPU (a worker's own GPU, or its
-    share of the threads: model/workers.py)."""
+    """The checkpoint as the native engine samples it: bf16 on a GPU (a worker's own: model/workers.py), fp32 on the
+    CPU."""
     from model import workers
     from model.checkpoint import load_model
     workers.start()

@@ -9,7 +9,7 @@ per-request seeds are the same keys), and every rank gets all responses back in 
 give the tokens one worker gives, and the script's outputs, written by rank 0 only, do not depend on N.
 
 A worker's resources: on a GPU node its `tp` GPUs (rank r holds GPUs r*tp .. r*tp+tp-1), on the CPU OMP_NUM_THREADS
-threads (bound to cores of its own for vLLM), as a single process would have: the same threads, the same numerics.
+threads placed by the OS, as a single process would have: the same threads, the same numerics.
 """
 import os
 
@@ -39,12 +39,6 @@ def start():
     dist.init_process_group("gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(local()[0])  # the native engine's "cuda" (vLLM's GPUs: vllm_engine.worker_env)
-
-
-def stop():
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def shards(costs: list[int], n: int) -> list[list[int]]:
