@@ -57,7 +57,7 @@ from data.jsonl import check_output, dumps_strict, jsonl_lines, read_records
 from data.packing import IGNORE, Example, collate, pack, plan_steps, tokenize_sft
 import kernels
 from kernels import attention, cross_entropy
-from model.checkpoint import load_config, load_into, replace_dir, save_checkpoint
+from model.checkpoint import load_config, load_into, remove_dir, replace_dir, save_checkpoint
 from model.tokenizer import ChatTokenizer
 from model.transformer import Transformer
 from reporting import tensorboard
@@ -758,7 +758,7 @@ def save_final(s: Stage, t_start: float):
             save_dtype = torch.bfloat16 if s.compute_dtype == torch.bfloat16 else torch.float32
             save_checkpoint(full, args.model, s.out, dtype=save_dtype,
                             extra_files=[s.log_path, workdir / "train_summary.json"])
-            shutil.rmtree(workdir, ignore_errors=True)
+            remove_dir(workdir)  # whole or gone: a kill mid-way must not leave a state that looks resumable
             print(f"train.py: {len(steps)} steps, {s.tokens_seen} tokens in {elapsed:.1f}s "
                   f"({summary['tokens_per_s']:.0f} tok/s), dropped {s.dropped} over-long, packing efficiency "
                   f"{summary['packing_efficiency']:.1%} -> {s.out}", flush=True)

@@ -228,6 +228,17 @@ def save_checkpoint(state_dict: dict, src_dir, out_dir, max_shard_bytes: int = 5
     return out_dir
 
 
+def remove_dir(path: Path):
+    """Remove a directory so that it is either whole or gone: renamed aside first (atomic), then deleted. A plain
+    rmtree stopped half-way (a SIGKILL) leaves a directory that looks intact by its marker file but lacks others."""
+    if not path.exists():
+        return
+    aside = path.with_name(f".{path.name}.removed-{os.getpid()}")
+    os.replace(path, aside)
+    fsync_dir(path.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def replace_dir(tmp: Path, out_dir: Path):
     """Move tmp to out_dir, durably (its files are fsynced before the rename, the parent after); an existing
     out_dir is moved aside first and removed only after the swap. Callers check first that out_dir is theirs to

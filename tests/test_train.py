@@ -344,6 +344,26 @@ def test_warmup_reaches_the_logged_lr(ckpt, ref, tmp_path):
     assert lrs == pytest.approx([peak * (s + 1) / (n + 1) for s in range(3)], rel=1e-6)
 
 
+def test_a_state_removed_half_way_is_gone_whole(tmp_path, monkeypatch):
+    """train.py removes its resumable state when the final checkpoint is written; a kill in the middle of that must
+    not leave progress.pt beside missing shards (a re-run would resume from it and fail on a missing file)."""
+    import shutil
+    from model import checkpoint
+    state = tmp_path / "ckpt.partial" / "state"
+    state.mkdir(parents=True)
+    for name in ("__0_0.distcp", ".metadata", "progress.pt"):
+        (state / name).write_bytes(b"x")
+
+    def killed_half_way(path, ignore_errors=False):
+        (Path(path) / "state" / "__0_0.distcp").unlink()
+        raise KeyboardInterrupt  # stands for the SIGKILL: nothing after this line runs
+    monkeypatch.setattr(shutil, "rmtree", killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.remove_dir(tmp_path / "ckpt.partial")
+    assert not (tmp_path / "ckpt.partial").exists()
+    checkpoint.remove_dir(tmp_path / "absent")  # nothing to remove is no error
+
+
 def test_resume_refuses_a_state_saved_for_another_plan(ckpt, tmp_path):
     out = tmp_path / "k"
     _, _, progress = kill_once_state_is_saved(ckpt, out)
