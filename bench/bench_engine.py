@@ -67,7 +67,7 @@ def worker(args):
     if args.worker == "vllm":  # run by --vllm's interpreter: the project's wrapper settings, on the CPU backend
         import os
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the engine process's threads (worker_env: not bound)
-        from model.engine import row_keys
+        from model.sampler import row_keys
         from model.vllm_engine import engine_env, llm_kwargs, sampling_params, worker_env
         import vllm
         t_start = time.perf_counter()

@@ -1,6 +1,6 @@
 """The sampler's per-step cost on real next-token distributions: greedy, and temperature 0.1 and 1.0 with the full
 Gumbel-max draw (every vocabulary entry's noise, in one piece: the sampler before 2026-11-28) and with today's
-model.engine.sample (noise only for the tokens that can win; the full draw a few rows at a time where most can).
+model.sampler.sample (noise only for the tokens that can win; the full draw a few rows at a time where most can).
 
     python bench/bench_sampler.py [--model smollm2] [--trace ../shared/trace] [--rows 16,32,64] [--threads 2]
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 def full_sample(logits, temperature, keys, counters):
     """The sampler before: the whole [n, V] noise tensor at once (model.engine's full draw in one piece)."""
-    from model.engine import _full_draw
+    from model.sampler import _full_draw
     logits = logits.float()
     tokens = _full_draw(logits, temperature, keys, counters, rows=len(logits))
     return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -58,7 +58,7 @@ def main():
     torch.set_num_threads(args.threads)
     from bench_engine import checkpoint, mix_prompts
     from model.checkpoint import load_model
-    from model.engine import sample
+    from model.sampler import sample
     ckpt = checkpoint(args.model)
     prompts, stop = mix_prompts(ckpt, args.prompts, args.trace)
     model = load_model(ckpt).eval()

@@ -45,7 +45,7 @@ def backends() -> dict:
 #    (model.transformer.split_rows): sampled log-probs move in the last bits, and so do other no-grad forwards of
 #    such weights (sdft's and sft-kl's teacher, train.py's response statistics); training's updates, and so the tiny
 #    base, do not
-# 11: the CPU engine multiplies by weights packed once for oneDNN (model.engine.Packed) instead of F.linear / the split
+# 11: the CPU engine multiplies by weights packed once for oneDNN (model.transformer.Packed) instead of F.linear / the split
 #    bmm: sampled log-probs move in the last bits (greedy tokens of SmolLM2 on TRACE prompts unchanged); training,
 #    and so the tiny base, do not
 NUMERICS = 11

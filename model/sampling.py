@@ -56,7 +56,7 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, ma
         from model.tokenizer import ChatTokenizer
         stop_ids = ChatTokenizer.from_dir(ckpt_dir).stop_ids
     from model import workers
-    from model.engine import row_keys
+    from model.sampler import row_keys
     keys = row_keys(len(prompts), seed)  # prompt i's sampling key, whichever worker samples it
     caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
 

@@ -5,7 +5,7 @@ Parameter names are Hugging Face's but for two fused weights: q/k/v are one `sel
 names, which is all a checkpoint ever holds. Two attention modes:
   packed   (training): B == 1, documents concatenated, `cu_seqlens` marks them, `position_ids` restart at 0
   dense    (reference): plain causal attention over each row (tests compare the packed mode with it)
-Sampling runs the same modules and weights through model/engine.py (its own KV cache and decode step).
+Sampling runs these same blocks through model/engine.py, which plugs its KV cache in as `attend`.
 """
 import math
 
@@ -66,11 +66,45 @@ def linear(x, w, b=None):
     return y.reshape(*x.shape[:-1], n)
 
 
+class Packed:
+    """A weight [N, K] copied once into the blocked layout oneDNN's fp32 kernels read (the layout vLLM's CPU backend
+    packs its weights into too): its products run at 2-4x F.linear's on plain weights at decode and prefill sizes."""
+    PACK_ROWS = 64  # the row count the layout is chosen for; other row counts use it as it is
+
+    def __init__(self, w):
+        self.shape = w.shape
+        self.w = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.PACK_ROWS)
+
+    def __call__(self, x, b=None):
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.shape[1]).contiguous(), self.w, b, "none", [], "")
+        return y.view(*x.shape[:-1], self.shape[0])
+
+
+# Linear -> its Packed weight, while model.engine runs a forward (packed_products); empty otherwise: training and
+# every other forward multiply by the plain weights
+_PACKED: dict = {}
+
+
+class packed_products:
+    """with packed_products(packs): the Linear modules in `packs` multiply by their packed weights."""
+
+    def __init__(self, packs: dict):
+        self.packs = packs
+
+    def __enter__(self):
+        _PACKED.update(self.packs)
+
+    def __exit__(self, *exc):
+        _PACKED.clear()
+
+
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, state dict and training numerics); see SPLIT_MAX_ROWS for its CPU inference path."""
+    """nn.Linear (same parameters, state dict and training numerics); see SPLIT_MAX_ROWS for its CPU inference path,
+    and packed_products for the engine's."""
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias)
+        packed = _PACKED.get(self) if _PACKED else None
+        return linear(x, self.weight, self.bias) if packed is None else packed(x, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -153,7 +187,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None):
+    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, attend=None):
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
@@ -165,7 +199,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        if cu_seqlens is not None:
+        if attend is not None:  # the engine's KV cache: attend(layer, q, k, v) [T, H, D] -> [T, H * D] (B == 1)
+            out = attend(self.layer_idx, q[0], k[0], v[0])[None]
+        elif cu_seqlens is not None:
             out = varlen_attention(q[0], k[0], v[0], cu_seqlens, max_seqlen)[None]
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,D]
@@ -193,8 +229,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen)
+    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, attend=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, max_seqlen, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

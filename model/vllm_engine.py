@@ -126,11 +126,11 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float, max_new_
              seeds: list[int] | None = None, tp: int = 1, progress: bool = True) -> list[dict]:
     """One response per prompt (token id lists) in input order: {"token_ids", "logprobs", "finish_reason"}.
     max_new_tokens: one cap, or one per prompt (LLM.generate takes one SamplingParams per prompt). seeds: one per
-    prompt (model.engine.row_keys: the native engine's keys), default (seed, i)."""
+    prompt (model.sampler.row_keys: the native engine's keys), default (seed, i)."""
     import torch
     import vllm
 
-    from model.engine import row_keys
+    from model.sampler import row_keys
     cpu = not torch.cuda.is_available()
     with engine_env(worker_env(tp, cpu)):
         llm = vllm.LLM(**llm_kwargs(vllm, ckpt_dir, tp=tp, seed=seed, cpu=cpu))

@@ -12,8 +12,8 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 
 from model.checkpoint import load_model  # noqa: E402
-from model.engine import (Engine, _full_draw, _row_hash, _sample_candidates, gumbel, hash32,  # noqa: E402
-                          row_keys, sample)
+from model.engine import Engine  # noqa: E402
+from model.sampler import _full_draw, _row_hash, _sample_candidates, gumbel, hash32, row_keys, sample  # noqa: E402
 from model.generate import generate  # noqa: E402
 
 TOL = 1e-5
@@ -267,11 +267,13 @@ def test_the_cpu_engine_packs_frozen_weights_only(model):
     generation workers'); weights that train (train.py's SDFT: requires_grad) are sampled with the model's own
     tensors; packed and plain products give the same greedy tokens, log-probs within TOL."""
     import torch.distributed as dist
-    from model.engine import Packed
-    assert isinstance(Engine(model).lm_head, Packed) and isinstance(Engine(model).layers[0]["qkv"][0], Packed)
+    from model.transformer import Linear
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * model.cfg.num_hidden_layers + 1  # q/k/v, o, gate/up, down and lm_head
+    assert list(Engine(model).packs) == linears
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        assert isinstance(Engine(model).lm_head, Packed)
+        assert list(Engine(model).packs) == linears
     finally:
         dist.destroy_process_group()
     model.requires_grad_(True)
@@ -279,7 +281,7 @@ def test_the_cpu_engine_packs_frozen_weights_only(model):
         plain = Engine(model)
     finally:
         model.requires_grad_(False)
-    assert not isinstance(plain.lm_head, Packed) and not isinstance(plain.layers[0]["down"][0], Packed)
+    assert not plain.packs
     kw = dict(temperature=0.0, max_new_tokens=12, progress=False)
     a, b = plain.generate(PROMPTS, **kw), Engine(model).generate(PROMPTS, **kw)
     assert [o["token_ids"] for o in a] == [o["token_ids"] for o in b]
@@ -288,7 +290,7 @@ def test_the_cpu_engine_packs_frozen_weights_only(model):
 
 @pytest.mark.parametrize("vocab", [50, 4099, 49152])
 def test_candidate_draw_is_the_full_draw_bit_for_bit(vocab):
-    """sample() draws noise only for the tokens that can still win (model.engine._sample_candidates) and the full
+    """sample() draws noise only for the tokens that can still win (model.sampler._sample_candidates) and the full
     draw a few rows at a time (_full_draw): both pick argmax(logits / T + gumbel) over the whole vocabulary, computed
     in one piece, on every row -- ties included (argmax's first id), rows whose winner is not the top logit, peaked
     and flat rows, T from 0.05 to 2. Fails when the bound on the noise (G_MAX) is too small or the tie rule differs."""

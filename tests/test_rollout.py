@@ -225,7 +225,7 @@ def test_vllm_wrapper_contract(monkeypatch, new_api):
     assert params["top_k"] == (0 if new_api else -1) and params["repetition_penalty"] == 1.0
     # each request its own seed: its prompt's key in the native engine, so no other request (nor which worker
     # samples it) changes its tokens
-    from model.engine import row_keys
+    from model.sampler import row_keys
     assert [kw["seed"] for kw in calls["each"]] == row_keys(3, 7) and len(set(row_keys(3, 7))) == 3
     llm = calls["llm"]
     assert llm["model"] == "/ckpt/dir" and llm["tensor_parallel_size"] == 4 and llm["seed"] == 7

@@ -1,0 +1,105 @@
+"""The sampler and its random numbers.
+
+The raw log-prob of each sampled token is log_softmax(logits)[token] in fp32, before temperature (vLLM's
+raw_logprobs). The token is drawn by the Gumbel-max trick, argmax(logits / T + g), with g = -log(-log u) and u a
+counter-based hash of (the row's key, the token's index in its response, the vocabulary id): exact sampling from
+softmax(logits / T), and a prompt's draws depend on its own key only, never on its neighbours in a batch, the batch
+size, the schedule or the device. Keys: `seeds[i]` when given (train.py's SDFT: one per example and step), else a
+function of (seed, i). temperature 0 is greedy. The noise is bounded (u has 32 bits), so only tokens whose scaled logit
+lies within that bound of the top token's drawn score can win: outside a CUDA graph the sampler draws noise for
+those alone (at T 0.1 a handful), the same tokens bit for bit as the draw over the whole vocabulary.
+"""
+import torch
+
+M32 = 0xFFFFFFFF
+
+
+# ---- counter-based random numbers: the same bits on every device and for every batch ---------------------------
+def _mul32(x, c: int):
+    """(x * c) mod 2^32 for int64 x in [0, 2^32), without ever overflowing int64 (two 16-bit halves of c)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & M32
+
+
+def hash32(x):
+    """lowbias32 (C. Wellons' integer hash), a bijection of [0, 2^32), on int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _row_hash(keys, counters):
+    """Each row's 32-bit stream id from its int64 key [n] (any non-negative value < 2^63) and counter [n]."""
+    row = hash32(hash32(keys & M32) ^ ((keys >> 32) & M32))  # not symmetric in the halves: (s, i) != (i, s)
+    return hash32(row ^ (counters & M32))
+
+
+def _noise(row, ids):
+    """The Gumbel noise (fp64) of vocabulary ids under row hashes `row` (broadcast together)."""
+    u = (hash32(row ^ ids).double() + 0.5) * 2.0 ** -32  # in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def gumbel(keys, counters, vocab: int):
+    """Gumbel noise [n, vocab] (fp64) for rows with int64 keys [n] drawing their counters[n]-th token: a function of
+    (key, counter, vocabulary id) only."""
+    return _noise(_row_hash(keys, counters)[:, None], torch.arange(vocab, device=keys.device))
+
+
+# The largest noise any token can draw (u's largest value, (2^32 - 0.5) / 2^32). A token whose scaled logit plus it
+# falls short of some token's drawn score cannot win the argmax, so its noise need never be drawn.
+G_MAX = -torch.log(-torch.log(torch.tensor((2.0 ** 32 - 0.5) * 2.0 ** -32, dtype=torch.float64))).item()
+# Above this temperature the tokens within T * G_MAX logits of the top are most of a language model's vocabulary, and
+# looking for them costs more than it saves; below it, a few (both ways give the same tokens)
+CANDIDATE_MAX_T = 0.5
+
+
+def sample(logits, temperature: float, keys, counters):
+    """logits [n, V] -> (token ids [n], raw fp32 log-prob of each [n]); see the module docstring."""
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(-1)
+    elif (temperature > CANDIDATE_MAX_T or (logits.is_cuda and torch.cuda.is_current_stream_capturing())
+          or torch.compiler.is_compiling()):
+        tokens = _full_draw(logits, temperature, keys, counters)  # static shapes
+    else:
+        tokens = _sample_candidates(logits, temperature, keys, counters)
+    logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return tokens, logprobs
+
+
+def _full_draw(logits, temperature: float, keys, counters, rows: int | None = None):
+    """argmax(logits / T + gumbel) over the whole vocabulary, `rows` rows at a time: the draw makes ~20 fp64/int64
+    temporaries of its input's size, which for a whole batch miss the CPU's caches (and are fresh pages each call)."""
+    n, vocab = logits.shape
+    rows = rows or (n if logits.is_cuda else max(1, (1 << 18) // vocab))
+    return torch.cat([(logits[i:i + rows].double() / temperature
+                       + gumbel(keys[i:i + rows], counters[i:i + rows], vocab)).argmax(-1) for i in range(0, n, rows)])
+
+
+def _sample_candidates(logits, temperature: float, keys, counters):
+    """_full_draw's tokens, bit for bit, with noise drawn only for the tokens that can win: those whose scaled logit
+    plus G_MAX reaches the top logit's drawn score: at T 0.1 a handful (the noise's range, ~26, is 2.6 logits there).
+    Its shapes depend on the data: not under a CUDA graph's capture or torch.compile."""
+    n, vocab = logits.shape
+    row = _row_hash(keys, counters)
+    top = logits.argmax(-1)
+    best = logits.gather(-1, top[:, None]).squeeze(-1).double() / temperature + _noise(row, top)
+    floor = ((best - G_MAX) * temperature).float()
+    floor -= floor.abs() * 1e-6 + 1e-6  # fp32 rounding of the bound: keep a superset of the exact candidates
+    r, j = (logits >= floor[:, None]).nonzero(as_tuple=True)  # row-major: ids ascending within a row
+    if r.numel() * 8 > logits.numel():  # a flat distribution: most tokens can win
+        return _full_draw(logits, temperature, keys, counters)
+    score = logits[r, j].double() / temperature + _noise(row[r], j)  # the full draw's ops, element for element
+    row_max = torch.full((n,), -torch.inf, dtype=score.dtype, device=score.device).scatter_reduce(0, r, score, "amax")
+    won = score == row_max[r]
+    # argmax's rule among equal maxima: the first id
+    return torch.full((n,), vocab, device=r.device).scatter_reduce(0, r[won], j[won], "amin")
+
+
+def row_keys(n: int, seed: int, seeds=None) -> list[int]:
+    """One sampling key per prompt: seeds[i], or (seed, i) packed into 63 bits."""
+    if seeds is not None:
+        return [int(s) & ((1 << 63) - 1) for s in seeds]
+    return [((seed & 0x7FFFFFFF) << 32) | i for i in range(n)]
