@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import report
+from reporting import figures, numbers, tables
 from reporting.diagnostics import diagnose
 from data.metrics import letter_accuracy
 from reporting.stats import t_quantile
@@ -255,7 +256,7 @@ def test_mtl_shows_only_its_acc(tmp_path, monkeypatch):
     unc = uncertainty(res, s)
     assert unc["methods"]["mtl"]["bwt_test"] is None and unc["methods"]["mtl"]["acc_test"] is not None
     assert "bwt" not in unc["deltas"]["replay"]["mtl"] and "acc" in unc["deltas"]["replay"]["mtl"]
-    nn = report.noise_numbers(res, s)
+    nn = numbers.noise_numbers(res, s)
     assert nn["mtl"]["bwt"] is None and nn["mtl − replay"]["bwt"] is None and nn["replay"]["bwt"] is not None
 
     row = [c.strip() for c in format_table(res, s, unc).splitlines()[4].strip("|").split("|")]
@@ -272,17 +273,17 @@ def test_mtl_shows_only_its_acc(tmp_path, monkeypatch):
     for name in ("fig_bwt_acc.png", "fig_forgetting.png"):
         assert_png(tmp_path / name)
     drawn = []  # the methods each figure draws
-    report._plt()
+    figures._plt()
     import matplotlib.axes
     monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", lambda self, *a, label=None, **k: drawn.append(label))
     monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda self, *a, label=None, **k: drawn.append(label))
-    report.plot_bwt_acc(s, tmp_path / "x.png")
-    report.plot_forgetting(TASKS, s, tmp_path / "y.png")
+    figures.plot_bwt_acc(s, tmp_path / "x.png")
+    figures.plot_forgetting(TASKS, s, tmp_path / "y.png")
     assert drawn == ["replay", "opr-ru", "replay", "opr-ru"]  # no FWT in the legend: RESULTS has no row 0
 
     mech = mechanism_results()
     mech["methods"]["mtl"] = copy.deepcopy(mech["methods"]["sft"])
-    assert {p["method"] for p in report.drift_numbers(mech)["points"]} == {"sft", "opr-ru"}
+    assert {p["method"] for p in numbers.drift_numbers(mech)["points"]} == {"sft", "opr-ru"}
 
 
 # --- the mechanism section: drift, forgetting vs drift, buffer loss ------------------------------------------------
@@ -312,7 +313,7 @@ def mechanism_results():
 
 def test_drift_numbers_points_and_correlations():
     results = mechanism_results()
-    dn = report.drift_numbers(results)
+    dn = numbers.drift_numbers(results)
     assert dn["per_stage"]["sft"] == {2: {"seq_kl": 2.0, "kl_per_token": 0.2, "n_seeds": 1},
                                       3: {"seq_kl": 2.5, "kl_per_token": 0.25, "n_seeds": 1}}
     # points: (KL on task j, a(i, j) - a(i-1, j)) for stage 2 task C-STANCE and stage 3 tasks C-STANCE, FOMC
@@ -329,13 +330,13 @@ def test_drift_numbers_points_and_correlations():
 
 def test_buffer_numbers_and_mechanism_section(tmp_path):
     results = mechanism_results()
-    bn = report.buffer_numbers(results)
+    bn = numbers.buffer_numbers(results)
     assert list(bn) == ["opr-ru"]
     b = bn["opr-ru"]
     assert b["buffers"] == 2 and b["nll_mean"] == pytest.approx(0.2) and b["nll_max"] == pytest.approx(0.6)
     assert b["rejected_nll_mean"] == pytest.approx(0.8) and b["spearman_ru_sc"] == pytest.approx(0.3)
     assert b["token_nll_max"] == pytest.approx(0.8)
-    text = re.sub(" +", " ", "\n".join(report.mechanism_section(results)))  # tables are padded for the terminal
+    text = re.sub(" +", " ", "\n".join(tables.mechanism_section(results)))  # tables are padded for the terminal
     assert "| sft | 2 (0.2) | 2.5 (0.25) |" in text
     assert "| opr-ru | ru | 2 | 0.200 | 0.600 | 0.800 | 0.800 | 0.30 |" in text
     assert "opr-ru: 1 rollout sets" in text and "WARNED" not in text
@@ -349,7 +350,7 @@ def test_buffer_numbers_and_mechanism_section(tmp_path):
         for run in e["seeds"].values():
             for k in ("drift", "buffer_stats", "rollout_checks"):
                 run.pop(k)
-    assert report.mechanism_section(results) == []
+    assert tables.mechanism_section(results) == []
     report.write_report(results, tmp_path)
     assert not (tmp_path / "fig_drift.png").exists() and "Mechanism" not in (tmp_path / "report.md").read_text()
 
@@ -569,7 +570,7 @@ def test_where_the_seed_noise_comes_from():
     r["methods"]["replay"]["seeds"]["2"] = {"matrix": [[82], [61, 72], [52, 63.5, 91.5]]}
     for run in r["methods"]["replay"]["seeds"].values():
         run.pop("loss_curves", None)
-    nn = report.noise_numbers(r)
+    nn = numbers.noise_numbers(r)
     assert list(nn) == ["replay"]  # opr-ru has 2 seeds
     acc = nn["replay"]["acc"]
     assert acc["n"] == 3 and acc["std"] == pytest.approx(2.0) and acc["prompt"] is None
@@ -583,7 +584,7 @@ def test_where_the_seed_noise_comes_from():
     assert [c.strip() for c in row.strip("|").split("|")] == ["replay", "2.0 (+33%)", "2.5 (+42%)", "1.5 (+25%)"]
 
     ex = with_examples(r)
-    nn = report.noise_numbers(ex)
+    nn = numbers.noise_numbers(ex)
     acc = nn["replay"]["acc"]
     # every prompt of a task moves with it: prompt part = sum_j var_j / 4 / 3^2 = (4 + 6.25 + 2.25) / 36
     assert acc["prompt"] == pytest.approx((4 + 6.25 + 2.25) / 4 / 9)
@@ -603,7 +604,7 @@ def test_noise_of_a_paired_difference_is_the_spread_of_its_seed_interval():
     for e in r["methods"].values():
         e["seeds"]["2"]["example_scores"] = [[[v - 5, v + 5, v - 5, v + 5] for v in row]
                                              for row in e["seeds"]["2"]["matrix"]]
-    nn = report.noise_numbers(r)
+    nn = numbers.noise_numbers(r)
     assert list(nn) == ["replay", "opr-ru", "opr-ru − replay"]
     d = uncertainty(r)["deltas"]["replay"]["opr-ru"]
     for metric in ("acc", "bwt"):
