@@ -23,31 +23,7 @@ def backends() -> dict:
 
 # Bumped whenever a change to the model code or a kernel changes float results (not only the speed): run.py puts it
 # in every step's key, so a run resumed after such a change recomputes its steps rather than mixing numerics.
-# 2: CPU SDPA per document on 4-D tensors with enable_gqa (the flash kernel; was the math path)
-# 3: CUDA decode attends over key spans rounded up to 64 slots (the KV cache of the engine before model/engine.py)
-# 4: the chunked cross-entropy forms logits for the target rows only (grad_weight still sums over every row, so the
-#    tiny base is byte-identical; a matmul over fewer rows can round differently, e.g. at SmolLM2 shapes)
-# 5: CPU sampling multiplies inputs of <= 4 rows by a weight's two halves in one bmm (model.transformer.Linear), not
-#    through F.linear's small-M path: decode steps of 1-4 live rows round differently (training does not change)
-# 6: the chunked cross-entropy's grad_weight sums over the target rows only for weights of >= 2^20 elements
-#    (SmolLM2 and larger; kernels/cross_entropy.py GRAD_WEIGHT_TARGETS_MIN): their training rounds differently (the
-#    tiny base is unchanged: it builds byte-identical)
-# 7: the tiny base is built with CPU_PINS (model/base.py): the same bytes on every x86-64 CPU with AVX2
-# 8: the continuous-batching engine (model/engine.py): tokens drawn by Gumbel-max over keyed counter-based noise
-#    instead of torch.multinomial (other draws, same distribution), prompts prefilled one per document, fused q/k/v
-#    and gate/up products (greedy tokens unchanged, log-probs within 1e-5)
-# 9: training runs the fused q/k/v and gate/up products too (model/transformer.py): the input gradient is one matmul
-#    over the fused rows instead of a sum of three and two, so every trained weight rounds differently; and
-#    model.checkpoint.load_model copies the file's tensors into 64-byte-aligned ones (safetensors' buffers are not
-#    aligned, and MKL rounds by alignment): sampled log-probs move in the last bit, tokens do not
-# 10: on the CPU the engine runs the live rows' decode step inside each admission's prefill forward, and sampling
-#    multiplies weights of >= 2^20 elements by the split bmm at up to 512 rows, padded to a multiple of 8
-#    (model.transformer.split_rows): sampled log-probs move in the last bits, and so do other no-grad forwards of
-#    such weights (sdft's and sft-kl's teacher, train.py's response statistics); training's updates, and so the tiny
-#    base, do not
-# 11: the CPU engine multiplies by weights packed once for oneDNN (model.transformer.Packed) instead of F.linear / the split
-#    bmm: sampled log-probs move in the last bits (greedy tokens of SmolLM2 on TRACE prompts unchanged); training,
-#    and so the tiny base, do not
+# What each version changed: BENCHMARKS.md, "Numerics versions".
 NUMERICS = 11
 
 # On the CPU, float results depend on the instructions the kernels run, and those follow the CPU: ATen picks its
