@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from data.jsonl import check_output, dumps_strict, jsonl_lines, read_records
+from data.manifest import as_prompt_record
 from data.packing import IGNORE, Example, collate, pack, plan_steps, tokenize_sft
 import kernels
 from kernels import attention, cross_entropy
@@ -96,8 +97,9 @@ SDFT_GEN_BATCH = 32      # prompts per generation batch
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="input checkpoint (HF directory); default: the tiny embedded base model")
-    p.add_argument("--data", help="comma-separated JSONL/JSON files of {prompt, response} (or TRACE's "
-                                  "{prompt, answer}); default: the embedded benchmark's first task")
+    p.add_argument("--data", help="comma-separated JSONL/JSON/Parquet files of {prompt, response} (or TRACE's "
+                                  "{prompt, answer}, chat {messages}, {instruction, input, output}); default: the "
+                                  "embedded benchmark's first task")
     p.add_argument("--out", default="runs/train-default", help="output checkpoint directory (default: %(default)s); "
                    "an earlier checkpoint of train.py there is replaced, anything else is refused")
     p.add_argument("--overwrite", action="store_true", help="replace whatever is at --out, even if train.py did "
@@ -205,12 +207,15 @@ def setup_distributed():
 
 
 def load_mixture(paths: list[str]) -> list[dict]:
+    """The records of every file in `paths` as {"prompt", "response", "replay"}: JSON, JSON Lines or Parquet files of
+    {prompt, response} or {prompt, answer} records, or of any format a task manifest reads (chat messages,
+    instruction/input/output, prompt/completion: data.manifest.as_prompt_record)."""
     records = []
     for path in paths:
         # a list prompt: a chat prompt's turns (data/manifest.py). "answer" is a gold answer: never blank; a
         # "response" may be a model's (a replay buffer's), which can be empty
         for r in read_records(path, required=("prompt",), any_of=("response", "answer"),
-                              types={"prompt": (str, list)}, nonblank=("answer",)):
+                              types={"prompt": (str, list)}, nonblank=("answer",), convert=as_prompt_record):
             response = r["response"] if isinstance(r.get("response"), str) else r["answer"]
             # a record with a "source" (score.py's buffers, run.py's gold replay) is replay: its loss is logged apart
             records.append({"prompt": r["prompt"], "response": response, "replay": "source" in r})

@@ -146,8 +146,9 @@ def _encodable(s: str) -> bool:
     return True
 
 
-def read_records(path, required=("prompt",), types=None, any_of=(), locate=False, nonblank=()) -> list:
-    """Records of a JSON list file or a JSON Lines file (whichever the text is: a list starts with '[').
+def read_records(path, required=("prompt",), types=None, any_of=(), locate=False, nonblank=(), convert=None) -> list:
+    """Records of a JSON list file or a JSON Lines file (whichever the text is: a list starts with '['), or of a
+    Parquet file (.parquet, with pyarrow).
 
     Each record must be an object holding every `required` field as a string (or the type, or tuple of types, in
     `types`), and at least one of the `any_of` fields as a string when given; a `nonblank` field, when a string,
@@ -155,17 +156,21 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
     prediction scores). Every problem raises ValueError naming the file, the record number (0-based; blank JSONL
     lines are skipped), the line for JSON Lines, and the field.
     With locate=True, returns (where, record) pairs, where = "<file>: record i[ (line n)]", for later errors.
+    convert(where, record) -> record, when given, is applied to each record before the checks (e.g.
+    data.manifest.as_prompt_record: chat and instruction records as prompt/answer ones).
     """
     path = Path(path)
     if not path.is_file():
         with contextlib.suppress(FileNotFoundError):
             path.stat()  # a symlink loop or a denied directory raises its own error naming the path
         raise InputError(f"{path}: file not found" + (" (it is a directory)" if path.is_dir() else ""))
-    text = read_text(path)
-    if not text.strip():
-        raise InputError(f"{path}: file is empty (expected a JSON list or JSON Lines of records)")
     located = []  # (record number, " (line n)" or "", record)
-    if text.lstrip().startswith("["):
+    text = None if path.suffix == ".parquet" else read_text(path)
+    if text is None:
+        located = [(i, "", r) for i, r in enumerate(_parquet_rows(path))]
+    elif not text.strip():
+        raise InputError(f"{path}: file is empty (expected a JSON list or JSON Lines of records)")
+    elif text.lstrip().startswith("["):
         try:
             rows = STRICT.decode(text)
         except (json.JSONDecodeError, NonFiniteError):
@@ -186,6 +191,8 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
                                  f"{e.colno}): {e.msg}") from None
     if not located:
         raise InputError(f"{path}: file holds no records")
+    if convert is not None:
+        located = [(i, where, convert(f"{path}: record {i}{where}", r)) for i, where, r in located]
     types = types or {}
     for i, where, r in located:
         if not isinstance(r, dict):
@@ -216,6 +223,15 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
     if locate:
         return [(f"{path}: record {i}{where}", r) for i, where, r in located]
     return [r for _, _, r in located]
+
+
+def _parquet_rows(path: Path) -> list:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise InputError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow), or convert the file to "
+                         f"JSON Lines") from None
+    return pq.read_table(path).to_pylist()
 
 
 def check_answer(where: str, field: str, value):

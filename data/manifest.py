@@ -17,7 +17,7 @@ number in [0, 100] imported from the manifest's directory or the Python path.
 A split is `<dir>/<split>.json` (a JSON list), `.jsonl` or `.parquet` (with pyarrow); a record is
 {"prompt", "answer" | "response" | "completion"}, chat {"messages": [...]} (the turns before the last assistant turn
 are the prompt, that turn the answer) or {"instruction", "input", "output"} (the prompt is the instruction, a blank
-line and the input).
+line and the input). train.py's --data and a TRACE root read all three formats too (as_prompt_record).
 
 use_manifest(root, spec) makes the manifest's tasks the ones every script sees (data.tasks.use_tasks); without one
 the TRACE table stays, untouched. Every problem is one InputError naming the manifest, the task and the field.
@@ -207,18 +207,44 @@ def read_split(task: Task, split: str) -> list[tuple]:
 
 def read_file(path: Path) -> list[tuple[str, dict]]:
     """(where, record) pairs of a JSON list, JSON Lines or Parquet file."""
-    if path.suffix != ".parquet":
-        return read_records(path, required=(), locate=True)
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise InputError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow), or convert the file to "
-                         f"JSON Lines") from None
-    return [(f"{path}: record {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
+    return read_records(path, required=(), locate=True)
 
 
 def to_example(task: Task, where: str, r: dict) -> tuple:
     """(prompt, answer) of one record in any of the formats (module docstring), with the task's system prompt."""
+    prompt, answer, answer_field = prompt_answer(where, r)
+    check_answer(where, answer_field, answer)
+    if task.labels is not None and answer.strip() not in task.labels:
+        raise InputError(f"{task.manifest}: task {task.name!r}, field 'labels': {where} has the gold answer "
+                         f"{answer[:40]!r}, not one of {', '.join(task.labels)}")
+    if task.system is not None:
+        turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if turns[0]["role"] != "system":
+            prompt = [{"role": "system", "content": task.system}] + turns
+    return prompt, answer
+
+
+# the fields a record of another format holds its prompt and answer in (as_prompt_record drops them)
+CONVERTED = ("messages", "instruction", "input", "output", "completion")
+
+
+def as_prompt_record(where: str, r):
+    """A record of any of the formats (module docstring) as the pipeline's own {"prompt", "answer"} record, its
+    other fields kept, for the readers of train.py, rollout.py and evaluate.py (data.jsonl.read_records' convert):
+    a chat or instruction record, or a prompt/completion one, converted as a manifest's task reads it; a prompt
+    record with an answer or a response (and anything that is no record) returned as it is, for the reader's own
+    checks."""
+    if not isinstance(r, dict) or not ("messages" in r or "instruction" in r or (
+            "prompt" in r and "completion" in r and "answer" not in r and "response" not in r)):
+        return r
+    prompt, answer, answer_field = prompt_answer(where, r)
+    check_answer(where, answer_field, answer)
+    return {**{k: v for k, v in r.items() if k not in CONVERTED}, "prompt": prompt, "answer": answer}
+
+
+def prompt_answer(where: str, r: dict) -> tuple:
+    """(prompt, answer, the answer's field) of one record in any of the formats (module docstring): the one place a
+    chat or instruction record becomes a prompt and an answer."""
     def text(field, record=r, at=where):
         if not isinstance(record.get(field), str):
             raise InputError(f"{at}: field {field!r} must be a string")
@@ -234,28 +260,17 @@ def to_example(task: Task, where: str, r: dict) -> tuple:
         prompt = [{"role": m["role"], "content": m["content"]} for m in msgs[:-1]]
         if len(prompt) == 1 and prompt[0]["role"] == "user":
             prompt = prompt[0]["content"]  # one user turn: the same prompt as a {"prompt", "answer"} record
-        answer, answer_field = msgs[-1]["content"], f"messages[{len(msgs) - 1}].content"
-    elif "instruction" in r:
+        return prompt, msgs[-1]["content"], f"messages[{len(msgs) - 1}].content"
+    if "instruction" in r:
         extra = r.get("input") or ""
         if not isinstance(extra, str):
             raise InputError(f"{where}: field 'input' must be a string")
-        prompt, answer = text("instruction") + (f"\n\n{extra}" if extra else ""), text("output")
-        answer_field = "output"
-    elif "prompt" in r:
+        return text("instruction") + (f"\n\n{extra}" if extra else ""), text("output"), "output"
+    if "prompt" in r:
         field = next((f for f in ("answer", "response", "completion") if f in r), "answer")
-        prompt, answer, answer_field = text("prompt"), text(field), field
-    else:
-        raise InputError(f"{where}: no 'prompt', 'messages' or 'instruction' field (formats: prompt/answer, "
-                         f"prompt/response, prompt/completion, chat messages, instruction/input/output)")
-    check_answer(where, answer_field, answer)
-    if task.labels is not None and answer.strip() not in task.labels:
-        raise InputError(f"{task.manifest}: task {task.name!r}, field 'labels': {where} has the gold answer "
-                         f"{answer[:40]!r}, not one of {', '.join(task.labels)}")
-    if task.system is not None:
-        turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if turns[0]["role"] != "system":
-            prompt = [{"role": "system", "content": task.system}] + turns
-    return prompt, answer
+        return text("prompt"), text(field), field
+    raise InputError(f"{where}: no 'prompt', 'messages' or 'instruction' field (formats: prompt/answer, "
+                     f"prompt/response, prompt/completion, chat messages, instruction/input/output)")
 
 
 # ---- what run.py keys and passes on -------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Loader for TRACE's release layout: `<root>/<Task>/{train,eval,test}.json`.
 
-Each file is a JSON list of {"prompt": str, "answer": str} records (JSON Lines, one record a line, is accepted
-too). Training sets are subsampled to at most 5,000 records with a seeded RNG, keeping each record's position
-in its file as `idx` so later stages (replay buffers, rollouts, reports) can point back at the source record.
+Each file is a JSON list of {"prompt": str, "answer": str} records (JSON Lines, one record a line, and Parquet are
+accepted too, and so is every record format of a task manifest: chat messages, instruction/input/output). Training
+sets are subsampled to at most 5,000 records with a seeded RNG, keeping each record's position in its file as `idx`
+so later stages (replay buffers, rollouts, reports) can point back at the source record.
 Every problem raises ValueError naming the file, the record number (0-based), the line for JSON Lines, and
 the field.
 """
@@ -31,22 +32,26 @@ class Example:
 
 
 def read_trace_file(path) -> list[tuple[str, str]]:
-    """[(prompt, answer), ...] from one TRACE file (JSON list, or JSON Lines when the file does not start with '[')."""
-    records = read_records(path, required=("prompt", "answer"), nonblank=("answer",))
+    """[(prompt, answer), ...] from one TRACE file (JSON list, or JSON Lines when the file does not start with '['),
+    its records {"prompt", "answer"} or any other format a manifest's task reads (data.manifest.as_prompt_record:
+    chat messages, whose prompt may be a message list, instruction/input/output, prompt/completion)."""
+    records = read_records(path, required=("prompt", "answer"), types={"prompt": (str, list)}, nonblank=("answer",),
+                           convert=manifest.as_prompt_record)
     return [(r["prompt"], r["answer"]) for r in records]
 
 
 def task_file(root, task: str, split: str) -> Path:
-    """`<root>/<task>/<split>.json` or `.jsonl` (both: an InputError naming them; neither: the .json path, which its
-    reader's error then names); a manifest's task: the file its split is read from (data.manifest.split_file)."""
+    """`<root>/<task>/<split>.json`, `.jsonl` or `.parquet` (two of them: an InputError naming them; none: the .json
+    path, which its reader's error then names); a manifest's task: the file its split is read from
+    (data.manifest.split_file)."""
     t = active_tasks().get(task)
     if t is not None and t.manifest:
         return manifest.split_file(t, split)
-    return manifest.find_split(Path(root) / task, split, (".json", ".jsonl")) or Path(root) / task / f"{split}.json"
+    return manifest.find_split(Path(root) / task, split) or Path(root) / task / f"{split}.json"
 
 
 def load_task(root, task: str, split: str, *, max_train: int = MAX_TRAIN, seed: int = 0) -> list[Example]:
-    """Examples of one task split from `<root>/<task>/<split>.json` (or `.jsonl`).
+    """Examples of one task split from `<root>/<task>/<split>.json` (or `.jsonl`, `.parquet`).
 
     The train split is subsampled to `max_train` records (seeded, without replacement; kept in file order);
     eval and test are returned whole. `Example.idx` is always the record's position in the source file.

@@ -165,3 +165,30 @@ def test_checkpoint_without_tokenizer_fails_naming_it(ckpt, data_root, tmp_path)
     with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
         evaluate("--ckpt", tmp_path / "missing", "--data", data_root, "--out", tmp_path / "ev")
     assert not (tmp_path / "ev").exists()
+
+
+def test_rollout_and_evaluate_read_chat_files_as_their_prompt_answer_files(ckpt, data_root, tmp_path):
+    """A TRACE root whose files hold chat records ({"messages": [user, assistant]}, JSON Lines) gives rollout.py and
+    evaluate.py the examples of the prompt/answer files they were written from: the same rollouts, predictions and
+    scores, byte for byte (data.manifest.as_prompt_record, the manifest's own converter)."""
+    import rollout
+    tasks = ["FOMC", "NumGLUE-cm"]
+    chat = tmp_path / "chat"
+    for t in tasks:
+        for split in ("train", "test"):
+            records = [{"messages": [{"role": "user", "content": r["prompt"]},
+                                     {"role": "assistant", "content": r["answer"]}]}
+                       for r in json.loads((data_root / t / f"{split}.json").read_text())]
+            (chat / t).mkdir(parents=True, exist_ok=True)
+            (chat / t / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for root, name in ((data_root, "trace"), (chat, "chat")):
+        common = ["--ckpt", ckpt, "--data", root, "--tasks", ",".join(tasks), "--max-new-tokens", "4", "--engine",
+                  "native"]
+        evaluate(*common, "--out", tmp_path / name / "eval")
+        rollout.main([str(a) for a in common] + ["--out", str(tmp_path / name / "rollouts.jsonl"), "--check-logprobs",
+                                                 "0", "--quiet"])
+    for f in ("eval/predictions.jsonl", "rollouts.jsonl"):
+        a, b = (tmp_path / "trace" / f).read_bytes(), (tmp_path / "chat" / f).read_bytes()
+        assert a == b and len(a.splitlines()) == 8, f  # 4 test / 4 train records per task
+    a, b = (json.loads((tmp_path / name / "eval" / "scores.json").read_text()) for name in ("trace", "chat"))
+    assert a.pop("data") != b.pop("data") and a == b

@@ -9,6 +9,7 @@ tiny-tensor ops with 2 threads on a busy 2-core machine are many times slower th
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from data.packing import collate, pack, plan_steps, tokenize_sft  # noqa: E402
 from model.base import CHATML, train_tiny_tokenizer  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
+from pipeline.cli import InputError  # noqa: E402
 import train as train_script  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -425,6 +427,63 @@ def test_bad_data_fails_naming_file_and_line(ckpt, tmp_path, content, where):
     assert r.returncode != 0
     assert str(data) in r.stderr and where in r.stderr, r.stderr[-2000:]
     assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+def chat(prompt, answer) -> dict:
+    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
+
+
+def test_chat_and_alpaca_files_train_to_the_weights_of_their_prompt_response_file(ckpt, ref, tmp_path):
+    """train.py --data reads the record formats of a task manifest through its converter: a chat JSONL file and an
+    alpaca JSON list holding ref's records train to ref's weights and losses, bit for bit."""
+    records = [json.loads(line) for line in (ckpt / "data.jsonl").read_text().splitlines()]
+    write_jsonl(tmp_path / "chat.jsonl", [chat(r["prompt"], r["response"]) for r in records])
+    (tmp_path / "alpaca.json").write_text(json.dumps(
+        [{"instruction": r["prompt"], "input": "", "output": r["response"]} for r in records], indent=1))
+    for name in ("chat.jsonl", "alpaca.json"):
+        out = tmp_path / name.split(".")[0]
+        train(ckpt, out, data=tmp_path / name)
+        a, b = weights(out), weights(ref)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        assert [x["loss"] for x in log(out)] == [x["loss"] for x in log(ref)], name
+
+
+def test_mixture_records_of_every_format_are_their_prompt_response_equivalents(tmp_path):
+    """load_mixture: chat (one user turn: a string prompt; a system turn or earlier turns: the message list),
+    instruction/input/output (instruction, a blank line, the input), prompt/completion, each as the prompt/response
+    record it stands for; a "source" still marks replay; a bad record is one line naming file, record and field."""
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    write_jsonl(tmp_path / "chat.jsonl", [chat("the cat", "sat"), {"messages": turns + [
+        {"role": "assistant", "content": "ok"}], "source": "buffer"}])
+    (tmp_path / "alpaca.json").write_text(json.dumps([{"instruction": "the cat", "input": "on a mat", "output": "sat"},
+                                                      {"instruction": "a dog", "output": "ran"}]))
+    write_jsonl(tmp_path / "completion.jsonl", [{"prompt": "red", "completion": "blue"}])
+    write_jsonl(tmp_path / "own.jsonl", [{"prompt": "the cat", "response": "sat"},
+                                        {"prompt": turns, "response": "ok", "source": "buffer"},
+                                        {"prompt": "the cat\n\non a mat", "answer": "sat"},
+                                        {"prompt": "a dog", "response": "ran"}, {"prompt": "red", "response": "blue"}])
+    got = train_script.load_mixture([str(tmp_path / f) for f in ("chat.jsonl", "alpaca.json", "completion.jsonl")])
+    assert got == train_script.load_mixture([str(tmp_path / "own.jsonl")])
+    assert [r["replay"] for r in got] == [False, True, False, False, False]
+    bad = tmp_path / "bad.jsonl"
+    write_jsonl(bad, [chat("the cat", "sat"), {"messages": turns}])
+    with pytest.raises(InputError, match=re.escape(f"{bad}: record 1 (line 2): field 'messages': the last message "
+                                                   f"must be the assistant's answer")):
+        train_script.load_mixture([str(bad)])
+    write_jsonl(bad, [chat("the cat", " ")])
+    with pytest.raises(InputError, match=re.escape(f"{bad}: record 0 (line 1): field 'messages[1].content' is only "
+                                                   f"whitespace")):
+        train_script.load_mixture([str(bad)])
+
+
+def test_mixture_reads_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    rows = [chat("the cat", "sat"), {"instruction": "a dog", "input": "", "output": "ran"}]
+    pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "a.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[1:]), tmp_path / "b.parquet")
+    assert train_script.load_mixture([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]) == [
+        {"prompt": "the cat", "response": "sat", "replay": False}, {"prompt": "a dog", "response": "ran", "replay": False}]
 
 
 @pytest.mark.parametrize("how", ["nan_weight", "huge_lr"])
