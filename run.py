@@ -841,10 +841,15 @@ def check_inputs(base: Path, data_root: Path, tasks, train_sets: dict, tok, max_
 
 
 def epochs_per_task(spec, tasks) -> dict:
-    """Epochs of each task's stage: spec None is the task table's; a dict {task: epochs} (a preset's) names them,
-    the task table filling in the rest; else --epochs' comma list: one value for all, or one per task in order."""
+    """Epochs of each task's stage: spec None is the task table's (a manifest's task without epochs: an InputError,
+    as --epochs was not given); a dict {task: epochs} (a preset's) names them, the task table filling in the rest;
+    else --epochs' comma list: one value for all, or one per task in order."""
     if spec is None or isinstance(spec, dict):
-        return {t: (spec or {}).get(t, get_task(t).epochs) for t in tasks}
+        epochs = {t: (spec or {}).get(t, get_task(t).epochs) for t in tasks}
+        for t in (t for t, e in epochs.items() if e is None):  # a manifest's task without epochs, and no --epochs
+            raise InputError(f"{get_task(t).manifest}: task {t!r}, field 'epochs': missing, and no --epochs to fall "
+                             f"back on; give the task its epochs or pass run.py --epochs N")
+        return epochs
     values = [int(e) for e in str(spec).split(",")]
     if len(values) == 1:
         return {t: values[0] for t in tasks}

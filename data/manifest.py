@@ -8,10 +8,11 @@
       {"name": "SQL", "metric": "my_scorer:sql_match", "epochs": 2, "held_out": 0.2}
     ]}
 
-Fields: name (letters, digits, . _ + -; a letter or digit first), metric, epochs (required); dir (default: the
-name), max_new_tokens and temperature (default: the run's), system (a system prompt before every prompt), labels
-(the allowed answers: label_accuracy needs them, every gold answer must be one, and the collapse diagnostics count
-them), held_out (the share of train held out, seeded, as the test split of a task without one; default 0.1).
+Fields: name (letters, digits, . _ + -; a letter or digit first), metric (required); epochs (default: run.py's
+--epochs, which then must be given; given, --epochs overrides it); dir (default: the name), max_new_tokens and
+temperature (default: the run's), system (a system prompt before every prompt), labels (the allowed answers:
+label_accuracy needs them, every gold answer must be one, and the collapse diagnostics count them), held_out (the
+share of train held out, seeded, as the test split of a task without one; default 0.1).
 Metrics: data.metrics.METRICS by name, label_accuracy, or `module:function`, a scorer (prediction, gold, record) ->
 number in [0, 100] imported from the manifest's directory or the Python path.
 A split is `<dir>/<split>.json` (a JSON list), `.jsonl` or `.parquet` (with pyarrow); a record is
@@ -109,9 +110,9 @@ def load_manifest(path: Path) -> dict:
 
 def check_entry(path: Path, i: int, entry) -> Task:
     if not isinstance(entry, dict):
-        raise InputError(f"{path}: task {i}: expected an object with name, metric, epochs")
+        raise InputError(f"{path}: task {i}: expected an object with name, metric and optional epochs, ...")
     where = f"{path}: task {entry.get('name', i)!r}"
-    for field in ("name", "metric", "epochs"):
+    for field in ("name", "metric"):
         if field not in entry:
             raise InputError(f"{where}, field {field!r}: missing")
     for field, value in entry.items():
@@ -153,7 +154,7 @@ def check_entry(path: Path, i: int, entry) -> Task:
     if find_split(task_dir, "train") is None:
         raise InputError(f"{where}, field 'dir': {task_dir} has no train split (train.json, train.jsonl or "
                          f"train.parquet)")
-    return Task(name, metric, entry["epochs"], dir=str(task_dir), max_new_tokens=entry.get("max_new_tokens"),
+    return Task(name, metric, entry.get("epochs"), dir=str(task_dir), max_new_tokens=entry.get("max_new_tokens"),
                 temperature=entry.get("temperature"), system=entry.get("system"),
                 labels=tuple(labels) if labels else None, held_out=entry.get("held_out", 0.1), manifest=str(path))
 

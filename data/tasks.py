@@ -17,7 +17,7 @@ from pipeline.cli import InputError
 class Task:
     name: str    # TRACE directory name, e.g. "NumGLUE-cm"
     metric: str  # key of data.metrics.METRICS
-    epochs: int  # default training epochs for this stage
+    epochs: int | None  # default training epochs for this stage (None: a manifest's task without; run.py's --epochs)
     # set by a task manifest only (data/manifest.py); a TRACE task leaves them at these defaults
     dir: str = ""                     # directory of its split files ("": <root>/<name>)
     max_new_tokens: int | None = None  # generation cap of its evaluations and rollouts (None: the run's)

@@ -474,3 +474,31 @@ def test_a_scorers_helper_modules_are_part_of_its_files(tmp_path, monkeypatch):
     assert [f.relative_to(tmp_path.resolve()).as_posix() for f in files] == [
         "helpers/__init__.py", "helpers/words.py", "sc_helper.py", "sc_main.py"]
     assert manifest.scorer_files(SimpleNamespace(metric="exact_match")) == []
+
+
+def test_a_task_without_epochs_takes_run_pys_epochs(tmp_path):
+    """`epochs` may be left out when run.py gets --epochs: the plan (every step key) is the one of the manifest that
+    names those epochs; without --epochs it is one line naming the manifest, the task and the field."""
+    from model.base import write_random_tiny
+    write_random_tiny(tmp_path / "base")
+    path = make_stream(tmp_path / "data", scorer_module="epochs_scorer")
+    spec = json.loads(path.read_text())
+    assert {t["epochs"] for t in spec["tasks"]} == {1}
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(tmp_path / "cache"))
+    import plan
+
+    def keys(*extra):
+        r = run(tmp_path / "base", tmp_path / "data", tmp_path / "plan", env, "--dry-run", *extra)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return plan.parse_plan(r.stdout)
+    named = keys()
+    del spec["tasks"][2]["epochs"]
+    path.write_text(json.dumps(spec))
+    assert load_manifest(path)["Words"].epochs is None and load_manifest(path)["Chat"].epochs == 1
+    assert keys("--epochs", "1") == named
+    assert keys("--epochs", "2") != named  # (--epochs changes the plan: the equality above is no accident)
+    r = run(tmp_path / "base", tmp_path / "data", tmp_path / "plan", env, "--dry-run")
+    assert r.returncode == 2 and not (tmp_path / "plan").exists()
+    assert r.stderr.strip().splitlines() == [f"run.py: error: {path}: task 'Words', field 'epochs': missing, and no "
+                                             f"--epochs to fall back on; give the task its epochs or pass run.py "
+                                             f"--epochs N"]
