@@ -91,12 +91,13 @@ def main(argv=None):
     from data.jsonl import check_output, write_json, write_jsonl
     from data.trace import load_filtered, tasks_in
     from model.checkpoint import load_config, load_model
+    from model.hub import default_output, resolve_model
     from model.logprobs import response_stats
     from model import workers
     from model.sampling import check_context, generate, resolve_engine
     from model.tokenizer import ChatTokenizer
 
-    cur_dir, ref_dir = Path(args.ckpt), Path(args.ref)
+    cur_dir, ref_dir = resolve_model(args.ckpt), resolve_model(args.ref)  # or model ids in the Hugging Face cache
     cur_cfg, ref_cfg = load_config(cur_dir), load_config(ref_dir)  # fail before any work on an unusable checkpoint
     tok = ChatTokenizer.from_dir(cur_dir)
     # a KL over two different vocabularies is meaningless: the tokenizers must be one
@@ -108,7 +109,8 @@ def main(argv=None):
     tasks = args.tasks or tasks_in(root, "test")
     if not tasks:
         raise InputError(f"no task directories with a test.json under {root}")
-    out_dir = check_output(Path(args.out) if args.out else cur_dir / "drift", "drift", args.overwrite)
+    out_dir = check_output(Path(args.out) if args.out else default_output(args.ckpt, cur_dir, "drift"), "drift",
+                           args.overwrite)
     engine = resolve_engine(args.engine)
 
     # 1-2. held-out prompts of the prior tasks

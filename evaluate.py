@@ -90,11 +90,12 @@ def main(argv=None):
     from data.tasks import parse_tasks
     from data.trace import load_filtered, task_file, tasks_in
     from model.checkpoint import load_config, weight_files
+    from model.hub import default_output, resolve_model
     from model import workers
     from model.sampling import generate_tasks, resolve_engine
     from model.tokenizer import ChatTokenizer
 
-    ckpt = Path(args.ckpt)
+    ckpt = resolve_model(args.ckpt)  # a directory, or a model id found in the Hugging Face cache
     load_config(ckpt)  # fail before any work when the checkpoint is unusable
     weight_files(ckpt)  # (reads the safetensors headers only)
     tok = ChatTokenizer.from_dir(ckpt)  # InputError naming the directory when tokenizer.json is missing
@@ -102,7 +103,8 @@ def main(argv=None):
     tasks = parse_tasks(args.tasks) if args.tasks else tasks_in(root, "test")
     if not tasks:
         raise UserError(f"{root}: no task directories with a test.json (--data must be a TRACE root)")
-    out_dir = check_output(Path(args.out) if args.out else ckpt / "eval", "eval", args.overwrite)
+    out_dir = check_output(Path(args.out) if args.out else default_output(args.ckpt, ckpt, "eval"), "eval",
+                           args.overwrite)
     engine = resolve_engine(args.engine)
     K = args.repeats
 

@@ -119,10 +119,11 @@ def main(argv=None):
     from data.trace import load_filtered, tasks_in
     from model import workers
     from model.checkpoint import load_config, weight_files
+    from model.hub import default_output, resolve_model
     from model.sampling import generate_tasks, resolve_engine
     from model.tokenizer import ChatTokenizer
 
-    ckpt = Path(args.ckpt)
+    ckpt = resolve_model(args.ckpt)  # a directory, or a model id found in the Hugging Face cache
     load_config(ckpt)  # fail before any work when the checkpoint is unusable
     weight_files(ckpt)  # (reads the safetensors headers only)
     tok = ChatTokenizer.from_dir(ckpt)  # InputError naming the directory when tokenizer.json is missing
@@ -130,7 +131,8 @@ def main(argv=None):
     tasks = parse_tasks(args.tasks) if args.tasks else tasks_in(root)
     if not tasks:
         raise UserError(f"{root}: no task directories with a train.json (--data must be a TRACE root)")
-    out_path = check_output(Path(args.out) if args.out else ckpt / "rollouts.jsonl", "rollouts", args.overwrite)
+    out_path = check_output(Path(args.out) if args.out else default_output(args.ckpt, ckpt, "rollouts.jsonl"),
+                            "rollouts", args.overwrite)
     engine = resolve_engine(args.engine)
 
     # 1-2. the training prompts each task trained on, rendered with this checkpoint's chat template

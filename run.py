@@ -167,7 +167,8 @@ def parse_args(argv=None):
     p.add_argument("--tasks", type=task_names, help="comma-separated task order (default: all tasks in TRACE order, "
                                                     "or the manifest's)")
     p.add_argument("--base", choices=["tiny", "smollm2"], help="named base model (default: tiny)")
-    p.add_argument("--model", help="base checkpoint directory (HF layout); selects the paper preset")
+    p.add_argument("--model", help="base checkpoint directory (HF layout), or a model id (Org/Name) in the local "
+                                   "Hugging Face cache; selects the paper preset")
     p.add_argument("--data", help="TRACE root <root>/<Task>/{train,eval,test}.json, or any root with a task manifest "
                                   "tasks.json (default: the embedded benchmark)")
     p.add_argument("--task-spec", help="task manifest file: your own ordered tasks, each with its directory, metric, "
@@ -592,8 +593,10 @@ def load_inputs(args, preset: str, cfg: dict, methods: list) -> Inputs:
     from data.embedded import ensure_embedded
     from model.base import ensure_base
     from model.checkpoint import load_config
+    from model.hub import resolve_model
     layout = None if args.gpus else plan.generation_layout(0, args.tp, cpu_workers=args.gen_workers)  # before a base
-    base = Path(args.model).resolve() if args.model else ensure_base(preset)
+    # a directory, or a model id found in the local Hugging Face cache
+    base = resolve_model(args.model).resolve() if args.model else ensure_base(preset)
     if layout is None:  # on GPUs the model's heads and size decide it
         layout = plan.generation_layout(args.gpus, args.tp, load_config(base), base.name, engine_of(args),
                                         cpu_workers=args.gen_workers)

@@ -59,6 +59,7 @@ from data.packing import IGNORE, Example, collate, pack, plan_steps, tokenize_sf
 import kernels
 from kernels import attention, cross_entropy
 from model.checkpoint import load_config, load_into, remove_dir, replace_dir, save_checkpoint
+from model.hub import resolve_model
 from model.tokenizer import ChatTokenizer
 from model.transformer import Transformer
 from reporting import tensorboard
@@ -96,7 +97,8 @@ SDFT_GEN_BATCH = 32      # prompts per generation batch
 
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="input checkpoint (HF directory); default: the tiny embedded base model")
+    p.add_argument("--model", help="input checkpoint: an HF directory, or a model id (Org/Name) in the local Hugging "
+                                   "Face cache; default: the tiny embedded base model")
     p.add_argument("--data", help="comma-separated JSONL/JSON/Parquet files of {prompt, response} (or TRACE's "
                                   "{prompt, answer}, chat {messages}, {instruction, input, output}); default: the "
                                   "embedded benchmark's first task")
@@ -526,6 +528,8 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
         dist.barrier()
         args.model = args.model or str(ensure_base("tiny"))
         args.data = args.data or str(ensure_embedded() / "C-STANCE" / "train.json")
+    if not Path(args.model).is_dir():  # a model id: its snapshot in the local Hugging Face cache
+        args.model = str(resolve_model(args.model))
     out = Path(args.out)
     workdir = out.with_name(out.name + ".partial")  # training state and logs until the checkpoint is final
     device_defaults(args, device, rank, world, compute_dtype, saved_settings(workdir) if args.resume else {})

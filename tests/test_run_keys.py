@@ -282,9 +282,9 @@ def test_keys_follow_what_a_setting_changes(setup):
     buffers and drift read no test answers beyond their own flags)."""
     import plan
 
-    def keys(*extra):
-        cmd = command(setup["base"], setup["data"], setup["root"] / "dry", jobs=1) + ["--dry-run", *extra]
-        steps = plan.parse_plan(run(cmd, setup["env"]).stdout)
+    def keys(*extra, base=setup["base"], env=setup["env"]):
+        cmd = command(base, setup["data"], setup["root"] / "dry", jobs=1) + ["--dry-run", *extra]
+        steps = plan.parse_plan(run(cmd, env).stdout)
         assert not (setup["root"] / "dry").exists()
         return {k: s["kind"] for k, s in steps.items()}
 
@@ -294,6 +294,16 @@ def test_keys_follow_what_a_setting_changes(setup):
     assert len(other) == len(auto)
     changed = [kind for k, kind in auto.items() if k not in other]
     assert changed and set(changed) == {"eval"} and len(changed) == sum(kind == "eval" for kind in auto.values())
+    # --model as a model id of the Hugging Face cache: its snapshot (files linked into blobs) keys as the directory
+    snap = setup["root"] / "hub" / "models--Org--Base" / "snapshots" / ("a" * 40)
+    if not snap.exists():
+        blobs = snap.parent.parent / "blobs"
+        blobs.mkdir(parents=True)
+        snap.mkdir(parents=True)
+        for f in setup["base"].iterdir():
+            shutil.copyfile(f, blobs / f.name)
+            (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / f.name)
+    assert keys(base="Org/Base", env={**setup["env"], "HF_HUB_CACHE": str(setup["root"] / "hub")}) == auto
     import kernels
     if {"avx2", "fma"} <= kernels.cpu_flags():  # --portable: other numerics (the CPU pins), so every key is new
         portable = keys("--portable")
