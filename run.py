@@ -95,6 +95,7 @@ THREADS = 1
 # the paper's setting is the scripts' own defaults (train.py, rollout.py), not a second copy of them; --micro-tokens
 # is train.py's fixed CPU budget, 16,384, on every device (its GPU default follows free memory: not a step key)
 PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=train.LR, warmup=train.WARMUP,
+             lr_schedule=train.LR_SCHEDULE,
              global_batch=train.GLOBAL_BATCH,
              max_len=train.MAX_LEN, micro_tokens=train.MICRO_TOKENS, max_new_tokens=rollout.MAX_NEW_TOKENS,
              temperature=rollout.TEMPERATURE, max_train=rollout.MAX_TRAIN, eval_limit=None,
@@ -201,6 +202,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float_in(0, lo_open=True), help="peak learning rate (default: per preset; paper 1e-5)")
     p.add_argument("--warmup", type=float_in(0, 1),
                    help="fraction of each stage's steps with a linear lr warmup (default: per preset; paper 0)")
+    p.add_argument("--lr-schedule", choices=list(train.SCHEDULES),
+                   help=f"each stage's lr decay to 0 after the warmup: cosine (the paper's text) or linear (the "
+                        f"official OPR code's) (default: {train.LR_SCHEDULE})")
     p.add_argument("--global-batch", type=int_at_least(1),
                    help="sequences per optimizer step (default: per preset; paper 128)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), help="generation budget (default: per preset; paper 512)")
@@ -419,6 +423,8 @@ class Steps:
                     max_train=cfg["max_train"])
         if cfg["warmup"]:  # absent when 0, so the keys of runs made before the flag existed stay valid
             spec["warmup"] = cfg["warmup"]
+        if cfg["lr_schedule"] != train.LR_SCHEDULE:  # absent when the default, as warmup
+            spec["lr_schedule"] = cfg["lr_schedule"]
         spec = self.with_fields(spec, task_list, "data")
 
         def build(tmp, dirs):
@@ -434,7 +440,7 @@ class Steps:
                 "--out", str(tmp / "ckpt"), "--epochs", str(spec["ep"]), "--lr", str(cfg["lr"]),
                 "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
                 "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", str(self.save_every), "--resume",
-                "--warmup", str(cfg["warmup"]), "--quiet", *extra, *self.ac,
+                "--warmup", str(cfg["warmup"]), "--lr-schedule", cfg["lr_schedule"], "--quiet", *extra, *self.ac,
                 "--tensorboard", str(self.pipe.run_dir / "tb" / "train" / tmp.name.removesuffix(".tmp"))]
         return self.pipe.add("train", name, spec, [d for d in (prev, buffer_key) if d], build,
                              reads=self.files("train", task_list) + ([] if prev else self.base_files))
@@ -549,7 +555,8 @@ def configure(args):
     --base's (tiny by default); cfg is its settings with the flags given in their place."""
     preset = "paper" if args.model else (args.base or "tiny")
     cfg = dict(PRESETS[preset])
-    for k in ("methods", "rho", "lr", "warmup", "global_batch", "max_new_tokens", "n_train", "n_test", "eval_limit", "sft_kl_beta",
+    for k in ("methods", "rho", "lr", "warmup", "lr_schedule", "global_batch", "max_new_tokens", "n_train", "n_test",
+              "eval_limit", "sft_kl_beta",
               "sdft_teacher", "sdft_max_new_tokens", "epochs", "max_train", "eval_repeats", "scoring", "replay_budget",
               "drift_limit"):
         if getattr(args, k, None) is not None:

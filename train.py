@@ -14,7 +14,8 @@ The algorithm, top to bottom:
      micro-batches of at most --micro-tokens tokens with no padding, and accumulates gradients of
          sum of response-token NLL / number of response tokens in the whole step (all ranks)
      so gradients do not depend on world size, micro-batch split or packing
-  4. AdamW, linear warmup over the first --warmup fraction of steps (none by default), cosine decay to 0,
+  4. AdamW, linear warmup over the first --warmup fraction of steps (none by default), cosine decay to 0
+     (--lr-schedule linear: a linear decay to 0, as the official OPR code and HF's get_linear_schedule_with_warmup),
      grad-norm clip
   5. periodic resumable training state; final weights as a Hugging Face checkpoint directory (--out)
 
@@ -66,6 +67,7 @@ from reporting import tensorboard
 
 # ---- defaults: the paper's hyperparameters (7-8B models, 8xH100) ------------------------------------------
 LR = 1e-5                # AdamW, cosine to 0
+LR_SCHEDULE = "cosine"   # decay after the warmup: cosine (the paper's text) | linear (the official OPR code's)
 WARMUP = 0.0             # fraction of the steps with a linear warmup to LR (the paper's setting: none)
 WEIGHT_DECAY = 0.0
 BETAS = (0.9, 0.999)
@@ -110,6 +112,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float_in(0, lo_open=True), default=LR, help="peak learning rate (default: %(default)s)")
     p.add_argument("--warmup", type=float_in(0, 1), default=WARMUP,
                    help="fraction of the steps over which the lr rises linearly from 0 (default: %(default)s)")
+    p.add_argument("--lr-schedule", choices=list(SCHEDULES), default=LR_SCHEDULE,
+                   help="the lr's decay to 0 after the warmup (default: %(default)s)")
     p.add_argument("--weight-decay", type=float_in(0), default=WEIGHT_DECAY, help="(default: %(default)s)")
     p.add_argument("--betas", type=float_in(0, 1), nargs=2, default=BETAS, help="AdamW betas (default: %(default)s)")
     p.add_argument("--grad-clip", type=float_in(0, lo_open=True), default=GRAD_CLIP, help="max grad norm (default: %(default)s)")
@@ -288,6 +292,18 @@ def cosine(step: int, total: int, warmup: float = 0.0) -> float:
     if step < n:
         return (step + 1) / (n + 1)
     return 0.5 * (1 + math.cos(math.pi * min(step - n, total - n) / max(total - n, 1)))
+
+
+def linear(step: int, total: int, warmup: float = 0.0) -> float:
+    """cosine's warmup, then a linear decay to 0 over the rest: (total - step) / (total - n) from the peak at step n,
+    HF's get_linear_schedule_with_warmup after the warmup (the official OPR code's schedule)."""
+    n = round(warmup * total)
+    if step < n:
+        return (step + 1) / (n + 1)
+    return 1 - min(step - n, total - n) / max(total - n, 1)
+
+
+SCHEDULES = {"cosine": cosine, "linear": linear}  # --lr-schedule
 
 
 def measured_peak_flops(device, dtype) -> float:
@@ -588,7 +604,8 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay,
                             fused=True)  # one fused kernel over all tensors: a tiny model's step on CPU spends 5 ms
     # in it instead of 22 with foreach=True (FSDP2's DTensors dispatch each foreach op separately)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, total_steps, args.warmup))
+    schedule = SCHEDULES[args.lr_schedule]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, total_steps, args.warmup))
     start = 0
     if rank == 0:
         workdir.mkdir(parents=True, exist_ok=True)

@@ -294,6 +294,12 @@ def test_keys_follow_what_a_setting_changes(setup):
     assert len(other) == len(auto)
     changed = [kind for k, kind in auto.items() if k not in other]
     assert changed and set(changed) == {"eval"} and len(changed) == sum(kind == "eval" for kind in auto.values())
+    # --lr-schedule: its default is no new key; linear changes every training step (and what follows one), not the
+    # base's evaluation (row 0)
+    assert keys("--lr-schedule", "cosine") == auto
+    linear = keys("--lr-schedule", "linear")
+    assert len(linear) == len(auto) and not [k for k, kind in auto.items() if kind == "train" and k in linear]
+    assert sum(k.startswith("s0-eval") for k in set(auto) & set(linear)) == 1
     # --model as a model id of the Hugging Face cache: its snapshot (files linked into blobs) keys as the directory
     snap = setup["root"] / "hub" / "models--Org--Base" / "snapshots" / ("a" * 40)
     if not snap.exists():
@@ -308,6 +314,36 @@ def test_keys_follow_what_a_setting_changes(setup):
     if {"avx2", "fma"} <= kernels.cpu_flags():  # --portable: other numerics (the CPU pins), so every key is new
         portable = keys("--portable")
         assert len(portable) == len(auto) and not set(portable) & set(auto)
+
+
+def test_the_default_lr_schedule_adds_nothing_to_a_train_steps_key(tmp_path):
+    """A train step's spec (its key) holds the settings it held before --lr-schedule existed, so earlier runs keep
+    their steps; a linear schedule is in the spec and reaches train.py."""
+    from types import SimpleNamespace
+    import run as run_py
+
+    class Pipe:
+        run_dir = tmp_path
+        specs = []
+
+        def add(self, kind, name, spec, deps, build, reads=()):
+            self.specs.append((spec, build))
+            return name
+
+    inputs = SimpleNamespace(base=tmp_path / "base", data_root=tmp_path, task_spec=None, tasks=["FOMC"],
+                             epochs={"FOMC": 3}, train_sets={"FOMC": []}, layout=SimpleNamespace(dp=1, tp=1))
+    args = SimpleNamespace(gpus=0, launcher=None, save_every=50, task_spec=None)
+    for schedule in ("cosine", "linear"):
+        cfg = dict(run_py.PRESETS["tiny"], lr_schedule=schedule)
+        steps = run_py.Steps(Pipe(), cfg, inputs, args, "native")
+        steps.train(None, 1, ["FOMC"], None, 0)
+        spec, build = Pipe.specs[-1]
+        want = dict(tasks=["FOMC"], seed=0, lr=cfg["lr"], gb=cfg["global_batch"], extra=[], ep=3,
+                    max_len=cfg["max_len"], mt=cfg["micro_tokens"], max_train=cfg["max_train"])
+        assert spec == (want if schedule == "cosine" else dict(want, lr_schedule="linear"))
+        (tmp_path / "s1-train.tmp").mkdir(exist_ok=True)
+        cmd = build(tmp_path / "s1-train.tmp", {})
+        assert cmd[cmd.index("--lr-schedule") + 1] == schedule
 
 
 def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only(monkeypatch):

@@ -337,6 +337,25 @@ def test_warmup_schedule_hand_checked():
     assert [train_script.cosine(s, 8) for s in range(9)] == [train_script.cosine(s, 8, 0.0) for s in range(9)]
 
 
+def test_linear_schedule_hand_checked():
+    # 8 steps, warmup 0.25: the warmup of cosine (1/3, 2/3), then from the peak at step 2 down by 1/6 a step to 0
+    got = [train_script.linear(s, 8, 0.25) for s in range(9)]
+    assert got == pytest.approx([1 / 3, 2 / 3, 1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6, 0], abs=1e-12)
+    assert [train_script.linear(s, 4) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    # without warmup, HF's get_linear_schedule_with_warmup (the official OPR code's ms-swift `linear`)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    hf = transformers.get_linear_schedule_with_warmup(opt, 0, 10)
+    assert [train_script.linear(s, 10) for s in range(10)] == pytest.approx([hf.lr_lambdas[0](s) for s in range(10)],
+                                                                           abs=1e-12)
+
+
+def test_linear_schedule_reaches_the_logged_lr(ckpt, ref, tmp_path):
+    out = tmp_path / "linear"
+    train(ckpt, out, "--max-steps", "3", "--lr-schedule", "linear")
+    peak = log(ref)[0]["lr"]  # ref: cosine without warmup, its step 0 is at the peak
+    assert [x["lr"] for x in log(out)] == pytest.approx([peak * (N_STEPS - s) / N_STEPS for s in range(3)], rel=1e-6)
+
+
 def test_warmup_reaches_the_logged_lr(ckpt, ref, tmp_path):
     out = tmp_path / "warm"
     train(ckpt, out, "--max-steps", "3", "--warmup", "0.5")
@@ -379,6 +398,7 @@ def test_resume_refuses_any_flag_that_changes_the_weights(ckpt, tmp_path):
     out = tmp_path / "k"
     _, _, progress = kill_once_state_is_saved(ckpt, out)
     for flag, value in [("--weight-decay", ["0.1"]), ("--grad-clip", ["0.5"]), ("--betas", ["0.8", "0.99"]),
+                        ("--lr-schedule", ["linear"]),
                         ("--compile", [])]:  # compiled kernels round differently
         r = train(ckpt, out, "--resume", flag, *value, ok=False)
         assert r.returncode == 2 and f"{flag} was" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -389,6 +409,7 @@ def test_state_settings_are_every_flag_but_the_listed_ones():
     args = train_script.parse_args(["--objective", "sft-kl"])
     got = train_script.state_settings(args)
     assert "weight_decay" in got and "sft_kl_beta" in got and "sdft_alpha" not in got and "max_steps" not in got
+    assert got["lr_schedule"] == "cosine"  # the schedule changes the weights: a state of another one is refused
     assert set(got) | set(train_script.NOT_STATE_ARGS) | {k for k in vars(args) if k.startswith("sdft_")} \
         == set(vars(args))
 
