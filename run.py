@@ -870,7 +870,7 @@ def epochs_per_task(spec, tasks) -> dict:
 
 def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, probes: dict | None = None,
             done: set | None = None) -> dict:
-    """results.json (its schema: report.py's docstring): per method and seed, the accuracy matrix (row i: tasks 1..i
+    """results.json (its schema: reporting/schema.py): per method and seed, the accuracy matrix (row i: tasks 1..i
     after stage i), row 0 (the base on every task), next_task (a(i, i+1): task i+1 after stage i, before training on
     it), the continual-learning metrics of data.metrics.cl_metrics, the per-step training loss of every stage, from
     each evaluation's predictions.jsonl, for the cells of the matrix, the per-example scores (averaged over eval
