@@ -56,11 +56,12 @@ from tqdm import tqdm
 
 from data.jsonl import check_output, dumps_strict, jsonl_lines, read_records
 from data.manifest import as_prompt_record
-from data.packing import IGNORE, Example, collate, pack, plan_steps, tokenize_sft
+from data.packing import pack, plan_steps, tokenize_sft
 import kernels
 from kernels import attention, cross_entropy
 from model.checkpoint import load_config, load_into, remove_dir, replace_dir, save_checkpoint
 from model.hub import resolve_model
+from model.objectives import fsdp_units, objective, on_policy_batches, sample_responses, sample_seed
 from model.tokenizer import ChatTokenizer
 from model.transformer import Transformer
 from reporting import tensorboard
@@ -269,22 +270,6 @@ def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False,
     return model
 
 
-def fsdp_units(model) -> list:
-    """The FSDP2 units of a model from build_model (blocks, then the root); [] when it is not sharded."""
-    from torch.distributed.fsdp import FSDPModule
-    return [m for m in (*model.model.layers, model) if isinstance(m, FSDPModule)]
-
-
-def replay_split(examples, device):
-    """How a micro-batch's NLL splits by source: (None, 0) or (None, 1) when all its examples are task (0) or replay
-    (1) examples, else (a [1,T] bool mask of the replay tokens, None), so that only mixed micro-batches pay for it."""
-    flags = {e.replay for e in examples}
-    if len(flags) < 2:
-        return None, int(flags.pop()) if flags else 0
-    mask = torch.tensor([e.replay for e in examples for _ in e.ids], dtype=torch.bool, device=device)[None]
-    return mask, None
-
-
 def cosine(step: int, total: int, warmup: float = 0.0) -> float:
     """lr factor of optimizer step `step` (0-based) of `total`: a linear rise over the first round(warmup * total)
     steps (step 0 trains at 1 / (n + 1) of the peak, never at 0), then a cosine decay to 0 over the rest."""
@@ -315,52 +300,6 @@ def measured_peak_flops(device, dtype) -> float:
     for _ in range(8):
         a @ a
     return 8 * 2 * 1024**3 / (time.perf_counter() - t)
-
-
-def sample_seed(seed: int, step: int, idx: int) -> int:
-    """The seed of example idx's response at optimizer step `step` (sdft): a function of the example, not of the
-    rank that samples it, so any world size (and a resumed run) samples the same responses."""
-    return int(hashlib.sha256(f"{seed}:{step}:{idx}".encode()).hexdigest()[:15], 16)
-
-
-def sample_responses(model, prompts: list[list[int]], seeds: list[int], args, stop_ids) -> list[dict]:
-    """One response per prompt from the training model itself (sdft). Under FSDP each unit is gathered once and
-    kept whole while the KV-cache sampler runs, so its many small forwards need no collective and ranks may sample
-    different numbers of tokens; afterwards the blocks are sharded again as build_model left them."""
-    from model.generate import generate
-    units = fsdp_units(model)
-    for unit in units:
-        unit.unshard()
-        unit.set_reshard_after_forward(False, recurse=False)  # the root's own setting already is False
-    try:
-        return generate(model, prompts, temperature=args.sdft_temperature, max_new_tokens=args.sdft_max_new_tokens,
-                        stop_ids=stop_ids, seeds=seeds, batch_size=SDFT_GEN_BATCH, progress=False)
-    finally:
-        for unit in units[:-1]:  # the blocks
-            unit.set_reshard_after_forward(dist.get_world_size() > 1, recurse=False)
-        for unit in units:
-            unit.reshard()
-
-
-def on_policy_batches(mine: list[int], outs: list[dict], prompt_ids, teacher_ids, args, device):
-    """This rank's (student, teacher) example pairs, packed into micro-batches. The student's sequence is its
-    prompt + its response y, the teacher's is the prompt with the demonstration + the same y; both predict y at the
-    same positions of the response, so their hidden states line up token for token. Every rank gets the same
-    number of micro-batches (FSDP needs every rank in every collective). Returns (micro-batches, number of loss
-    tokens in the whole step, student tokens in the whole step)."""
-    pairs = []
-    for i, out in zip(mine, outs):
-        y = out["token_ids"]
-        tgt = [IGNORE] * min(args.sdft_skip_tokens, len(y)) + y[args.sdft_skip_tokens:]
-        pairs.append((Example(prompt_ids[i] + y, [IGNORE] * (len(prompt_ids[i]) - 1) + tgt + [IGNORE]),
-                      Example(teacher_ids[i] + y, [IGNORE] * (len(teacher_ids[i]) - 1) + tgt + [IGNORE])))
-    bins = pack(list(range(len(pairs))), [max(len(s.ids), len(t.ids)) for s, t in pairs], args.micro_tokens, 1)[0]
-    n_bins = torch.tensor(len(bins), device=device)
-    dist.all_reduce(n_bins, op=dist.ReduceOp.MAX)
-    bins += [[] for _ in range(int(n_bins) - len(bins))]
-    counts = torch.tensor([sum(s.n_targets for s, _ in pairs), sum(len(s.ids) for s, _ in pairs)], device=device)
-    dist.all_reduce(counts)
-    return [[pairs[j] for j in b] for b in bins], *counts.tolist()
 
 
 def save_state(model, opt, sched, step, workdir: Path, rank: int, plan_id: str, teacher=None, settings=None):
@@ -456,6 +395,7 @@ class Stage:
     teacher_ids: list | None   # sdft: the teacher's, x with the demonstration in context
     stop_ids: set              # the tokenizer's end-of-turn ids (sdft's sampling)
     has_replay: bool           # the mixture has task and replay examples: their losses are logged apart
+    loss_fn: object            # --objective's loss: a micro-batch -> (loss, [NLL, KL, task NLL, replay NLL] sums)
     steps: list                # the optimizer steps (lists of example indices), cut at --max-steps
     settings: dict             # state_settings(args)
     plan_id: str               # what a resumable training state must have been saved for
@@ -637,6 +577,7 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     return Stage(args=args, rank=rank, world=world, device=device, compute_dtype=compute_dtype, out=out,
                  workdir=workdir, log_path=log_path, examples=examples, dropped=dropped, lengths=lengths,
                  prompt_ids=prompt_ids, teacher_ids=teacher_ids, stop_ids=tok.stop_ids, has_replay=has_replay,
+                 loss_fn=objective(args, model, teacher, has_replay, device),
                  steps=steps, settings=settings, plan_id=plan_id, model=model, teacher=teacher, ema_rate=ema_rate,
                  opt=opt, sched=sched, start=start, peak=peak, flops_per_token=flops_per_token,
                  tb=tensorboard.writer(Path(args.tensorboard), start + 1) if args.tensorboard and rank == 0 else None)
@@ -647,67 +588,13 @@ def train_step(s: Stage, step: int) -> dict:
     (sdft: the student's responses sampled first), gradients accumulated, clipped, AdamW and the schedule stepped,
     an EMA teacher updated. Returns the step's numbers for the log: loss, kl, the per-source NLLs, grad_norm, lr,
     tokens, target_tokens and (sdft) gen_seconds."""
-    args, rank, world, device, model, teacher = s.args, s.rank, s.world, s.device, s.model, s.teacher
-    examples, lengths = s.examples, s.lengths
-    batch = s.steps[step]
-    n_targets = sum(examples[i].n_targets for i in batch)  # the global token count: every rank plans it
-    step_tokens = sum(lengths[i] for i in batch)
-    micro = pack(batch, lengths, args.micro_tokens, world)[rank]
-    gen_seconds = None
-    if args.objective == "sdft":
-        # the student answers this rank's prompts; its responses replace the gold answers as training tokens
-        mine = [i for mb in micro for i in mb]
-        t_gen = time.perf_counter()
-        outs = sample_responses(model, [s.prompt_ids[i] for i in mine],
-                                [sample_seed(args.seed, step, i) for i in mine], args, s.stop_ids)
-        gen_seconds = time.perf_counter() - t_gen
-        micro, n_targets, step_tokens = on_policy_batches(mine, outs, s.prompt_ids, s.teacher_ids, args, device)
-        sizes = [sum(len(x.ids) for x, _ in mb) for mb in micro]
-    else:
-        sizes = [sum(lengths[i] for i in mb) for mb in micro]
-    s.packed_tokens += sum(sizes)
-    # an example longer than --micro-tokens fills a micro-batch of its own length, not of the budget
-    s.packed_slots += sum(max(args.micro_tokens, x) for x in sizes)
-    nll_sum = torch.zeros((), device=device)
-    kl_sum = torch.zeros((), device=device)
-    src_sum = torch.zeros(2, device=device)  # NLL sums of task and replay examples
+    args, model = s.args, s.model
+    micro, n_targets, step_tokens, gen_seconds = micro_batches(s, step)
+    sums = torch.zeros(4, device=s.device)  # NLL, KL, task NLL, replay NLL
     for mb in micro:
-        if args.objective == "sdft":
-            # the teacher (no gradient) reads prompt + demonstration + y; the student reads prompt + y and
-            # computes both sides' full-vocabulary log-probs chunk by chunk. FSDP leaves the root unit (lm_head)
-            # unsharded after a forward, so the teacher's full lm_head weight is at hand.
-            scorer = teacher if teacher is not None else model
-            ids, pos, tgt, cu, max_len = collate([t for _, t in mb], device)
-            with torch.no_grad():
-                t_hidden = scorer(ids, pos, return_hidden=True, cu_seqlens=cu, max_seqlen=max_len)[tgt != IGNORE]
-            ids, pos, tgt, cu, max_len = collate([x for x, _ in mb], device)
-            kl = model(ids, pos, labels=tgt, teacher=(t_hidden, scorer.lm_head.weight.detach()),
-                       kl_direction=args.sdft_kl, kl_only=True, cu_seqlens=cu, max_seqlen=max_len)
-            loss = kl
-            kl_sum += kl.detach()
-            (loss / max(n_targets, 1)).backward()
-            continue
-        ids, pos, tgt, cu, max_len = collate([examples[i] for i in mb], device)
-        kw = dict(cu_seqlens=cu, max_seqlen=max_len)
-        mask, slot = replay_split([examples[i] for i in mb], device) if s.has_replay else (None, 0)
-        if teacher is None:
-            nll = model(ids, pos, labels=tgt, replay_mask=mask, **kw)
-        else:  # sft-kl: the teacher reads the same gold sequence
-            with torch.no_grad():
-                t_hidden = teacher(ids, pos, return_hidden=True, **kw)[tgt != IGNORE]
-            t_weight = teacher.lm_head.weight
-            nll, kl = model(ids, pos, labels=tgt, teacher=(t_hidden, t_weight), kl_direction=args.sft_kl_direction,
-                            replay_mask=mask, **kw)
-            kl_sum += kl.detach()
-        if mask is None:
-            src_sum[slot] += nll.detach()
-        else:  # a micro-batch of both sources: the forward returned (task, replay) sums
-            src_sum += nll.detach()
-            nll = nll.sum()
-        loss = nll if teacher is None else nll + args.sft_kl_beta * kl
-        (loss / max(n_targets, 1)).backward()
-        nll_sum += nll.detach()
-    sums = torch.cat([torch.stack([nll_sum, kl_sum]), src_sum])
+        loss, parts = s.loss_fn(mb)
+        (loss / max(n_targets, 1)).backward()  # the mean over the response tokens of the whole step, all ranks
+        sums += parts
     dist.all_reduce(sums)
     train_loss, kl_mean, task_nll, replay_nll = (sums / max(n_targets, 1)).tolist()
     if args.objective == "sdft":
@@ -724,13 +611,41 @@ def train_step(s: Stage, step: int) -> dict:
     if s.ema_teacher is not None:
         # a forward with no backward can leave the teacher's units (always the root: embeddings, norm, lm_head)
         # unsharded, as plain tensors: reshard so the EMA below updates the sharded parameters
-        for unit in fsdp_units(teacher):
+        for unit in fsdp_units(s.teacher):
             unit.reshard()
         with torch.no_grad():  # phi <- rate * theta + (1 - rate) * phi
-            for t_p, s_p in zip(teacher.parameters(), model.parameters()):
+            for t_p, s_p in zip(s.teacher.parameters(), model.parameters()):
                 t_p.lerp_(s_p, s.ema_rate)
     return dict(loss=train_loss, kl=kl_mean, task_nll=task_nll, replay_nll=replay_nll, grad_norm=grad_norm, lr=lr,
                 tokens=step_tokens, target_tokens=n_targets, gen_seconds=gen_seconds)
+
+
+def micro_batches(s: Stage, step: int):
+    """Optimizer step `step`'s micro-batches on this rank -> (micro-batches, response tokens of the whole step,
+    tokens of the whole step, seconds spent sampling). sft, sft-kl: lists of the mixture's examples; sdft: the
+    student first answers this rank's prompts, and its responses replace the gold answers as training tokens."""
+    args, examples, lengths = s.args, s.examples, s.lengths
+    batch = s.steps[step]
+    micro = pack(batch, lengths, args.micro_tokens, s.world)[s.rank]
+    if args.objective != "sdft":
+        micro = [[examples[i] for i in mb] for mb in micro]
+        n_targets = sum(examples[i].n_targets for i in batch)  # the global token count: every rank plans it
+        step_tokens, gen_seconds = sum(lengths[i] for i in batch), None
+        sizes = [sum(len(e.ids) for e in mb) for mb in micro]
+    else:
+        mine = [i for mb in micro for i in mb]
+        t_gen = time.perf_counter()
+        seeds = [sample_seed(args.seed, step, i) for i in mine]
+        outs = sample_responses(s.model, [s.prompt_ids[i] for i in mine], seeds, args.sdft_temperature,
+                                args.sdft_max_new_tokens, s.stop_ids, SDFT_GEN_BATCH)
+        gen_seconds = time.perf_counter() - t_gen
+        micro, n_targets, step_tokens = on_policy_batches(mine, outs, s.prompt_ids, s.teacher_ids,
+                                                          args.sdft_skip_tokens, args.micro_tokens, s.device)
+        sizes = [sum(len(x.ids) for x, _ in mb) for mb in micro]
+    s.packed_tokens += sum(sizes)
+    # an example longer than --micro-tokens fills a micro-batch of its own length, not of the budget
+    s.packed_slots += sum(max(args.micro_tokens, x) for x in sizes)
+    return micro, n_targets, step_tokens, gen_seconds
 
 
 def log_and_save(s: Stage, step: int, numbers: dict, dt: float, bar):

@@ -31,6 +31,7 @@ def child(shape: str, variant: str, steps: int):
     import torch
     from model.config import ModelConfig
     from model.transformer import Transformer
+    from model.objectives import nll
     v, h, i, layers, heads, kv, hd, tokens = SHAPES[shape]
     cfg = ModelConfig("llama", v, h, i, layers, heads, kv, hd, tie_word_embeddings=shape == "smollm2")
     torch.manual_seed(0)
@@ -54,7 +55,7 @@ def child(shape: str, variant: str, steps: int):
         pos = torch.cat([torch.arange(n) for n in lens])[None]
         cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
         t = time.perf_counter()
-        loss = model(ids, pos, cu_seqlens=cu, max_seqlen=max(lens), labels=ids)
+        loss = model(ids, pos, cu_seqlens=cu, max_seqlen=max(lens), loss=nll(ids))
         loss.backward()
         times.append(time.perf_counter() - t)
         loss1 = loss1 if loss1 is not None else loss.item()

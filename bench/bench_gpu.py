@@ -152,6 +152,7 @@ def train_worker(args):
     import train
     from data.packing import IGNORE, Example, collate, pack
     from kernels import attention, cross_entropy
+    from model.objectives import nll
     from plan import flops_per_token
 
     rank, world, device = train.setup_distributed()
@@ -188,7 +189,7 @@ def train_worker(args):
         n_targets = sum(examples[i].n_targets for i in batch)
         for mb in pack(batch, lengths, args.micro_tokens, world)[rank]:
             ids, pos, tgt, cu, max_len = collate([examples[i] for i in mb], device)
-            (model(ids, pos, labels=tgt, cu_seqlens=cu, max_seqlen=max_len) / n_targets).backward()
+            (model(ids, pos, loss=nll(tgt), cu_seqlens=cu, max_seqlen=max_len) / n_targets).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

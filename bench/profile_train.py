@@ -54,6 +54,7 @@ def main(argv=None):
     from bench.bench_train import model_dir, records
     from data.packing import IGNORE, collate, tokenize_sft
     from model.tokenizer import ChatTokenizer
+    from model.objectives import nll
     from train import build_model
 
     kernels.retain_freed_memory()  # as train.py does
@@ -70,8 +71,8 @@ def main(argv=None):
 
     def step(batch):
         ids, pos, tgt, cu, max_len = batch
-        nll = model(ids, pos, labels=tgt, cu_seqlens=cu, max_seqlen=max_len)
-        (nll / max(int((tgt != IGNORE).sum()), 1)).backward()
+        total = model(ids, pos, loss=nll(tgt), cu_seqlens=cu, max_seqlen=max_len)
+        (total / max(int((tgt != IGNORE).sum()), 1)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

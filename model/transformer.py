@@ -15,8 +15,7 @@ import torch.nn.functional as F
 
 from torch.utils.checkpoint import checkpoint
 
-from kernels import fused_linear_cross_entropy, varlen_attention
-from kernels.kl import chunked_kl
+from kernels import varlen_attention
 from model.config import ModelConfig
 
 
@@ -260,20 +259,10 @@ class Transformer(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, position_ids, *, cu_seqlens=None, max_seqlen=None, labels=None,
-                return_hidden=False, teacher=None, kl_direction="reverse", replay_mask=None, kl_only=False):
-        """input_ids, position_ids: [B,T] long. What comes back depends on the arguments:
-
-        labels [B,T] (already shifted: labels[b,t] is the target of position t, -100 ignored)
-            -> SUM of token NLL, fp32 scalar (the caller divides by the global token count);
-            with teacher = (hidden [M,H], lm_head weight [V,H]) of a teacher at the M non-ignored positions
-            -> (NLL sum, KL sum) for self-distillation (kernels.kl.chunked_kl); with kl_only, the KL sum alone
-            (on-policy SDFT: the labels are the student's own samples, and no cross-entropy is trained on them);
-            with replay_mask [B,T] bool, the NLL sum comes as a [2] tensor: (sum over positions where the mask is
-            False, sum where it is True), each token still entering the loss kernel once (task vs replay loss);
-        return_hidden -> final-normed hidden states [B,T,H]; otherwise -> logits [B,T,V].
-        The loss is computed here, inside forward, so that under FSDP lm_head stays in the root unit.
-        """
+    def forward(self, input_ids, position_ids, *, cu_seqlens=None, max_seqlen=None, loss=None, return_hidden=False):
+        """input_ids, position_ids: [B,T] long -> logits [B,T,V]; with return_hidden, the final-normed hidden states
+        [B,T,H]; with loss, loss(hidden [B*T, H], lm_head weight) (model/objectives.py: nll, kl, nll_kl), computed
+        here, inside forward, so that under FSDP lm_head stays in the root unit."""
         if cu_seqlens is not None and input_ids.shape[0] != 1:
             raise ValueError("packed attention (cu_seqlens) needs batch size 1")
         x = self.model.embed_tokens(input_ids)
@@ -286,19 +275,8 @@ class Transformer(nn.Module):
             else:
                 x = layer(x, cos, sin, cu_seqlens, max_seqlen)
         h = self.model.norm(x)
-        if labels is not None:
-            h, labels = h.flatten(0, 1), labels.flatten()
-            if kl_only:
-                return chunked_kl(h[labels != -100], self.lm_head.weight, *teacher, kl_direction)
-            if replay_mask is None:
-                nll = fused_linear_cross_entropy(h, self.lm_head.weight, labels)
-            else:
-                m = replay_mask.flatten()
-                nll = torch.stack([fused_linear_cross_entropy(h[~m], self.lm_head.weight, labels[~m]),
-                                   fused_linear_cross_entropy(h[m], self.lm_head.weight, labels[m])])
-            if teacher is None:
-                return nll
-            return nll, chunked_kl(h[labels != -100], self.lm_head.weight, *teacher, kl_direction)
+        if loss is not None:
+            return loss(h.flatten(0, 1), self.lm_head.weight)
         if return_hidden:
             return h
         return self.lm_head(h)

@@ -7,6 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model.checkpoint import load_model, save_checkpoint  # noqa: E402
+from model.objectives import nll  # noqa: E402
 
 TOL = 1e-4
 
@@ -82,7 +83,7 @@ def test_packed_loss_equals_sum_of_token_nll(pair):
     labels[0, :5] = -100
     with torch.no_grad():
         logits = ours(ids, pos, cu_seqlens=cu, max_seqlen=18)
-        loss = ours(ids, pos, cu_seqlens=cu, max_seqlen=18, labels=labels)
+        loss = ours(ids, pos, cu_seqlens=cu, max_seqlen=18, loss=nll(labels))
     ref = torch.nn.functional.cross_entropy(logits[0], labels[0], reduction="sum", ignore_index=-100)
     assert torch.allclose(loss, ref, rtol=1e-5)
 
@@ -105,7 +106,7 @@ def test_blocks_compile_whole_and_match_eager(pair):
         ids = torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(n))
         pos = torch.cat([torch.arange(n // 3), torch.arange(n - n // 3)])[None]
         cu = torch.tensor([0, n // 3, n], dtype=torch.int32)
-        loss = m(ids, pos, cu_seqlens=cu, max_seqlen=n - n // 3, labels=ids)
+        loss = m(ids, pos, cu_seqlens=cu, max_seqlen=n - n // 3, loss=nll(ids))
         grads = torch.autograd.grad(loss, list(m.parameters()))
         return loss, grads
 

@@ -20,6 +20,7 @@ from test_train import (MAX_LEN, N_STEPS, REPO, assert_close_rel, assert_same_we
 import train as train_script  # noqa: E402
 from data.packing import plan_steps  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
+from model.objectives import sample_seed  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
 from model.transformer import to_hf  # noqa: E402
 
@@ -106,7 +107,7 @@ def reference(path: Path, name: str) -> tuple[list[dict], dict]:
             x = tok.prompt_ids(kept[i]["prompt"])
             x_demo = tok.prompt_ids(train_script.SDFT_TEMPLATE.format(prompt=kept[i]["prompt"],
                                                                       demo=kept[i]["response"]))
-            y = naive_sample(student, x, train_script.sample_seed(0, step, i), 1.0, tok.stop_ids)
+            y = naive_sample(student, x, sample_seed(0, step, i), 1.0, tok.stop_ids)
             s = response_logprobs(student, x, y)
             with torch.no_grad():
                 t = response_logprobs(teacher, x_demo, y)

@@ -27,6 +27,7 @@ from data.jsonl import write_jsonl  # noqa: E402
 from data.packing import collate, pack, plan_steps, tokenize_sft  # noqa: E402
 from model.base import CHATML, train_tiny_tokenizer  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
+from model.objectives import nll  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
 from pipeline.cli import InputError  # noqa: E402
 import train as train_script  # noqa: E402
@@ -173,7 +174,7 @@ def test_packed_loss_and_grads_equal_one_by_one(which, request):
     packed_loss = 0.0
     for mb in micro:
         ids, pos, tgt, cu, max_len = collate([examples[i] for i in mb])
-        loss = model(ids, pos, labels=tgt, cu_seqlens=cu, max_seqlen=max_len) / n_targets
+        loss = model(ids, pos, loss=nll(tgt), cu_seqlens=cu, max_seqlen=max_len) / n_targets
         loss.backward()
         packed_loss += loss.item()
     packed = grads()
@@ -181,7 +182,7 @@ def test_packed_loss_and_grads_equal_one_by_one(which, request):
     single_loss = 0.0
     for e in examples:  # one forward per example, dense causal attention, no cu_seqlens
         ids, tgt = torch.tensor([e.ids]), torch.tensor([e.targets])
-        loss = model(ids, torch.arange(len(e.ids))[None], labels=tgt) / n_targets
+        loss = model(ids, torch.arange(len(e.ids))[None], loss=nll(tgt)) / n_targets
         loss.backward()
         single_loss += loss.item()
     single = grads()
@@ -202,8 +203,8 @@ def first_step_loss(path: Path) -> float:
                                ChatTokenizer.from_dir(path), MAX_LEN)
     batch = plan_steps(len(examples), 8, 3, 0)[0]
     with torch.no_grad():
-        nll = sum(model(ids, pos, labels=tgt) for ids, pos, tgt, _, _ in (collate([examples[i]]) for i in batch))
-    return (nll / sum(examples[i].n_targets for i in batch)).item()
+        total = sum(model(ids, pos, loss=nll(tgt)) for ids, pos, tgt, _, _ in (collate([examples[i]]) for i in batch))
+    return (total / sum(examples[i].n_targets for i in batch)).item()
 
 
 @pytest.mark.parametrize("which", ["untied", "tied"])
@@ -573,7 +574,7 @@ def test_loss_per_source_adds_up_and_changes_nothing_else(ckpt, ref, tmp_path):
     with torch.no_grad():
         for flag, key in ((False, "loss_task"), (True, "loss_replay")):
             mine = [examples[i] for i in batch if examples[i].replay == flag]
-            want = sum(model(*collate([e])[:2], labels=collate([e])[2]) for e in mine) / sum(e.n_targets for e in mine)
+            want = sum(model(*collate([e])[:2], loss=nll(collate([e])[2])) for e in mine) / sum(e.n_targets for e in mine)
             assert abs(got[0][key] - want.item()) <= 1e-5 * want.item(), key
     assert got[0]["target_tokens_replay"] == sum(examples[i].n_targets for i in batch if examples[i].replay)
 
