@@ -40,7 +40,8 @@ def main(argv=None):
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     import torch
 
-    from data.jsonl import check_output, read_records, write_json
+    from data.jsonl import read_records
+    from data.outputs import check_output, write_json
     from model.checkpoint import load_model
     from model.logprobs import response_stats
     from model.tokenizer import ChatTokenizer
@@ -78,7 +79,7 @@ def main(argv=None):
                              "selected": nll_stats([r for r in scored if r["task"] == t]), "rejected": None}
                          for t in tasks},
                "all": {"selected": nll_stats(scored), "rejected": None}}
-    write_json(out_path, summary)
+    write_json(out_path, summary, kind="buffer-stats")
     print("| task | n | NLL/token mean | max | max single token |")
     print("|---|---:|---:|---:|---:|")
     for t, s in [*((t, summary["tasks"][t]["selected"]) for t in tasks), ("all", summary["all"]["selected"])]:

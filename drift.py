@@ -88,7 +88,7 @@ def main(argv=None):
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     import torch
 
-    from data.jsonl import check_output, write_json, write_jsonl
+    from data.outputs import check_output, claim_dir, write_json, write_jsonl
     from data.trace import load_filtered, tasks_in
     from model.checkpoint import load_config, load_model
     from model.hub import default_output, resolve_model
@@ -168,7 +168,7 @@ def main(argv=None):
                "seconds": {"generate": t_gen, "total": t_all}}
 
     # 6. outputs: samples first, drift.json last (its presence marks a finished measurement)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    claim_dir(out_dir, "drift")
     write_jsonl(out_dir / "drift_samples.jsonl", rows)
     write_json(out_dir / "drift.json", summary)
 

@@ -85,7 +85,7 @@ def main(argv=None):
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     from tqdm import tqdm
 
-    from data.jsonl import check_output, write_json, write_jsonl
+    from data.outputs import check_output, claim_dir, write_json, write_jsonl
     from data.metrics import score
     from data.tasks import parse_tasks
     from data.trace import load_filtered, task_file, tasks_in
@@ -154,7 +154,7 @@ def main(argv=None):
     }
 
     # 5. outputs: predictions first, scores.json last (its presence marks a finished evaluation)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    claim_dir(out_dir, "eval")
     write_jsonl(out_dir / "predictions.jsonl", records)
     write_json(out_dir / "scores.json", summary)
 

@@ -114,7 +114,7 @@ def main(argv=None):
     args = parse_args(argv)
     from kernels import retain_freed_memory
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
-    from data.jsonl import check_output, write_json, write_jsonl
+    from data.outputs import check_output, write_json, write_jsonl
     from data.tasks import parse_tasks
     from data.trace import load_filtered, tasks_in
     from model import workers
@@ -133,6 +133,7 @@ def main(argv=None):
         raise UserError(f"{root}: no task directories with a train.json (--data must be a TRACE root)")
     out_path = check_output(Path(args.out) if args.out else default_output(args.ckpt, ckpt, "rollouts.jsonl"),
                             "rollouts", args.overwrite)
+    check_output(summary_path(out_path), "rollout-summary", args.overwrite, "--out's _summary.json")
     engine = resolve_engine(args.engine)
 
     # 1-2. the training prompts each task trained on, rendered with this checkpoint's chat template
@@ -172,8 +173,8 @@ def main(argv=None):
         summary["tasks"][task] = {"n": len(rs), "mean_tokens": sum(r["num_tokens"] for r in rs) / max(len(rs), 1),
                                   "stopped": sum(r["finish_reason"] == "stop" for r in rs),
                                   "mean_logprob": sum(lps) / len(lps) if lps else None}
-    write_jsonl(out_path, records)
-    write_json(summary_path(out_path), summary)
+    write_jsonl(out_path, records, kind="rollouts")
+    write_json(summary_path(out_path), summary, kind="rollout-summary")
 
     print(f"{'task':<12} {'rollouts':>8} {'mean tokens':>11} {'stopped':>8} {'mean logprob':>12}")
     for task in tasks:

@@ -69,7 +69,8 @@ import rollout
 import train
 
 from data import metrics
-from data.jsonl import check_output, jsonl_lines, read_records, write_json, write_jsonl, write_text_atomic
+from data.jsonl import jsonl_lines, read_records
+from data.outputs import check_output, claim_dir, write_json, write_jsonl, write_text_atomic
 from data.manifest import check_scorer, held_out, manifest_path, scorer_files, step_fields, use_manifest_from_argv
 from data.replay import replay_budget, replay_counts, select
 from data.tasks import get_task, parse_tasks, task_names
@@ -293,6 +294,7 @@ def main(argv=None):
         return plan.print_plan(pipe.steps, runs, cfg, inputs.train_sets, inputs.tok, inputs.data_root, inputs.base,
                                args, inputs.layout)
     pipe.lock_run_dir()  # creates the run directory: everything above is checked
+    claim_dir(run_dir, "run")  # marked as run.py's (data/outputs.py)
     pipe.digests.save()
     write_text_atomic(run_dir / "config.yaml", config.dump(args.settings, sys.argv[1:] if argv is None else argv))
     write_index(pipe, runs, row0, run_dir / "index.md")

@@ -200,7 +200,7 @@ def nll_stats(records: list[dict]) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    from data.jsonl import check_output, write_json, write_jsonl
+    from data.outputs import check_output, write_json, write_jsonl
     from reporting.stats import spearman
     from data.replay import allocate, buffer_size, select
     from data.tasks import parse_tasks
@@ -280,8 +280,8 @@ def main(argv=None):
                      "rejected": nll_stats([r for i, r in enumerate(records) if fits[i] and i not in picked])}}
 
     # 6. write (atomic), then report
-    write_jsonl(out_path, buffer)
-    write_json(stats_path(out_path), stats)
+    write_jsonl(out_path, buffer, kind="buffer")
+    write_json(stats_path(out_path), stats, kind="buffer-stats")
     passed_rule = "score == 100" if args.scorer == "ru" else "score > task median"
     print(f"scorer={args.scorer} select={args.select} budget={budget}"
           f"{' (per task)' if args.task_budgets is not None else ''}"

@@ -54,7 +54,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from data.jsonl import check_output, dumps_strict, jsonl_lines, read_records
+from data.jsonl import dumps_strict, jsonl_lines, read_records
+from data.outputs import check_output, claim_dir
 from data.manifest import as_prompt_record
 from data.packing import pack, plan_steps, tokenize_sft
 import kernels
@@ -548,7 +549,7 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, total_steps, args.warmup))
     start = 0
     if rank == 0:
-        workdir.mkdir(parents=True, exist_ok=True)
+        claim_dir(workdir, "train-state")
     dist.barrier()
     if args.resume:
         start = load_state(model, opt, sched, workdir, plan_id, ema_teacher, settings)

@@ -225,7 +225,7 @@ def main():
     if args.child in ("hf", "hf-flat"):
         return child_hf(args.ckpt, args.data, json.loads(args.cfg), args.work, flat=args.child == "hf-flat")
 
-    from data.jsonl import write_jsonl
+    from data.outputs import write_jsonl
     from data.packing import tokenize_sft
     from model.tokenizer import ChatTokenizer
 

@@ -44,7 +44,7 @@ import tempfile
 import random
 from pathlib import Path
 
-from data.jsonl import fsync_dir, fsync_tree
+from data.outputs import fsync_dir, fsync_tree
 from data.tasks import TASK_ORDER, parse_tasks
 from pipeline.cli import InputError
 

@@ -1,21 +1,12 @@
-"""Reading and writing record files: JSON Lines, or a JSON list (TRACE's release format). Errors name file,
-record, line and field.
-
-Every file the pipeline writes goes through `write_jsonl` (temporary file, fsync, then rename, then fsync of the
-directory), so neither a killed run nor a power loss leaves a half-written file under the final name.
+"""Reading record files: JSON Lines, or a JSON list (TRACE's release format), strictly (no NaN, no infinity); errors
+name file, record, line and field. dumps_strict is the writing side's serializer (data/outputs.py writes).
 """
 import contextlib
-import errno
 import json
 import math
-import os
-import re
-import shutil
-import stat
-import tempfile
 from pathlib import Path
 
-from pipeline.cli import InputError, UserError
+from pipeline.cli import InputError
 
 
 class NonFiniteError(ValueError):
@@ -241,96 +232,6 @@ def check_answer(where: str, field: str, value):
                          f"needs text; fill it in or drop the record")
 
 
-def fsync_dir(path):
-    """Make a directory's entries (a rename into it, a new file) durable. File systems that cannot fsync a
-    directory (some FUSE and network mounts: EINVAL, ENOTSUP, EBADF) are let be, as git and SQLite do."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root):
-    """fsync every file and directory under root (and root): before a rename publishes the tree, so that a power
-    loss cannot leave it listed with truncated files (the rename alone orders nothing on ext4/xfs)."""
-    for d, _, files in os.walk(root):
-        for name in files:
-            p = os.path.join(d, name)
-            if not stat.S_ISREG(os.lstat(p).st_mode):  # links are not followed; a FIFO would block the open
-                continue
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(d)
-
-
-def temp_prefix(path: Path) -> str:
-    """The name prefix of a temporary sibling of path: it carries our pid, so that a later run can tell the
-    temporaries of a killed process (SIGKILL, power loss: no cleanup ran) from those of a live one."""
-    return f".{path.name}.tmp-{os.getpid()}-"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def remove_stale_temporaries(path: Path):
-    """Remove what a killed writer of path left beside it: its temporaries (temp_prefix), and a moved-aside old copy
-    (model.checkpoint.replace_dir) once path itself is in place, when the pid in their name is no running process."""
-    path = Path(path)
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-(\d+)(-.*)?")
-    try:
-        entries = list(os.scandir(path.parent))
-    except FileNotFoundError:
-        return
-    for e in entries:
-        m = pattern.fullmatch(e.name)
-        if not m or (m[1] == "old" and not path.exists()) or _alive(int(m[2])):
-            continue
-        if e.is_dir(follow_symlinks=False):
-            shutil.rmtree(e.path, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(e.path)
-
-
-def write_text_atomic(path, text: str) -> Path:
-    """Write text to path atomically and durably (temp file in the same directory, fsync, os.replace, fsync of
-    the directory)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path)
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:  # disk full, quota, ...: say which file (a write error carries no file name)
-        os.unlink(tmp)
-        if e.filename is None:
-            raise OSError(e.errno, e.strerror, str(path)) from e
-        raise
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)  # after the try: the file is in place, a failure here must not unlink its temp name
-    return path
-
-
 def _non_finite(obj, where=""):
     """(location, value) of the first NaN or infinity in obj (location like ".scores[3]"), or None."""
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -354,93 +255,4 @@ def dumps_strict(obj, path, **kw) -> str:
             raise
         raise InputError(f"{path}: refusing to write a non-finite number ({found[0].lstrip('.') or 'the value'} is "
                          f"{found[1]}); JSON has no NaN or infinity") from None
-
-
-# characters that JSON allows raw in a string but that line splitters (str.splitlines, JavaScript before ES2019, some
-# editors) take for line ends: escaped, a JSON Lines file has one record per line for every reader
-LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\u0085\u2028\u2029"})
-
-
-def write_jsonl(path, records) -> Path:
-    """Write records as JSON Lines atomically (strict JSON: a NaN or infinity is an error naming the record), one
-    record per line for any line splitter (LINE_BREAKS)."""
-    return write_text_atomic(path, "".join(dumps_strict(r, f"{path}: record {i}", ensure_ascii=False)
-                                           .translate(LINE_BREAKS) + "\n" for i, r in enumerate(records)))
-
-
-def write_json(path, obj) -> Path:
-    """Write obj as indented JSON atomically (strict JSON: a NaN or infinity is an error naming the field)."""
-    return write_text_atomic(path, dumps_strict(obj, path, indent=1, ensure_ascii=False) + "\n")
-
-
-# ---- what a script may replace ---------------------------------------------------------------------------------------
-def _only(names):
-    """A directory holding nothing but these files (and the hidden temporaries of write_text_atomic)."""
-    def ours(d: Path) -> bool:
-        return all(p.name in names or (p.name.startswith(".") and p.name.endswith(".tmp")) for p in d.iterdir())
-    return ours
-
-
-# kind -> (is a directory, what it is, test that a thing at the path was written by this project's script)
-OUTPUT_KINDS = {
-    "checkpoint": (True, "a checkpoint written by train.py (with train_summary.json)",
-                   lambda d: (d / "train_summary.json").is_file() and (d / "config.json").is_file()),
-    "train-state": (True, "train.py's training state (train_log.jsonl, state/)",
-                    lambda d: any((d / n).exists() for n in ("train_log.jsonl", "state", "state.tmp",
-                                                              "train_summary.json"))),
-    "eval": (True, "an evaluation written by evaluate.py (predictions.jsonl, scores.json only)",
-             _only({"predictions.jsonl", "scores.json"})),
-    "run": (True, "a run directory of run.py (with manifest.json or steps/)",
-            lambda d: any((d / n).exists() for n in ("manifest.json", "steps", "run.lock", "results.json"))),
-    "rollouts": (False, "a rollout file written by rollout.py", lambda f: _first_record_has(f, ("token_ids", "logprobs",
-                                                                                                "finish_reason"))),
-    "buffer": (False, "a replay buffer written by score.py", lambda f: _first_record_has(f, ("scorer", "select"))),
-    "buffer-stats": (False, "buffer statistics written by score.py or buffer_nll.py",
-                     lambda f: _json_object_has(f, ("scorer", "all"))),
-    "drift": (True, "a drift measurement written by drift.py (drift.json, drift_samples.jsonl only)",
-              _only({"drift.json", "drift_samples.jsonl"})),
-}
-
-
-def _json_object_has(path: Path, fields) -> bool:
-    try:
-        obj = json.loads(Path(path).read_text(encoding="utf-8"))
-        return isinstance(obj, dict) and all(k in obj for k in fields)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-
-
-def _first_record_has(path: Path, fields) -> bool:
-    try:
-        with open(path, encoding="utf-8") as f:
-            line = f.readline()
-        return not line.strip() or all(k in json.loads(line) for k in fields)  # empty: nothing to lose
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
-        return False
-
-
-def check_output(path, kind: str, overwrite: bool = False, flag: str = "--out") -> Path:
-    """Refuse, before any work, to replace anything at `path` that this project's script did not write itself.
-
-    A missing path or an empty directory is fine; so is an earlier output of the same kind (OUTPUT_KINDS:
-    a train.py checkpoint, an evaluate.py directory, a run.py run directory, a rollout or buffer file). Anything
-    else -- a foreign directory with files, a file where a directory goes, a foreign file -- raises UserError
-    naming the path, unless `overwrite` (the script's --overwrite flag). A directory where a file goes is always
-    refused. Returns the path.
-    """
-    path = Path(path)
-    is_dir, what, ours = OUTPUT_KINDS[kind]
-    if not os.path.lexists(path):
-        return path
-    if path.is_dir() and not is_dir:
-        raise UserError(f"{path}: is a directory; {flag} must name a file")
-    if is_dir and path.is_dir() and (not any(path.iterdir()) or ours(path)):
-        return path
-    if not is_dir and path.is_file() and ours(path):
-        return path
-    if overwrite:
-        return path
-    found = "a directory with other files" if path.is_dir() else "a file"
-    raise UserError(f"{path} ({flag}) is {found}, not {what}; refusing to replace it "
-                    f"(choose another {flag}, or pass --overwrite)")
 

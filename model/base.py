@@ -120,7 +120,7 @@ def build_tiny(out: Path, tune: dict = TINY_TUNE):
     hyperparameters; ensure_base's cache name hashes TINY_TUNE, so another `tune` belongs in a directory of its own)
     -> written at `out`."""
     from data.embedded import general_mixture
-    from data.jsonl import write_jsonl
+    from data.outputs import write_jsonl
     from kernels import cpu_numerics
     from model.checkpoint import replace_dir
 

@@ -15,8 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.cli import InputError, MissingFileError, MissingWeightError
-from data.jsonl import (dumps_strict, fsync_dir, fsync_tree, loads_strict, read_text, remove_stale_temporaries,
-                        temp_prefix)
+from data.jsonl import dumps_strict, loads_strict, read_text
+from data.outputs import claim_dir, fsync_dir, fsync_tree, remove_stale_temporaries, temp_prefix
 from model.config import ModelConfig
 from model.transformer import Transformer, hf_parts, to_hf
 
@@ -221,6 +221,7 @@ def save_checkpoint(state_dict: dict, src_dir, out_dir, max_shard_bytes: int = 5
         hf = json.loads((tmp / "config.json").read_text())
         hf["torch_dtype" if "torch_dtype" in hf else "dtype"] = saved_dtype
         (tmp / "config.json").write_text(dumps_strict(hf, src_dir / "config.json", indent=2) + "\n")
+        claim_dir(tmp, "checkpoint")  # this project's: a later train.py --out may replace it
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from pipeline.cli import MissingFileError
-from data.jsonl import write_json
+from data.outputs import write_json
 
 CHUNK = 1 << 22  # 4 MiB reads
 

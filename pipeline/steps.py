@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data.jsonl import fsync_dir, fsync_tree, write_json
+from data.outputs import fsync_dir, fsync_tree, write_json
 from pipeline.cli import Terminated, UserError
 from pipeline.digest import Digests
 from pipeline.zygote import SCRIPTS, Zygote, die_with_parent

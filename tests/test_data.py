@@ -136,7 +136,8 @@ LINE_BREAKS = [c for c in map(chr, range(sys.maxunicode + 1)) if len(f"a{c}b".sp
 def test_jsonl_round_trips_every_line_break_in_any_string_field(tmp_path):
     """write_jsonl -> read_records keeps every record whole, whichever line-ending character a string holds, in
     whichever field (a key, a nested string included); the file has one line per record for str.splitlines too."""
-    from data.jsonl import read_records, write_jsonl
+    from data.jsonl import read_records
+    from data.outputs import write_jsonl
     assert {"\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"} <= set(LINE_BREAKS)
     for i, c in enumerate(LINE_BREAKS):
         records = [{"prompt": f"p{c}q", "answer": "A"}, {"prompt": "p", "answer": c},

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from data.jsonl import write_jsonl
+from data.outputs import write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ("C-STANCE", "FOMC")
@@ -402,7 +402,7 @@ def test_write_errors_name_the_file(env, tmp_path):
 
 
 def test_json_outputs_are_strict_json(tmp_path):
-    from data.jsonl import write_json
+    from data.outputs import write_json
     from pipeline.cli import InputError
     with pytest.raises(InputError, match=r"s.json: refusing to write a non-finite number \(all.kl\[1\] is nan\)"):
         write_json(tmp_path / "s.json", {"all": {"kl": [0.5, float("nan")]}})
@@ -532,7 +532,7 @@ def test_sigterm_during_the_final_save_leaves_no_temporary(env, tmp_path):
 
 
 def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
-    from data.jsonl import write_json
+    from data.outputs import write_json
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
     live = os.getppid()
@@ -542,7 +542,7 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
         p.mkdir() if not p.name.endswith(".tmp") else p.write_text("half")
     write_json(tmp_path / "s.json", {})
     assert not stale[0].exists() and all(p.exists() for p in kept)
-    from data.jsonl import remove_stale_temporaries
+    from data.outputs import remove_stale_temporaries
     (tmp_path / "ck").mkdir()  # the swap finished: the moved-aside old copy goes too
     remove_stale_temporaries(tmp_path / "ck")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ck", "s.json", kept[0].name])

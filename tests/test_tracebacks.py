@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from data.jsonl import write_jsonl
+from data.outputs import claim_dir, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ("C-STANCE", "FOMC")
@@ -153,7 +153,7 @@ def run_dir_args(env, out):
 
 @pytest.mark.parametrize("text", ['{"sft-1": {"kind": "tr', "[]", '{"sft-1": "done"}', '{"a": {"seconds": "1"}}'])
 def test_damaged_manifest_json_is_one_line_saying_what_to_do(env, tmp_path, text):
-    out = tmp_path / "run"
+    out = claim_dir(tmp_path / "run", "run")  # run.py's run directory, its manifest damaged
     (out / "steps").mkdir(parents=True)
     (out / "manifest.json").write_text(text)
     r = run("run.py", run_dir_args(env, out), env)
@@ -165,7 +165,7 @@ def test_damaged_manifest_json_is_one_line_saying_what_to_do(env, tmp_path, text
 def test_damaged_digests_json_is_a_lost_cache(env, tmp_path, text):
     """digests.json only saves reading files again: a damaged one, or an entry of another shape for a file the run
     reads (KEY: the base's config.json), is hashed anew, not a traceback."""
-    out = tmp_path / "run"
+    out = claim_dir(tmp_path / "run", "run")
     (out / "steps").mkdir(parents=True)
     (out / "digests.json").write_text(text.replace("KEY", json.dumps(str((env["base"] / "config.json").resolve()))))
     r = run("run.py", run_dir_args(env, out), env)
@@ -282,3 +282,24 @@ def test_a_step_that_exits_0_without_its_outputs_is_not_committed(tmp_path):
     with pytest.raises(StepFailed, match=rf"step {key} exited 0 without writing eval/scores.json; full log: "):
         pipe.execute()
     assert pipe.manifest == {} and not pipe.dir(key).exists()
+
+
+def test_a_sharded_checkpoint_is_a_train_steps_output(tmp_path):
+    """A checkpoint over 5 GiB (a 7B in bf16) is shards and model.safetensors.index.json, no model.safetensors:
+    run.py's STEP_OUTPUTS takes either, so such a stage commits; a stage that wrote neither fails naming both."""
+    from pipeline.steps import Pipeline, StepFailed
+    from run import STEP_OUTPUTS
+    pipe = Pipeline(tmp_path / "run", 1, dict(os.environ), True, {})
+    pipe.use_zygote = False
+    pipe.outputs_of = STEP_OUTPUTS
+    write = "import os, sys; os.makedirs(sys.argv[1]); open(os.path.join(sys.argv[1], sys.argv[2]), 'w').write('{}')"
+    sharded = pipe.add("train", "s1-train", {}, [], lambda tmp, dirs: [sys.executable, "-c", write, str(tmp / "ckpt"),
+                                                                       "model.safetensors.index.json"])
+    pipe.lock_run_dir()
+    pipe.execute()
+    assert sharded in pipe.manifest
+    bad = pipe.add("train", "s2-train", {}, [], lambda tmp, dirs: [sys.executable, "-c", write, str(tmp / "ckpt"),
+                                                                   "config.json"])
+    with pytest.raises(StepFailed, match=rf"step {bad} exited 0 without writing ckpt/model.safetensors or "
+                                         rf"ckpt/model.safetensors.index.json; full log: "):
+        pipe.execute()

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from data.jsonl import write_jsonl  # noqa: E402
+from data.outputs import write_jsonl  # noqa: E402
 from data.packing import collate, pack, plan_steps, tokenize_sft  # noqa: E402
 from model.base import CHATML, train_tiny_tokenizer  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402

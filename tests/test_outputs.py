@@ -1,0 +1,149 @@
+"""data/outputs.py: one rule for every output the project writes -- replace nothing but an empty path or this
+project's own output of the same kind, proved by its mark (issue 50, class 2). The rule on every kind, then each
+script on the cases that used to pass: someone's results.json and report.md, a folder with only steps/, files named
+like ours, a first line left blank, an unchecked side file."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from data.outputs import (MARK, OUTPUT_KINDS, check_output, claim_dir, is_ours, mark_path, write_json,  # noqa: E402
+                          write_jsonl)
+from pipeline.cli import UserError  # noqa: E402
+from test_reliability import TASKS, make_env, run, score_args  # noqa: E402
+
+DIRS = [k for k, (is_dir, _) in OUTPUT_KINDS.items() if is_dir]
+FILES = [k for k, (is_dir, _) in OUTPUT_KINDS.items() if not is_dir]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return make_env(tmp_path_factory.mktemp("outputs"))
+
+
+@pytest.mark.parametrize("kind", DIRS)
+def test_a_directory_output_is_replaced_only_when_marked_as_that_kind(kind, tmp_path):
+    d = tmp_path / "out"
+    assert check_output(d, kind) == d  # nothing there
+    d.mkdir()
+    assert check_output(d, kind) == d  # empty
+    (d / "results.json").write_text("{}")  # someone's files, with names this project uses too
+    (d / "predictions.jsonl").write_text("")
+    with pytest.raises(UserError, match="refusing to replace it"):
+        check_output(d, kind)
+    assert check_output(d, kind, overwrite=True) == d
+    other = next(k for k in DIRS if k != kind)
+    claim_dir(d, other)
+    with pytest.raises(UserError):  # another kind's mark is no licence
+        check_output(d, kind)
+    claim_dir(d, kind)
+    assert check_output(d, kind) == d and json.loads((d / MARK).read_text()) == {"kind": kind}
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(UserError):  # a file where a directory goes
+        check_output(f, kind)
+
+
+@pytest.mark.parametrize("kind", FILES)
+def test_a_file_output_is_replaced_only_when_marked(kind, tmp_path):
+    f = tmp_path / "x.jsonl"
+    assert check_output(f, kind) == f
+    f.write_text(" \n\n")  # only whitespace: nothing to lose
+    assert check_output(f, kind) == f
+    f.write_text('\n{"scorer": "mine", "select": "mine", "token_ids": [], "logprobs": [], "finish_reason": "x", '
+                 '"all": {}}\n')  # a first line left blank, and every field the old checks looked for
+    with pytest.raises(UserError, match="not " + OUTPUT_KINDS[kind][1]):
+        check_output(f, kind)
+    write_jsonl(f, [{"a": 1}], kind=kind)
+    assert check_output(f, kind) == f and is_ours(f, kind)
+    assert json.loads(mark_path(f, is_dir=False).read_text()) == {"kind": kind}
+    (tmp_path / "d").mkdir()
+    with pytest.raises(UserError, match="is a directory"):  # even with --overwrite
+        check_output(tmp_path / "d", kind, overwrite=True)
+
+
+def test_a_failed_write_leaves_no_mark(tmp_path):
+    f = tmp_path / "buffer.jsonl"
+    with pytest.raises(Exception):
+        write_jsonl(f, [{"x": float("nan")}], kind="buffer")  # refused before anything is written
+    with pytest.raises(TypeError):
+        write_json(f, {"x": object()}, kind="buffer")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_legacy_run_directories_continue(tmp_path):
+    """A run directory of an earlier version (no mark) is run.py's when its manifest lists steps as run.py writes
+    them, or when it holds only the run.lock of a driver stopped before marking it."""
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "run.lock").write_text("123\n")
+    assert check_output(d, "run") == d
+    (d / "manifest.json").write_text(json.dumps({"s1-train-x": {"kind": "train", "id": "ab", "seconds": 1}}))
+    assert check_output(d, "run") == d
+    (d / "manifest.json").write_text(json.dumps({"notes": "mine"}))
+    with pytest.raises(UserError):
+        check_output(d, "run")
+
+
+# ---- the scripts -----------------------------------------------------------------------------------------------------
+def refused(r, *named):
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "refusing to replace it" in r.stderr, r.stderr[-2000:]
+    for s in named:
+        assert str(s) in r.stderr, (s, r.stderr[-2000:])
+
+
+def test_run_py_keeps_someones_results_and_a_bare_steps_folder(env, tmp_path):
+    args = ["--model", env["base"], "--data", env["data"], "--tasks", ",".join(TASKS), "--methods", "sft",
+            "--epochs", "1", "--global-batch", "2", "--max-new-tokens", "2", "--quiet"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "results.json").write_text('{"mine": 1}')
+    (mine / "report.md").write_text("my report")
+    refused(run("run.py", [*args, "--out", mine], env), mine)
+    assert (mine / "results.json").read_text() == '{"mine": 1}' and (mine / "report.md").read_text() == "my report"
+    bare = tmp_path / "bare"
+    (bare / "steps").mkdir(parents=True)
+    refused(run("run.py", [*args, "--out", bare], env), bare)
+    assert [p.name for p in bare.iterdir()] == ["steps"]
+
+
+def test_evaluate_and_rollout_keep_files_named_like_theirs(env, tmp_path):
+    common = ["--ckpt", env["base"], "--data", env["data"], "--tasks", TASKS[0], "--limit", "1", "--max-new-tokens",
+              "2"]
+    ev = tmp_path / "eval"
+    ev.mkdir()
+    (ev / "predictions.jsonl").write_text('{"mine": 1}\n')
+    (ev / "scores.json").write_text('{"mine": 1}')
+    refused(run("evaluate.py", [*common, "--out", ev], env), ev)
+    assert (ev / "scores.json").read_text() == '{"mine": 1}'
+
+    out = tmp_path / "r.jsonl"
+    out.write_text('\n{"token_ids": [1], "logprobs": [0], "finish_reason": "stop", "mine": true}\n')
+    refused(run("rollout.py", [*common, "--out", out], env), out)
+    out.unlink()
+    side = tmp_path / "r_summary.json"  # the side file used to be written without a check
+    side.write_text('{"mine": 1}')
+    refused(run("rollout.py", [*common, "--out", out], env), side)
+    assert side.read_text() == '{"mine": 1}' and not out.exists()
+    side.unlink()
+
+    r = run("rollout.py", [*common, "--out", out], env)  # then its own outputs, replaced without asking
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert is_ours(out, "rollouts") and is_ours(side, "rollout-summary")
+    assert run("rollout.py", [*common, "--out", out], env).returncode == 0
+    r = run("evaluate.py", [*common, "--out", tmp_path / "ev2"], env)
+    assert r.returncode == 0 and is_ours(tmp_path / "ev2", "eval"), r.stderr[-2000:]
+
+
+def test_score_keeps_someones_buffer_stats(env, tmp_path):
+    (tmp_path / "out_stats.json").write_text('{"scorer": "mine", "all": {}}')  # the fields the old check read
+    refused(run("score.py", score_args(env, tmp_path), env), tmp_path / "out_stats.json")
+    assert not (tmp_path / "out.jsonl").exists()
+    (tmp_path / "out_stats.json").unlink()
+    assert run("score.py", score_args(env, tmp_path), env).returncode == 0
+    assert is_ours(tmp_path / "out.jsonl", "buffer") and is_ours(tmp_path / "out_stats.json", "buffer-stats")
+    assert run("score.py", score_args(env, tmp_path), env).returncode == 0  # its own: replaced
