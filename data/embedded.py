@@ -310,8 +310,12 @@ def write_benchmark(out, *, n_train: int = 128, n_eval: int = 32, n_test: int = 
         splits = {"train": exs[:n_train], "eval": exs[n_train:n_train + n_eval], "test": exs[n_train + n_eval:]}
         (out / task).mkdir(parents=True, exist_ok=True)
         for split, recs in splits.items():
-            with open(out / task / f"{split}.json", "w", encoding="utf-8", newline="\n") as f:
-                f.write(_dump(recs))
+            path = out / task / f"{split}.json"
+            try:
+                with open(path, "w", encoding="utf-8", newline="\n") as f:
+                    f.write(_dump(recs))
+            except OSError as e:  # a full cache disk: say which file (a write error carries no file name)
+                raise OSError(e.errno, e.strerror, str(path)) if e.filename is None else e from None
         counts[task] = {s: len(r) for s, r in splits.items()}
     return counts
 

@@ -437,6 +437,26 @@ def test_run_py_on_a_full_disk_names_the_lock_and_leaves_nothing(env, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_full_cache_disk_names_the_file_and_leaves_nothing(env, tmp_path):
+    """The embedded benchmark built into a cache that fills up: one line naming the file (the write error itself
+    names none), no hidden folder left to fail every retry, and a retry with room builds it."""
+    cache = tmp_path / "cache"
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    cmd = [sys.executable, str(REPO / "run.py"), "--model", env["base"], "--quiet", "--dry-run", "--out",
+           tmp_path / "run"]
+    e = dict(env["env"], OPR_CACHE=str(cache))
+    r = subprocess.run(list(map(str, cmd)), cwd=REPO, env=e, capture_output=True, text=True, preexec_fn=limit,
+                       timeout=600)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"run.py: error: {cache}/.embedded-" in r.stderr and ".json: File too large" in r.stderr, r.stderr
+    assert list(cache.iterdir()) == []
+    r = subprocess.run(list(map(str, cmd)), cwd=REPO, env=e, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and [p.name for p in cache.iterdir()][0].startswith("embedded-"), r.stderr[-3000:]
+
+
 @pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs a /sys to stand in for a read-only location")
 def test_unwritable_output_is_one_line(env):
     out = Path("/sys/opr-reliability-test/buffer.jsonl")
