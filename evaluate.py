@@ -27,9 +27,11 @@ import statistics
 import time
 from pathlib import Path
 
-from data.manifest import add_task_spec, data_root, use_manifest_from_argv
+from data.manifest import data_root
+from pipeline.cli import add_task_spec, use_manifest_from_argv
 from data.tasks import task_names
-from pipeline.cli import BATCH_SIZE_HELP, ENGINE_HELP, InputError, Parser, UserError, float_in, int_at_least, main_cli
+from pipeline.cli import BATCH_SIZE_HELP, ENGINE_HELP, Parser, float_in, int_at_least, main_cli
+from data.errors import InputError, UserError
 
 # ---- defaults: the paper's evaluation setup (each has a flag below) ---------------------------------------------
 TEMPERATURE = 0.1      # as for rollouts: near-greedy

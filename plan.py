@@ -33,7 +33,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.cli import Parser, UserError, float_in, int_at_least, main_cli
+from data.errors import UserError
+from pipeline.cli import Parser, float_in, int_at_least, main_cli
 
 # ---- defaults: the throughput profile (BENCHMARKS.md "Anchors"; nothing here was measured on a GPU) --------------
 PEAK_TFLOPS = 989.0      # H100 SXM, bf16 dense

@@ -30,9 +30,11 @@ import sys
 import time
 from pathlib import Path
 
-from data.manifest import add_task_spec, data_root, use_manifest_from_argv
+from data.manifest import data_root
+from pipeline.cli import add_task_spec, use_manifest_from_argv
 from data.tasks import task_names
-from pipeline.cli import BATCH_SIZE_HELP, ENGINE_HELP, Parser, UserError, float_in, int_at_least, main_cli
+from pipeline.cli import BATCH_SIZE_HELP, ENGINE_HELP, Parser, float_in, int_at_least, main_cli
+from data.errors import UserError
 
 # ---- defaults: the paper's rollout setup (each has a flag below) -----------------------------------------------
 TEMPERATURE = 0.1      # near-greedy, so a rollout is the model's own most likely answer

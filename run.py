@@ -71,12 +71,14 @@ import train
 from data import metrics
 from data.jsonl import jsonl_lines, read_records
 from data.outputs import check_output, claim_dir, write_json, write_jsonl, write_text_atomic
-from data.manifest import check_scorer, held_out, manifest_path, scorer_files, step_fields, use_manifest_from_argv
+from data.manifest import check_scorer, held_out, manifest_path, scorer_files, step_fields
 from data.replay import replay_budget, replay_counts, select
 from data.tasks import get_task, parse_tasks, task_names
 from data.trace import filter_overlong, load_task, task_file
 from model.tokenizer import ChatTokenizer
-from pipeline.cli import ENGINE_HELP, InputError, Parser, UserError, comma_list, float_in, int_at_least, main_cli
+from data.errors import InputError, UserError
+from pipeline.cli import (ENGINE_HELP, Parser, comma_list, float_in, int_at_least, main_cli,
+                          use_manifest_from_argv)
 from pipeline import config
 from pipeline.steps import Pipeline
 from reporting.diagnostics import diagnose

@@ -40,9 +40,10 @@ import math
 import statistics
 from pathlib import Path
 
-from data.manifest import add_task_spec, use_manifest_from_argv
+from pipeline.cli import add_task_spec, use_manifest_from_argv
 from data.tasks import task_names
-from pipeline.cli import InputError, Parser, float_in, int_at_least, main_cli
+from pipeline.cli import Parser, float_in, int_at_least, main_cli
+from data.errors import InputError
 
 # ---- defaults: the paper's replay setup (each has a flag below) ------------------------------------------------
 SCORER = "ru"      # ru = task metric against gold, sc = mean log-prob

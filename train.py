@@ -48,12 +48,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # pipeline.cli before torch: from its import on, a Ctrl-C while torch loads (~2 s) ends in one line, not a traceback
-from pipeline.cli import InputError, Parser, UserError, float_in, int_at_least, main_cli
+from pipeline.cli import Parser, float_in, int_at_least, main_cli
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+from data.errors import InputError, UserError
 from data.jsonl import dumps_strict, jsonl_lines, read_records
 from data.outputs import check_output, claim_dir
 from data.manifest import as_prompt_record

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from data.outputs import fsync_dir, fsync_tree
 from data.tasks import TASK_ORDER, parse_tasks
-from pipeline.cli import InputError
+from data.errors import InputError
 
 VERSION = 5  # bumped whenever the generated data changes: part of the cache directory names
 

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from pipeline.cli import InputError
+from data.errors import InputError
 
 
 class NonFiniteError(ValueError):

@@ -34,7 +34,7 @@ from pathlib import Path
 from data.jsonl import check_answer, loads_strict, read_records, read_text
 from data.metrics import METRICS, import_scorer
 from data.tasks import Task, active_tasks, use_tasks
-from pipeline.cli import InputError, Parser
+from data.errors import InputError
 
 MANIFEST = "tasks.json"
 FORMATS = (".json", ".jsonl", ".parquet")
@@ -67,22 +67,6 @@ def data_root(args) -> Path:
         return Path(args.task_spec).parent
     from data.embedded import ensure_embedded
     return ensure_embedded()
-
-
-def add_task_spec(p):
-    """The scripts' --task-spec flag."""
-    p.add_argument("--task-spec", default=None,
-                   help="task manifest (default: <data>/tasks.json when present, else the TRACE task table; README, "
-                        "'Your own tasks')")
-
-
-def use_manifest_from_argv(argv=None) -> Path | None:
-    """use_manifest for a script's --data and --task-spec, before its parser checks --tasks against the names."""
-    pre = Parser(add_help=False)  # a flag without its value: one error line, as the script's own parser gives
-    pre.add_argument("--data")
-    pre.add_argument("--task-spec")
-    known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
-    return use_manifest(known.data, known.task_spec)
 
 
 def load_manifest(path: Path) -> dict:

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from data.jsonl import dumps_strict
-from pipeline.cli import UserError
+from data.errors import UserError
 
 MARK = ".opr-output"  # {"kind": ...}: inside a directory output, or beside a file output as .<name>.opr-output
 

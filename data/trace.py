@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.cli import InputError
+from data.errors import InputError
 from data.jsonl import read_records
 from data import manifest
 from data.tasks import active_tasks, get_task

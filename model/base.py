@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.cli import InputError
+from data.errors import InputError
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")

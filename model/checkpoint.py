@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pipeline.cli import InputError, MissingFileError, MissingWeightError
+from data.errors import InputError, MissingFileError, MissingWeightError
 from data.jsonl import dumps_strict, loads_strict, read_text
 from data.outputs import claim_dir, fsync_dir, fsync_tree, remove_stale_temporaries, temp_prefix
 from model.config import ModelConfig

@@ -32,7 +32,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from pipeline.cli import InputError
+from data.errors import InputError
 from data.jsonl import loads_strict, read_text
 
 IGNORE_INDEX = -100

@@ -23,26 +23,7 @@ import sys
 import threading
 import time
 
-
-class UserError(Exception):
-    """A failure the user can fix: the message names the file, record, field or flag and says what to do."""
-    exit_code = 2
-
-
-class InputError(UserError, ValueError):
-    """Bad input data, settings or checkpoint (still a ValueError for library callers)."""
-
-
-class MissingFileError(UserError, FileNotFoundError):
-    """A required input file or directory is absent."""
-
-
-class MissingWeightError(UserError, KeyError):
-    """A checkpoint lacks a weight the model needs."""
-
-    def __str__(self):  # KeyError quotes its message
-        return str(self.args[0]) if self.args else ""
-
+from data.errors import InputError, MissingFileError, MissingWeightError, UserError  # noqa: F401 (the scripts' names)
 
 # errnos that describe the machine or the paths given, not a bug in the code
 ENVIRONMENT_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG,
@@ -234,3 +215,21 @@ def comma_list(item, unique: bool = False):
         return s
     parse.__name__ = "list"
     return parse
+
+
+# ---- a task manifest's flags ---------------------------------------------------------------------------------------
+def add_task_spec(p):
+    """The scripts' --task-spec flag."""
+    p.add_argument("--task-spec", default=None,
+                   help="task manifest (default: <data>/tasks.json when present, else the TRACE task table; README, "
+                        "'Your own tasks')")
+
+
+def use_manifest_from_argv(argv=None):
+    """use_manifest for a script's --data and --task-spec, before its parser checks --tasks against the names."""
+    pre = Parser(add_help=False)  # a flag without its value: one error line, as the script's own parser gives
+    pre.add_argument("--data")
+    pre.add_argument("--task-spec")
+    known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    from data.manifest import use_manifest
+    return use_manifest(known.data, known.task_spec)

@@ -6,7 +6,7 @@
 import math
 from pathlib import Path
 
-from pipeline.cli import UserError
+from data.errors import UserError
 
 
 def writer(path: Path, purge_step: int | None = None):

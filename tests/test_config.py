@@ -4,7 +4,7 @@ import pytest
 
 import run
 from pipeline import config
-from pipeline.cli import InputError
+from data.errors import InputError
 
 
 def args_of(tmp_path, text, *cli, name="exp.yaml"):

@@ -19,7 +19,7 @@ import pytest
 import plan
 from model.checkpoint import load_config
 from model.config import ModelConfig
-from pipeline.cli import UserError
+from data.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "bench" / "configs"

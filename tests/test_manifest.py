@@ -23,7 +23,7 @@ from data.manifest import check_scorer, load_manifest, use_manifest
 from data.metrics import exact_match, label_accuracy, score, token_f1
 from data.tasks import TASKS, get_task, parse_tasks, use_tasks
 from data.trace import load_task, task_file
-from pipeline.cli import InputError
+from data.errors import InputError
 from reporting.diagnostics import diagnose, warnings
 
 REPO = Path(__file__).resolve().parents[1]

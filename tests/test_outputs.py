@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from data.outputs import (MARK, OUTPUT_KINDS, check_output, claim_dir, is_ours, mark_path, write_json,  # noqa: E402
                           write_jsonl)
-from pipeline.cli import UserError  # noqa: E402
+from data.errors import UserError  # noqa: E402
 from test_reliability import TASKS, make_env, run, score_args  # noqa: E402
 
 DIRS = [k for k, (is_dir, _) in OUTPUT_KINDS.items() if is_dir]

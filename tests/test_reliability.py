@@ -403,7 +403,7 @@ def test_write_errors_name_the_file(env, tmp_path):
 
 def test_json_outputs_are_strict_json(tmp_path):
     from data.outputs import write_json
-    from pipeline.cli import InputError
+    from data.errors import InputError
     with pytest.raises(InputError, match=r"s.json: refusing to write a non-finite number \(all.kl\[1\] is nan\)"):
         write_json(tmp_path / "s.json", {"all": {"kl": [0.5, float("nan")]}})
     with pytest.raises(InputError, match=r"b.jsonl: record 1: refusing .* \(score is -inf\)"):

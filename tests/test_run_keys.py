@@ -390,7 +390,7 @@ def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only(monkeypatch)
 def test_epochs_per_task_reads_a_presets_table_a_comma_list_or_the_task_table():
     """A preset's {task: epochs} follows the tasks by name whatever their order, the task table filling in tasks it
     does not name; --epochs' comma list is one value for all or one per task in the order given."""
-    from pipeline.cli import UserError
+    from data.errors import UserError
     from run import PRESETS, epochs_per_task
     tiny = PRESETS["tiny"]["epochs"]
     assert epochs_per_task(tiny, ["NumGLUE-ds", "20Minuten", "FOMC"]) == {"NumGLUE-ds": 10, "20Minuten": 3, "FOMC": 6}

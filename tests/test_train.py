@@ -29,7 +29,7 @@ from model.base import CHATML, train_tiny_tokenizer  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.objectives import nll  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
-from pipeline.cli import InputError  # noqa: E402
+from data.errors import InputError  # noqa: E402
 import train as train_script  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
