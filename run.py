@@ -701,7 +701,9 @@ def make_pipeline(args, run_dir: Path):
 
 # ---- after the run: results.json, the report, the timing ---------------------------------------------------------
 # what each kind of step must have written when it exits 0; otherwise it failed (and is not committed)
-STEP_OUTPUTS = {"train": ["ckpt/model.safetensors"], "eval": ["eval/scores.json", "eval/predictions.jsonl"],
+# ("a|b": either; a checkpoint over 5 GiB is shards and their index)
+STEP_OUTPUTS = {"train": ["ckpt/model.safetensors|ckpt/model.safetensors.index.json"],
+                "eval": ["eval/scores.json", "eval/predictions.jsonl"],
                 "rollout": ["rollouts.jsonl"], "score": ["buffer.jsonl"], "replay": ["buffer.jsonl"],
                 "drift": ["drift/drift.json"], "buffer-nll": ["buffer_stats.json"]}
 

@@ -77,7 +77,8 @@ class Pipeline:
         self.use_zygote = os.environ.get("OPR_NO_ZYGOTE", "") in ("", "0")
         self.zygote = None
         self.warned = set()  # steps whose changed outputs were reported (intact)
-        self.outputs_of = {}  # kind -> files a step of that kind must have written to succeed (run.py's STEP_OUTPUTS)
+        self.outputs_of = {}  # kind -> files a step of that kind must have written to succeed (run.py's STEP_OUTPUTS;
+        # "a|b": either)
 
     def add(self, kind: str, name: str, spec: dict, deps: list[str], build, reads=()) -> str:
         """Register a step; `build(tmp_dir, dep_dirs) -> argv` writes its inputs and returns the command that
@@ -149,10 +150,11 @@ class Pipeline:
         if rc != 0:
             raise StepFailed(f"step {key} failed (exit {rc}): {last_error(tmp / 'log.txt')}; "
                              f"full log: {tmp / 'log.txt'}")
-        missing = [f for f in self.outputs_of.get(step["kind"], ()) if not (tmp / f).is_file()]
+        missing = [f for f in self.outputs_of.get(step["kind"], ())
+                   if not any((tmp / alt).is_file() for alt in f.split("|"))]
         if missing:  # exit 0 without its outputs (a user scorer that called sys.exit(0)): never committed
-            raise StepFailed(f"step {key} exited 0 without writing {', '.join(missing)}; "
-                             f"full log: {tmp / 'log.txt'}")
+            raise StepFailed(f"step {key} exited 0 without writing {', '.join(f.replace('|', ' or ') for f in missing)}"
+                             f"; full log: {tmp / 'log.txt'}")
         fsync_tree(tmp)  # durable before the rename lists it: a power loss cannot leave a listed step truncated
         with self.lock:  # a re-run (its directory was deleted, or it was stale): its old entry goes first, so that
             if self.manifest.pop(key, None) is not None:  # a crash before the new one is written cannot leave
