@@ -39,6 +39,7 @@ source's NLL per response token of that source) and target_tokens_replay, so tha
 """
 import argparse
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -66,7 +67,7 @@ from model.hub import resolve_model
 from model.objectives import fsdp_units, objective, on_policy_batches, sample_responses, sample_seed
 from model.tokenizer import ChatTokenizer
 from model.transformer import Transformer
-from reporting import tensorboard
+from reporting import tensorboard, wandb_run
 
 # ---- defaults: the paper's hyperparameters (7-8B models, 8xH100) ------------------------------------------
 LR = 1e-5                # AdamW, cosine to 0
@@ -134,6 +135,9 @@ def parse_args(argv=None):
     p.add_argument("--tensorboard", metavar="DIR", help="also write each step's numbers (loss, the task and replay "
                                                         "losses, lr, grad norm, tokens/s, ...) as TensorBoard events "
                                                         "into DIR (rank 0)")
+    p.add_argument("--wandb", metavar="DIR", help="also log each step's numbers to a Weights & Biases run kept in DIR "
+                                                  "(rank 0; offline with WANDB_MODE=offline; project $WANDB_PROJECT, "
+                                                  "default opr); needs pip install wandb")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction,
                    help="compile each transformer block with torch.compile(fullgraph=True) (default: on CUDA in bf16 "
                         "with a varlen attention kernel; off on the CPU, where it does not pay: BENCHMARKS.md, "
@@ -167,13 +171,16 @@ def parse_args(argv=None):
                                                      "on CUDA, a measured fp32 matmul on CPU)")
     p.add_argument("--max-steps", type=int_at_least(1), help="stop after this many optimizer steps (for smoke tests)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.wandb and importlib.util.find_spec("wandb") is None:  # before any work, not after the model is built
+        p.error("--wandb: needs the wandb package; pip install wandb")
+    return args
 
 
 # flags that do not change the weights a run ends with; every other flag is part of the resume check, so a new flag
 # is checked unless it is listed here
 NOT_PLAN_ARGS = ("out", "resume", "quiet", "debug", "overwrite", "save_every", "peak_tflops", "activation_checkpointing",
-                 "tensorboard")
+                 "tensorboard", "wandb")
 # ... nor the weights of a training state at a given step: the schedule spans the whole plan whatever --max-steps is
 NOT_STATE_ARGS = NOT_PLAN_ARGS + ("max_steps",)
 OBJECTIVE_PREFIXES = {"sft": (), "sft-kl": ("sft_kl_",), "sdft": ("sdft_",)}
@@ -375,6 +382,8 @@ def main(argv=None):
     bar.close()
     if stage.tb is not None:
         stage.tb.close()
+    if stage.wb is not None:
+        stage.wb.finish()
     save_final(stage, t_start)  # 5. the final weights
     dist.destroy_process_group()
 
@@ -410,6 +419,7 @@ class Stage:
     peak: float                # the device's peak FLOP/s, for the MFU
     flops_per_token: float
     tb: object = None          # rank 0's TensorBoard writer (--tensorboard), else None
+    wb: object = None          # rank 0's W&B run (--wandb), else None
     tokens_seen: int = 0       # tokens trained on in this run
     packed_tokens: int = 0     # tokens in micro-batches ...
     packed_slots: int = 0      # ... of the budget's capacity: the packing efficiency
@@ -582,7 +592,8 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
                  loss_fn=objective(args, model, teacher, has_replay, device),
                  steps=steps, settings=settings, plan_id=plan_id, model=model, teacher=teacher, ema_rate=ema_rate,
                  opt=opt, sched=sched, start=start, peak=peak, flops_per_token=flops_per_token,
-                 tb=tensorboard.writer(Path(args.tensorboard), start + 1) if args.tensorboard and rank == 0 else None)
+                 tb=tensorboard.writer(Path(args.tensorboard), start + 1) if args.tensorboard and rank == 0 else None,
+                 wb=wandb_run.start(Path(args.wandb), vars(args)) if args.wandb and rank == 0 else None)
 
 
 def train_step(s: Stage, step: int) -> dict:
@@ -676,6 +687,8 @@ def log_and_save(s: Stage, step: int, numbers: dict, dt: float, bar):
         bar.update()
         if s.tb is not None:
             tensorboard.add(s.tb, "train", record, step + 1)
+        if s.wb is not None:
+            wandb_run.log(s.wb, "train", record, step + 1)
     if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < len(s.steps):
         save_state(s.model, s.opt, s.sched, step + 1, s.workdir, s.rank, s.plan_id, s.ema_teacher, s.settings)
 
