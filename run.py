@@ -56,7 +56,7 @@ import argparse
 import faulthandler
 import json
 import os
-import shutil
+import re
 import signal
 import sys
 import time
@@ -81,6 +81,7 @@ from pipeline.cli import (ENGINE_HELP, Parser, comma_list, float_in, int_at_leas
                           use_manifest_from_argv)
 from pipeline import config
 from pipeline.steps import Pipeline
+from reporting import tensorboard
 from reporting.diagnostics import diagnose
 
 HERE = Path(__file__).resolve().parent
@@ -302,13 +303,27 @@ def main(argv=None):
     write_index(pipe, runs, row0, run_dir / "index.md")
     t0 = time.time()
 
-    pipe.execute(on_commit=lambda key, done: pipe.steps[key]["kind"] == "eval"
-                 and write_partial(pipe, runs, row0, inputs.tasks, done, run_dir))
+    evals = Evals(pipe)  # each evaluation read once, by the partial results and the final ones
+    board = tensorboard.Board(run_dir / "tb" / "results")  # rebuilt by every run: no event written twice
+    try:
+        def watch(key, done):  # after each committed step: the scores so far
+            kind = pipe.steps[key]["kind"] if key else None
+            if kind in (None, "eval", "drift", "score", "buffer-nll"):
+                part = collect(pipe, runs, row0, inputs.tasks, {"partial": True}, probes, done=done, evals=evals)
+                board.update(tensorboard.results_scalars(part))
+                if kind == "eval":
+                    write_partial(part, run_dir)
 
-    meta = run_meta(args, preset, cfg, rhos, inputs, pipe, engine_name)
-    results = collect(pipe, runs, row0, inputs.tasks, meta, probes)
-    write_json(run_dir / "results.json", results)
-    write_tensorboard(results, run_dir / "tb" / "results")
+        watch(None, pipe.committed())  # what an earlier run committed
+        labels = train_labels(runs)
+        pipe.execute(on_commit=watch, status=lambda keys: train_status(pipe, labels, keys))
+
+        meta = run_meta(args, preset, cfg, rhos, inputs, pipe, engine_name)
+        results = collect(pipe, runs, row0, inputs.tasks, meta, probes, evals=evals)
+        write_json(run_dir / "results.json", results)
+        board.update(tensorboard.results_scalars(results))
+    finally:
+        board.close()
     print_report(results, run_dir)
     write_timing(pipe, run_dir)
     print(f"run.py: done in {time.time() - t0:.0f}s; report: {run_dir / 'report.md'}")
@@ -745,13 +760,18 @@ def print_report(results: dict, run_dir: Path):
             print(f"  {line}")
 
 
-def write_partial(pipe: Pipeline, runs: dict, row0: dict, tasks: list, done: set, run_dir: Path) -> None:
-    """results.json while the run runs: rewritten whenever an evaluation commits, with every method's stages whose
-    training and evaluation are done; "partial": true at the top and on each seed's entry, its "stages" done, and no
-    continual-learning metrics or probes (they need the whole matrix). The finished run overwrites it."""
-    results = collect(pipe, runs, row0, tasks, {"partial": True}, done=done)
-    results["partial"] = True
-    write_json(run_dir / "results.json", results)
+PROBE_FIELDS = ("drift", "buffer_stats", "rollout_checks", "loss_sources")  # collect_probes' fields of a seed entry
+
+
+def write_partial(results: dict, run_dir: Path) -> None:
+    """results.json while the run runs: rewritten whenever an evaluation commits, from collect(..., done=committed):
+    every method's stages whose training and evaluation are done; "partial": true at the top and on each unfinished
+    seed's entry, its "stages" done, and no continual-learning metrics (they need the whole matrix) or probes. The
+    finished run overwrites it."""
+    methods = {label: {"seeds": {seed: {k: v for k, v in r.items() if k not in PROBE_FIELDS}
+                                 for seed, r in entry["seeds"].items()}}
+               for label, entry in results["methods"].items()}
+    write_json(run_dir / "results.json", {**results, "methods": methods, "partial": True})
 
 
 def write_index(pipe: Pipeline, runs: dict, row0: dict, path: Path):
@@ -777,22 +797,67 @@ def write_index(pipe: Pipeline, runs: dict, row0: dict, path: Path):
     write_text_atomic(path, "\n".join(lines) + "\n")
 
 
-def write_tensorboard(results: dict, tb_dir: Path):
-    """Each method and seed's scores as TensorBoard scalars under tb_dir/<method>-seed<k> (`tensorboard --logdir
-    RUN_DIR` shows them beside the training steps' events under tb/train/): a(i, task) of every cell of the matrix
-    at step i, the row's mean (acc_so_far) at step i, and the final continual-learning metrics at the last stage.
-    Rewritten from results.json by every run."""
-    from reporting import tensorboard
-    shutil.rmtree(tb_dir, ignore_errors=True)
-    tasks = results["tasks"]
-    for label, by_seed in results["methods"].items():
-        for seed, r in by_seed["seeds"].items():
-            w = tensorboard.writer(tb_dir / f"{label}-seed{seed}")
-            for i, row in enumerate(r["matrix"], 1):
-                tensorboard.add(w, "a", dict(zip(tasks, row)), i)
-                tensorboard.add(w, "stage", {"acc_so_far": sum(row) / len(row)}, i)
-            tensorboard.add(w, "final", r["cl_metrics"], len(r["matrix"]))
-            w.close()
+def train_labels(runs: dict) -> dict:
+    """{train key: "s2 opr-ru seed0"}: the stage, the method (a step shared by several: the first and how many more,
+    "s1 sft+3 seed0") and the seed, for the progress bar."""
+    owners = {}
+    for label, by_seed in runs.items():
+        for seed, chain in by_seed.items():
+            for i, (t_key, _) in enumerate(chain, 1):
+                owners.setdefault(t_key, (i, [], seed))[1].append(label)
+    return {k: f"s{i} {names[0]}{f'+{len(names) - 1}' if len(names) > 1 else ''} seed{seed}"
+            for k, (i, names, seed) in owners.items()}
+
+
+def train_status(pipe: Pipeline, labels: dict, running: list) -> str | None:
+    """The progress bar's postfix while training stages run: each one's newest loss, "loss=0.712 (s2 opr-ru seed0
+    step 14/40)", from its live log (None when no training stage has logged a step yet)."""
+    parts = []
+    for key in running:
+        if pipe.steps[key]["kind"] == "train":
+            tmp = pipe.dir(key).with_name(key + ".tmp")
+            part = live_loss(tmp / "ckpt.partial" / "train_log.jsonl", tmp / "log.txt", labels.get(key, key))
+            if part:
+                parts.append(part)
+    return ", ".join(parts) or None
+
+
+def live_loss(log_path: Path, stdout_path: Path, label: str, tail: int = 8192) -> str | None:
+    """"loss=0.712 (LABEL step 14/40)" from the last whole record of a training stage's train_log.jsonl (read from
+    its last `tail` bytes: a line cut by the writer or by the tail is skipped) and the stage's step count, which
+    train.py prints at its start to the step's log (stdout_path; "step 14" until it has). None before the first
+    record."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            lines = f.read().split(b"\n")
+    except OSError:  # not started yet, or between its rename and the step's end
+        return None
+    record = None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("loss"), (int, float)) and "step" in record:
+            break
+        record = None
+    if record is None:
+        return None
+    total = steps_total(stdout_path)
+    return f"loss={record['loss']:.4g} ({label} step {record['step']}{f'/{total}' if total else ''})"
+
+
+def steps_total(stdout_path: Path, head: int = 1 << 16) -> int | None:
+    """The step count train.py prints to a step's log when it starts ("..., 40 steps of <= 128 sequences ..." or
+    "resumed at step 14 of 40"), read from the log's first `head` bytes; None until it is there."""
+    try:
+        with open(stdout_path, "rb") as f:
+            text = f.read(head).decode(errors="replace")
+    except OSError:
+        return None
+    m = re.search(r", (\d+) steps of <= |resumed at step \d+ of (\d+) ", text)
+    return int(m.group(1) or m.group(2)) if m else None
 
 
 def write_timing(pipe: Pipeline, run_dir: Path):
@@ -874,21 +939,32 @@ def epochs_per_task(spec, tasks) -> dict:
     return dict(zip(tasks, values))
 
 
+class Evals:
+    """read_eval of each evaluation step, read once per run (a committed step does not change while the run runs),
+    with the test examples every evaluation must share (test_idx)."""
+
+    def __init__(self, pipe: Pipeline):
+        self.pipe, self.read, self.test_idx = pipe, {}, {}
+
+    def __call__(self, key: str):
+        if key not in self.read:
+            self.read[key] = read_eval(self.pipe.dir(key) / "eval", self.test_idx)
+        return self.read[key]
+
+
 def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, probes: dict | None = None,
-            done: set | None = None) -> dict:
+            done: set | None = None, evals: Evals | None = None) -> dict:
     """results.json (its schema: reporting/schema.py): per method and seed, the accuracy matrix (row i: tasks 1..i
     after stage i), row 0 (the base on every task), next_task (a(i, i+1): task i+1 after stage i, before training on
     it), the continual-learning metrics of data.metrics.cl_metrics, the per-step training loss of every stage, from
     each evaluation's predictions.jsonl, for the cells of the matrix, the per-example scores (averaged over eval
     repeats, in test_idx order: the test-set bootstrap) and the degenerate-answer diagnostics (reporting.diagnostics), and
-    the mechanism probes (collect_probes). Every evaluation must have scored the same test examples of a task."""
+    the mechanism probes (collect_probes). Every evaluation must have scored the same test examples of a task.
+    done: the committed steps, for a partial collection (write_partial); evals: the run's Evals, so that an evaluation
+    is read once however often this is called."""
     from data.metrics import cl_metrics
-    evals, test_idx = {}, {}
-
-    def eval_of(key):  # eval steps are shared between methods: read each once
-        if key not in evals:
-            evals[key] = read_eval(pipe.dir(key) / "eval", test_idx)
-        return evals[key]
+    eval_of = evals or Evals(pipe)  # eval steps are shared between methods: read each once
+    test_idx = eval_of.test_idx
 
     methods = {}
     for label, by_seed in runs.items():
@@ -921,7 +997,7 @@ def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, pro
             if partial:
                 methods[label]["seeds"][str(seed)].update(partial=True, stages=len(matrix))
             if probes:
-                methods[label]["seeds"][str(seed)].update(collect_probes(pipe, probes[label][seed], sources))
+                methods[label]["seeds"][str(seed)].update(collect_probes(pipe, probes[label][seed], sources, done))
     return {"tasks": tasks, "methods": methods, "test_idx": {t: test_idx[t] for t in tasks if t in test_idx},
             "meta": meta}
 
@@ -950,12 +1026,15 @@ def read_eval(eval_dir: Path, test_idx: dict):
     return scores, per_example, diagnostics
 
 
-def collect_probes(pipe: Pipeline, found: dict, loss_sources: list) -> dict:
+def collect_probes(pipe: Pipeline, found: dict, loss_sources: list, done: set | None = None) -> dict:
     """Per seed: "drift" = [{"stage" i, "tasks": {task: drift.py's per-task numbers}, "all"}] for every
     stage i >= 2 (KL(pi_i || pi_i-1) on tasks 1..i-1); "buffer_stats" = [{"stage" i, score.py's / buffer_nll.py's
     buffer_stats.json}] for the buffer built after stage i; "rollout_checks" = [{"stage" i, rollout.py's
     logprob_check}]; "loss_sources" as collect read them from the train logs: per stage, {"task": [per step],
-    "replay": [per step]} (train.py's loss_task and loss_replay), or None for a stage trained without replay."""
+    "replay": [per step]} (train.py's loss_task and loss_replay), or None for a stage trained without replay.
+    done: the committed steps; each list then holds its stages up to the first one not committed."""
+    if done is not None:
+        found = {what: prefix_done(entries, done) for what, entries in found.items()}
     out = {"drift": [], "buffer_stats": [], "rollout_checks": [], "loss_sources": loss_sources}
     for stage, key in found["drift"]:
         d = json.loads((pipe.dir(key) / "drift" / "drift.json").read_text())
@@ -966,6 +1045,16 @@ def collect_probes(pipe: Pipeline, found: dict, loss_sources: list) -> dict:
         path = pipe.dir(key) / "rollouts_summary.json"
         if path.exists():
             out["rollout_checks"].append({"stage": stage, **(json.loads(path.read_text())["logprob_check"] or {})})
+    return out
+
+
+def prefix_done(entries: list, done: set) -> list:
+    """[(stage, key)] up to the first entry whose step is not in `done`."""
+    out = []
+    for stage, key in entries:
+        if key not in done:
+            break
+        out.append((stage, key))
     return out
 
 

@@ -33,6 +33,7 @@ from pipeline.digest import Digests
 from pipeline.zygote import SCRIPTS, Zygote, die_with_parent
 
 HERE = Path(__file__).resolve().parents[1]  # the scripts' directory
+STATUS_SECONDS = 2.0  # how often a running pipeline's progress bar asks for its status (execute)
 
 
 def stable_hash(obj) -> str:
@@ -258,16 +259,17 @@ class Pipeline:
         self.lock_fd = fd
         self.manifest = read_manifest(self.manifest_path)
 
-    def execute(self, on_commit=None):
+    def execute(self, on_commit=None, status=None):
         """Run every step not committed yet; on_commit(key, committed): called (in this thread) after step `key`
-        commits, with the set of committed steps."""
+        commits, with the set of committed steps; status(running keys) -> str or None: the progress bar's postfix,
+        asked every STATUS_SECONDS while steps run (None: the last committed step's key)."""
         committed = self.committed()  # grows as steps finish
         todo = [k for k in self.steps if k not in committed]
         if self.use_zygote and todo:  # started by this (the main) thread: it dies with the driver
             self.zygote = Zygote(self.env, pass_fds=(self.lock_fd,))
         bar = tqdm(total=len(self.steps), initial=len(self.steps) - len(todo), desc="pipeline", unit="step",
                    disable=self.quiet)
-        running, failure = {}, None
+        running, failure, last = {}, None, ""
         pool = ThreadPoolExecutor(self.jobs)
         # SIGTERM/SIGHUP end the driver like Ctrl-C does: its steps are stopped first (see below). A signal the
         # driver was started ignoring stays ignored: `nohup python run.py` survives a logout (SIGHUP), and so does
@@ -284,7 +286,8 @@ class Pipeline:
                     running[pool.submit(self.run_step, key)] = key
                 if not running:
                     raise RuntimeError(f"pipeline stuck: {todo[:3]} wait on steps that cannot run")
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                watch = status is not None and not self.quiet
+                finished, _ = wait(running, timeout=STATUS_SECONDS if watch else None, return_when=FIRST_COMPLETED)
                 for fut in finished:
                     key = running.pop(fut)
                     try:
@@ -296,10 +299,13 @@ class Pipeline:
                                   f"(Ctrl-C stops them)", file=sys.stderr, flush=True)
                         continue
                     committed.add(key)
-                    bar.set_postfix_str(key[:40])
+                    last = key[:40]
+                    bar.set_postfix_str(last, refresh=False)
                     bar.update()
                     if on_commit is not None:
                         on_commit(key, committed)
+                if watch:
+                    bar.set_postfix_str(status(list(running.values())) or last)
             if failure is not None:
                 raise failure
         except BaseException:  # a failure, Ctrl-C, SIGTERM or a bug: no step outlives the driver

@@ -313,8 +313,9 @@ def scalars(event_dir: Path) -> dict:
 
 def test_tensorboard_events_hold_the_training_logs_and_the_matrices(run_a):
     """tb/train/<step key>: every train step's per-step loss, lr, grad norm and tokens/s (and the task and replay
-    losses where it mixes a buffer), equal to its train_log.jsonl; tb/results/<method>-seed0: every cell of the
-    accuracy matrix, and the final ACC and BWT of results.json."""
+    losses where it mixes a buffer), equal to its train_log.jsonl; tb/results/<method>-seed0 (written as the steps
+    committed, each scalar once): every cell of the accuracy matrix and its row's mean by stage, the drift KL and the
+    buffer's NLL by stage, and the final metrics, equal to results.json."""
     pytest.importorskip("tensorboard")
     trains = step_dirs(run_a, "*-train-*")
     assert sorted(p.name for p in (run_a / "tb" / "train").iterdir()) == sorted(d.name for d in trains)
@@ -337,6 +338,19 @@ def test_tensorboard_events_hold_the_training_logs_and_the_matrices(run_a):
                                      if j < len(row)]
         assert got["final/acc"] == [(3, pytest.approx(r["cl_metrics"]["acc"]))]
         assert got["final/bwt"] == [(3, pytest.approx(r["cl_metrics"]["bwt"]))]
+        assert {t.removeprefix("final/") for t in got if t.startswith("final/")} == {
+            k for k, v in r["cl_metrics"].items() if isinstance(v, (int, float))}
+        assert got["stage/acc_so_far"] == [(i, pytest.approx(sum(row) / len(row))) for i, row in
+                                           enumerate(r["matrix"], 1)]
+        for k in ("kl_per_token", "mean_seq_kl"):
+            assert got[f"drift/{k}"] == [(d["stage"], pytest.approx(d["all"][k])) for d in r["drift"]]
+        assert [(d["stage"]) for d in r["drift"]] == [2, 3]
+        buffers = r["buffer_stats"]
+        assert got.get("buffer/selected_nll_mean", []) == [(b["stage"], pytest.approx(b["all"]["selected"]["nll_mean"]))
+                                                           for b in buffers]
+        rejected = [(b["stage"], pytest.approx(b["all"]["rejected"]["nll_mean"])) for b in buffers
+                    if b["all"]["rejected"] and b["all"]["rejected"]["nll_mean"] is not None]
+        assert got.get("buffer/rejected_nll_mean", []) == rejected and bool(rejected) == m.startswith("opr")
 
 
 def test_index_names_every_stages_steps(run_a):
@@ -572,12 +586,18 @@ def test_a_stage_stopped_mid_training_resumes_from_its_saved_state(env, run_a):
 
 def test_a_run_stopped_after_stage_k_has_its_matrix_so_far(env, run_a):
     """results.json is rewritten after every evaluation: run.py --methods sft SIGKILLed once stage 2's evaluation is
-    committed leaves the rows of stages 1..k (k >= 2), equal to the uninterrupted run's, marked partial."""
+    committed and results.json rewritten (the driver does that a few ms after the manifest lists the step: a kill
+    between the two finds stage 1's) leaves the rows of stages 1..k (k >= 2), equal to the uninterrupted run's,
+    marked partial; TensorBoard's events, written before results.json, hold at least as many."""
     out = env["root"] / "run_partial"
-    manifest_path = out / "manifest.json"
-    kill_when(command(env["base"], out, "sft", "--jobs", "1"), env["env"],
-              lambda: any(k.startswith("s2-eval-") for k in (json.loads(manifest_path.read_text())
-                                                             if manifest_path.exists() else {})), poll=0.01)
+    manifest_path, results_path = out / "manifest.json", out / "results.json"
+
+    def stage2_written():
+        if not any(k.startswith("s2-eval-") for k in (json.loads(manifest_path.read_text())
+                                                       if manifest_path.exists() else {})):
+            return False
+        return len(json.loads(results_path.read_text())["methods"]["sft"]["seeds"]["0"]["matrix"]) >= 2
+    kill_when(command(env["base"], out, "sft", "--jobs", "1"), env["env"], stage2_written, poll=0.01)
     part = json.loads((out / "results.json").read_text())
     r = part["methods"]["sft"]["seeds"]["0"]
     whole = json.loads((run_a / "results.json").read_text())["methods"]["sft"]["seeds"]["0"]
@@ -586,6 +606,14 @@ def test_a_run_stopped_after_stage_k_has_its_matrix_so_far(env, run_a):
     assert r["loss_curves"] == whole["loss_curves"][:len(r["matrix"])]
     if len(r["matrix"]) < 3:
         assert r["partial"] is True and r["stages"] == len(r["matrix"]) and r["cl_metrics"] is None
+    # TensorBoard has the rows as they committed (written before results.json), as the uninterrupted run has them
+    pytest.importorskip("tensorboard")
+    got = scalars(out / "tb" / "results" / "sft-seed0")
+    rows = len(got["stage/acc_so_far"])
+    assert len(r["matrix"]) <= rows <= 3
+    for j, t in enumerate(TASKS):
+        assert got.get(f"a/{t}", []) == [(i + 1, pytest.approx(row[j])) for i, row in
+                                         enumerate(whole["matrix"][:rows]) if j < len(row)]
 
 
 def test_sdft_and_sft_kl_rows(env):
@@ -645,3 +673,4 @@ def test_mechanism_probes_in_results(run_a):
     assert "## Mechanism: per-update drift" in report and "Forgetting vs drift: 12 points" in report  # 4 x (1 + 2)
     for name in ("fig_drift.png", "fig_drift_vs_forgetting.png", "fig_loss_sources.png"):
         assert (run_a / name).read_bytes()[:8] == PNG_MAGIC and f"]({name})" in report, name
+
