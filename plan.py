@@ -35,6 +35,7 @@ from pathlib import Path
 
 from data.errors import UserError
 from pipeline.cli import Parser, float_in, int_at_least, main_cli
+from pipeline import keep
 
 # ---- defaults: the throughput profile (BENCHMARKS.md "Anchors"; nothing here was measured on a GPU) --------------
 PEAK_TFLOPS = 989.0      # H100 SXM, bf16 dense
@@ -553,19 +554,30 @@ def print_plan(steps, runs, cfg_run, train_sets, tok, data_root, base, args, lay
     print(format_plan(costs, model_cfg, profile, cfg_run["micro_tokens"],
                       f"plan (dry run: nothing ran, nothing was written): {len(costs)} steps, model {base}", list(runs),
                       checkpointing))
-    print(format_disk(costs, model_cfg, gpus=bool(args.gpus)))
+    policy = getattr(args, "keep_checkpoints", "all")
+    chains = [[t for t, _ in chain] for by_seed in runs.values() for chain in by_seed.values()]
+    kept = None if policy == "all" else keep.simulate(policy, chains, {k: s["deps"] for k, s in steps.items()})
+    print(format_disk(costs, model_cfg, gpus=bool(args.gpus), policy=policy, kept=kept))
     return costs
 
 
-def format_disk(costs, model_cfg, gpus: bool) -> str:
-    """The disk the run's steps keep: every train step's checkpoint stays in steps/ (a later stage, a re-run and a
-    new method read them), in train.py's compute dtype (bf16 on GPUs, fp32 on the CPU); a running stage's
-    resumable state (fp32 weights and AdamW's two moments, 12 bytes per parameter) until it ends."""
+def format_disk(costs, model_cfg, gpus: bool, policy: str = "all", kept: tuple | None = None) -> str:
+    """The disk the run's stage checkpoints take in steps/, in train.py's compute dtype (bf16 on GPUs, fp32 on the
+    CPU), under run.py --keep-checkpoints `policy`: all keeps every one (a later stage, a re-run and a new method
+    read them); last and final keep kept = (most at once, left at the end) of them (pipeline.keep.simulate); plus a
+    running stage's resumable state (fp32 weights and AdamW's two moments, 12 bytes per parameter) until it ends."""
     n = sum(c.kind == "train" for c in costs)
     params = model_cfg.num_params(embeddings=True)
     ckpt, state = params * (2 if gpus else 4), params * 12
-    return (f"disk: {n} stage checkpoints of {gb(ckpt)} each kept in steps/ = {gb(n * ckpt)}, plus {gb(state)} "
-            f"of resumable state per stage while it trains")
+    plus = f"plus {gb(state)} of resumable state per stage while it trains"
+    if policy == "all":
+        return f"disk: {n} stage checkpoints of {gb(ckpt)} each kept in steps/ = {gb(n * ckpt)}, {plus}"
+    peak, end = kept
+    while_running = (f"all {peak} while the run runs = {gb(peak * ckpt)}" if policy == "final" else
+                     f"at most {peak} at once = {gb(peak * ckpt)} (one step at a time; each step run beside it can "
+                     f"add one)")
+    return (f"disk: {n} stage checkpoints of {gb(ckpt)} each; --keep-checkpoints {policy} keeps {while_running}, "
+            f"and {end} at the end (each method and seed's final stage) = {gb(end * ckpt)}; {plus}")
 
 
 # ---------------------------------------------------------------------------------------------- the paper's grid

@@ -79,7 +79,7 @@ from model.tokenizer import ChatTokenizer
 from data.errors import InputError, UserError
 from pipeline.cli import (ENGINE_HELP, Parser, comma_list, float_in, int_at_least, main_cli,
                           use_manifest_from_argv)
-from pipeline import config
+from pipeline import config, keep
 from pipeline.steps import Pipeline
 from reporting import tensorboard
 from reporting.diagnostics import diagnose
@@ -196,6 +196,11 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int_at_least(0), default=train.SAVE_EVERY,
                    help="optimizer steps between a training stage's resumable states: a stopped run.py resumes a "
                         "stage from its last one, bit-identically (0 = restart the stage) (default: %(default)s)")
+    p.add_argument("--keep-checkpoints", choices=list(keep.POLICIES), default="all",
+                   help="which stage checkpoints stay in steps/: all; last = per method and seed the newest stage's "
+                        "and any that a step still to run reads, pruned as the run goes; final = all while the run "
+                        "runs, then each method and seed's final one. A pruned checkpoint is trained again when a new "
+                        "step needs it (pipeline/keep.py) (default: %(default)s)")
     p.add_argument("--gen-workers", type=int_at_least(1), default=1,
                    help="CPU runs: data-parallel workers per generating step (torchrun's ranks), each with --threads "
                         "threads, so a generating step takes N x --threads cores (the default --jobs counts them); "
@@ -303,16 +308,20 @@ def main(argv=None):
     write_index(pipe, runs, row0, run_dir / "index.md")
     t0 = time.time()
 
+    chains = [[t for t, _ in chain] for by_seed in runs.values() for chain in by_seed.values()]
+    pipe.readers_first = args.keep_checkpoints == "last"  # a checkpoint's readers run soon, so it can go soon
     evals = Evals(pipe)  # each evaluation read once, by the partial results and the final ones
     board = tensorboard.Board(run_dir / "tb" / "results")  # rebuilt by every run: no event written twice
+    pruned = []
     try:
-        def watch(key, done):  # after each committed step: the scores so far
+        def watch(key, done):  # after each committed step: the scores so far, and the checkpoints the policy lets go
             kind = pipe.steps[key]["kind"] if key else None
             if kind in (None, "eval", "drift", "score", "buffer-nll"):
                 part = collect(pipe, runs, row0, inputs.tasks, {"partial": True}, probes, done=done, evals=evals)
                 board.update(tensorboard.results_scalars(part))
                 if kind == "eval":
                     write_partial(part, run_dir)
+            pruned.extend(keep.prune(pipe, args.keep_checkpoints, chains, done))
 
         watch(None, pipe.committed())  # what an earlier run committed
         labels = train_labels(runs)
@@ -324,7 +333,13 @@ def main(argv=None):
         board.update(tensorboard.results_scalars(results))
     finally:
         board.close()
+    pruned.extend(keep.prune(pipe, args.keep_checkpoints, chains, set(pipe.steps)))  # final: the run is complete
     print_report(results, run_dir)
+    if args.keep_checkpoints != "all":
+        on_disk = sum(not pipe.pruned(k) for k in dict.fromkeys(k for chain in chains for k in chain))
+        print(f"run.py: --keep-checkpoints {args.keep_checkpoints}: {len(pruned)} stage checkpoint(s) pruned by this "
+              f"run, {on_disk} on disk (manifest.json marks a pruned step's weights \"pruned\"; a step that needs "
+              f"them again trains them again)")
     write_timing(pipe, run_dir)
     print(f"run.py: done in {time.time() - t0:.0f}s; report: {run_dir / 'report.md'}")
 
@@ -709,6 +724,7 @@ def make_pipeline(args, run_dir: Path):
                     cpu=cpu, kernels=kernels.backends())
     pipe = Pipeline(run_dir, jobs, env, args.quiet, numerics)
     pipe.outputs_of = STEP_OUTPUTS
+    pipe.prunable = PRUNABLE
     engine_name = engine_of(args)
     pipe.use_zygote &= gpus == 0 and engine_name != "vllm"  # CUDA and vLLM start in processes of their own
     return pipe, engine_name
@@ -722,8 +738,12 @@ STEP_OUTPUTS = {"train": ["ckpt/model.safetensors|ckpt/model.safetensors.index.j
                 "rollout": ["rollouts.jsonl"], "score": ["buffer.jsonl"], "replay": ["buffer.jsonl"],
                 "drift": ["drift/drift.json"], "buffer-nll": ["buffer_stats.json"]}
 
+# what --keep-checkpoints last|final deletes of a committed step: a stage checkpoint's weights (one file, or the shards
+# and their index of one over 5 GiB); its logs and config stay, and results.json reads its train_log.jsonl
+PRUNABLE = {"train": ["ckpt/model*.safetensors", "ckpt/model.safetensors.index.json"]}
+
 # settings that change how a run runs, not its numbers: out of results.json, which stays byte-identical across them
-HOW_IT_RUNS = ("out", "jobs", "quiet", "save-every", "gen-workers")
+HOW_IT_RUNS = ("out", "jobs", "quiet", "save-every", "gen-workers", "keep-checkpoints")
 
 
 def run_meta(args, preset: str, cfg: dict, rhos: list, inputs: Inputs, pipe: Pipeline, engine_name: str) -> dict:
@@ -781,7 +801,8 @@ def write_index(pipe: Pipeline, runs: dict, row0: dict, path: Path):
     lines = ["# Steps of this run", "",
              "A step's output is `steps/KEY/` once done; while it runs it is `steps/KEY.tmp/` (a training stage's "
              "live log: `steps/KEY.tmp/ckpt.partial/train_log.jsonl`, and `tb/train/KEY/` for "
-             "`tensorboard --logdir`). The checkpoint of a stage: `steps/KEY/ckpt`.", "",
+             "`tensorboard --logdir`). The checkpoint of a stage: `steps/KEY/ckpt` (with --keep-checkpoints last or "
+             "final its weights may be pruned: manifest.json's entry of KEY says \"pruned\").", "",
              "| method | seed | stage | train | eval | buffer it trained with | rollouts scored into it |",
              "|---|---|---|---|---|---|---|"]
     for seed, key in row0.items():

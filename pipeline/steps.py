@@ -9,6 +9,11 @@ A step's key hashes its settings, the keys of the steps it reads, the content of
 and the numerics. Each step runs as a process of its own (a fork of the zygote on CPU, pipeline/zygote.py) writing
 into `steps/KEY.tmp`, which is fsynced and renamed to `steps/KEY` and recorded in manifest.json when the step
 succeeds. Signals: see run.py's docstring ("Stopping").
+
+A committed step's large files may be pruned (pipe.prune(key), run.py --keep-checkpoints; pipeline/keep.py says
+which): they are deleted and their digests moved from the manifest entry's "files" to its "pruned". The step stays
+done for the steps that read it already; a step not yet done that reads it has it run again first, and a
+re-creation with the same bytes in the pruned files keeps its execution id, so what read it stays done.
 """
 import contextlib
 import fcntl
@@ -80,6 +85,10 @@ class Pipeline:
         self.warned = set()  # steps whose changed outputs were reported (intact)
         self.outputs_of = {}  # kind -> files a step of that kind must have written to succeed (run.py's STEP_OUTPUTS;
         # "a|b": either)
+        self.prunable = {}  # kind -> glob patterns (relative to a step's directory) of the files prune() deletes
+        # start ready steps that are not trainings before ready trainings, so that what reads a checkpoint runs soon
+        # and the checkpoint can be pruned (run.py --keep-checkpoints last); else in the order the steps were added
+        self.readers_first = False
 
     def add(self, kind: str, name: str, spec: dict, deps: list[str], build, reads=()) -> str:
         """Register a step; `build(tmp_dir, dep_dirs) -> argv` writes its inputs and returns the command that
@@ -105,7 +114,39 @@ class Pipeline:
                     done(d) and rec.get("inputs", {}).get(d) == self.manifest[d].get("id")
                     for d in self.steps[key]["deps"])
             return memo[key]
-        return {k for k in self.steps if done(k)}
+        committed = {k for k in self.steps if done(k)}
+        # a pruned step stays done for the steps that read it already; one that a step still to run reads runs again
+        # first (and so may the pruned steps it reads in turn)
+        while need := {d for k in self.steps if k not in committed for d in self.steps[k]["deps"]
+                       if d in committed and self.pruned(d)}:
+            committed -= need
+        return committed
+
+    def pruned(self, key: str) -> bool:
+        """Whether a committed step's prunable files were deleted (prune)."""
+        return bool(self.manifest.get(key, {}).get("pruned"))
+
+    def prune(self, key: str) -> bool:
+        """Delete a committed step's prunable files (self.prunable[kind]: a checkpoint's weights), recorded first: their
+        digests move from the manifest entry's "files" to its "pruned", so the step still verifies (intact) and a
+        step that needs them again re-runs it (committed). False when there was nothing to delete."""
+        rec, d = self.manifest[key], self.dir(key)
+        paths = sorted({p for pattern in self.prunable.get(rec["kind"], ()) for p in d.glob(pattern) if p.is_file()})
+        if not paths:
+            return False
+        with self.lock:  # recorded before the files go: a kill in between leaves files that intact() accepts
+            pruned = dict(rec.get("pruned", {}))
+            for p in paths:
+                rel = str(p.relative_to(d))
+                digest = rec["files"].pop(rel, None) if "files" in rec else None
+                pruned[rel] = digest or pruned.get(rel) or self.digests.file(p)
+            rec["pruned"] = pruned
+            write_json(self.manifest_path, self.manifest)
+        for p in paths:
+            self.digests.cache.pop(str(p.resolve()), None)
+            p.unlink(missing_ok=True)
+        fsync_dir(d)
+        return True
 
     def outputs(self, key: str) -> dict:
         """{relative path: sha256} of every file of a step's directory (pipeline.digest's cache: a file is read
@@ -123,6 +164,8 @@ class Pipeline:
             now = self.outputs(key)
         except OSError:
             now = None
+        if now is not None and rec.get("pruned"):  # a prune stopped between its record and its delete
+            now = {f: h for f, h in now.items() if rec["pruned"].get(f) != h}
         if now == rec["files"]:
             return True
         if key not in self.warned:
@@ -158,20 +201,26 @@ class Pipeline:
                              f"; full log: {tmp / 'log.txt'}")
         fsync_tree(tmp)  # durable before the rename lists it: a power loss cannot leave a listed step truncated
         with self.lock:  # a re-run (its directory was deleted, or it was stale): its old entry goes first, so that
-            if self.manifest.pop(key, None) is not None:  # a crash before the new one is written cannot leave
-                write_json(self.manifest_path, self.manifest)  # the new bytes listed under the old execution's id
+            old = self.manifest.pop(key, None)  # a crash before the new one is written cannot leave the new
+            if old is not None:  # bytes listed under the old execution's id
+                write_json(self.manifest_path, self.manifest)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         fsync_dir(final.parent)
         with self.lock:
+            files = self.outputs(key)  # what a later run checks it against (intact)
             # "id" names this execution of the step, "inputs" the executions of the steps it read: a step whose
-            # input was re-run since (deleted by hand, possibly different bytes on a GPU) is stale, not done
+            # input was re-run since (deleted by hand, possibly different bytes on a GPU) is stale, not done. A pruned
+            # step re-created with the very bytes it pruned is the execution its readers read: it keeps its id
+            same = old is not None and old.get("pruned") and all(files.get(f) == h for f, h in old["pruned"].items())
             self.manifest[key] = {"kind": step["kind"], "seconds": round(time.time() - t0, 2),
-                                  "id": os.urandom(8).hex(),
+                                  "id": old["id"] if same else os.urandom(8).hex(),
                                   "inputs": {d: self.manifest[d].get("id") for d in step["deps"]},
-                                  "files": self.outputs(key)}  # what a later run checks it against (intact)
+                                  "files": files}
             write_json(self.manifest_path, self.manifest)
             self.digests.save()
+        # a re-created pruned step with other bytes: the steps that read its old execution are stale now
+        return bool(old is not None and old.get("pruned") and not same)
 
     def call(self, argv, log_path: Path) -> int:
         """Run one step's command, its output to log_path. The child leads its own process group (so the driver
@@ -279,7 +328,10 @@ class Pipeline:
                 signal.signal(sig, _exit_on_signal)
         try:
             while (todo and failure is None) or running:
-                for key in [k for k in todo if all(d in committed for d in self.steps[k]["deps"])]:
+                ready = [k for k in todo if all(d in committed for d in self.steps[k]["deps"])]
+                if self.readers_first:
+                    ready.sort(key=lambda k: self.steps[k]["kind"] == "train")  # (stable: the plan's order else)
+                for key in ready:
                     if len(running) >= self.jobs or failure is not None:
                         break
                     todo.remove(key)
@@ -291,7 +343,7 @@ class Pipeline:
                 for fut in finished:
                     key = running.pop(fut)
                     try:
-                        fut.result()
+                        changed = fut.result()
                     except StepFailed as e:  # let the running steps finish (their work is kept), start no more
                         failure = failure or e
                         if running:
@@ -299,6 +351,11 @@ class Pipeline:
                                   f"(Ctrl-C stops them)", file=sys.stderr, flush=True)
                         continue
                     committed.add(key)
+                    if changed:  # a pruned step re-created with other bytes: what read the old ones runs again
+                        stale = committed - self.committed()
+                        committed -= stale
+                        todo += [k for k in self.steps if k in stale and k not in todo]
+                        bar.total += len(stale)
                     last = key[:40]
                     bar.set_postfix_str(last, refresh=False)
                     bar.update()

@@ -20,8 +20,8 @@ def test_a_file_gives_the_flags_and_the_command_line_wins(tmp_path):
     assert vars(a) == vars(b)
     assert a.lr == 3e-4 and a.rho == "0.1,0.2" and a.quiet is True
     assert a.settings == {"methods": "sft,opr-ru", "rho": "0.1,0.2", "seeds": "0", "gpus": 0, "engine": "auto", "gen-workers": 2,
-                          "save-every": 50, "lr": 3e-4, "quiet": True} | {k: v for k, v in a.settings.items()
-                                                                           if k.startswith("plan-")}
+                          "save-every": 50, "keep-checkpoints": "all", "lr": 3e-4, "quiet": True} | {
+        k: v for k, v in a.settings.items() if k.startswith("plan-")}
 
 
 def test_toml_and_yaml_read_the_same(tmp_path):

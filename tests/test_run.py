@@ -387,7 +387,7 @@ def test_the_saved_experiment_reruns_the_same_steps(env, run_a):
     assert f"; {n} steps ({n} already done)" in p.stdout
     meta = json.loads((run_a / "results.json").read_text())["meta"]
     assert meta["settings"] == {k: v for k, v in saved.items() if k not in ("out", "jobs", "quiet", "save-every",
-                                                                             "gen-workers")}
+                                                                             "gen-workers", "keep-checkpoints")}
 
 
 def test_a_committed_step_edited_by_hand_runs_again(env, run_a):
@@ -674,3 +674,81 @@ def test_mechanism_probes_in_results(run_a):
     for name in ("fig_drift.png", "fig_drift_vs_forgetting.png", "fig_loss_sources.png"):
         assert (run_a / name).read_bytes()[:8] == PNG_MAGIC and f"]({name})" in report, name
 
+
+def weights_on_disk(run: Path) -> set:
+    return {d.name for d in step_dirs(run, "*-train-*") if (d / "ckpt" / "model.safetensors").exists()}
+
+
+def final_trains(run: Path, methods) -> set:
+    """The train step of the last stage of each method (index.md's rows)."""
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in (run / "index.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| method")]
+    return {r[3] for r in rows if r[0] in methods and r[2] == str(len(TASKS))}
+
+
+def test_keep_checkpoints_last(env, run_a):
+    """--keep-checkpoints last: the run prunes as it goes and ends with each method's final checkpoint only, the
+    others recorded as pruned (their logs kept); its results are run_a's. The same command again runs nothing and
+    prunes nothing. Adding a method whose stage 2 trains on the pruned stage 1 trains stage 1 again, to the same
+    bytes, so none of the steps that read it runs again; the new method's results are run_a's too."""
+    out = env["root"] / "run_last"
+    methods = ["sft", "replay"]
+    cmd = lambda ms: command(env["base"], out, ",".join(ms), "--keep-checkpoints", "last")  # noqa: E731
+    p = subprocess.run(cmd(methods), cwd=REPO, env=env["env"], capture_output=True, text=True)
+    assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    manifest = json.loads((out / "manifest.json").read_text())
+    trains = [k for k, v in manifest.items() if v["kind"] == "train"]
+    assert len(trains) == 5 and weights_on_disk(out) == final_trains(out, methods)
+    for k in trains:
+        pruned = k not in final_trains(out, methods)
+        assert ("pruned" in manifest[k]) == pruned and ("ckpt/model.safetensors" in manifest[k]["files"]) != pruned
+        assert (out / "steps" / k / "ckpt" / "train_log.jsonl").is_file()
+    a = json.loads((run_a / "results.json").read_text())
+    b = json.loads((out / "results.json").read_text())
+    assert b["methods"] == {m: a["methods"][m] for m in methods} and b["test_idx"] == a["test_idx"]
+    assert "--keep-checkpoints last: 3 stage checkpoint(s) pruned by this run, 2 on disk" in p.stdout
+
+    p = subprocess.run(cmd(methods), cwd=REPO, env=env["env"], capture_output=True, text=True)
+    assert p.returncode == 0 and "; 19 steps (19 already done)" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+
+    p = subprocess.run(cmd(methods + ["opr-ru"]), cwd=REPO, env=env["env"], capture_output=True, text=True)
+    assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    (stage1,) = [k for k in trains if k.startswith("s1-")]
+    assert "already done" in p.stdout and "changed since the step committed" not in p.stderr
+    after = json.loads((out / "manifest.json").read_text())
+    assert after[stage1]["id"] == manifest[stage1]["id"] and after[stage1]["seconds"] != manifest[stage1]["seconds"]
+    assert {k: v for k, v in after.items() if k in manifest and k != stage1} == \
+        {k: v for k, v in manifest.items() if k != stage1}  # nothing that read stage 1 ran again
+    assert "pruned" in after[stage1]  # and it went again, once opr-ru's stage 2, rollout and drift had read it
+    assert weights_on_disk(out) == final_trains(out, methods + ["opr-ru"])
+    for k in weights_on_disk(out):
+        rel = "ckpt/model.safetensors"
+        assert (out / "steps" / k / rel).read_bytes() == (run_a / "steps" / k / rel).read_bytes(), k
+    b = json.loads((out / "results.json").read_text())
+    assert b["methods"] == {m: a["methods"][m] for m in methods + ["opr-ru"]}
+
+
+def test_keep_checkpoints_final_on_a_finished_run_and_its_plan(env, run_a):
+    """--keep-checkpoints final on a copy of the finished run_a: nothing runs, every checkpoint but each method's
+    final one is pruned, results.json stays byte for byte. The dry run prices the policy's disk."""
+    out = env["root"] / "run_final"
+    shutil.copytree(run_a, out)
+    p = subprocess.run(command(env["base"], out, ",".join(METHODS), "--keep-checkpoints", "final"), cwd=REPO,
+                       env=env["env"], capture_output=True, text=True)
+    assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    n = sum(N_STEPS.values())
+    assert f"; {n} steps ({n} already done)" in p.stdout
+    assert weights_on_disk(out) == final_trains(out, METHODS) and len(final_trains(out, METHODS)) == 4
+    assert (out / "results.json").read_bytes() == (run_a / "results.json").read_bytes()
+    plans = {}
+    for policy in ("all", "last", "final"):
+        p = subprocess.run(command(env["base"], out, ",".join(METHODS), "--keep-checkpoints", policy, "--dry-run"),
+                           cwd=REPO, env=env["env"], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr[-3000:]
+        (plans[policy],) = [line for line in p.stdout.splitlines() if line.startswith("disk: ")]
+    assert plans["all"].startswith("disk: 9 stage checkpoints of ") and " each kept in steps/ = " in plans["all"]
+    assert "--keep-checkpoints final keeps all 9 while the run runs" in plans["final"]
+    assert "and 4 at the end (each method and seed's final stage)" in plans["final"]
+    peak = int(re.search(r"--keep-checkpoints last keeps at most (\d+) at once", plans["last"]).group(1))
+    assert 4 <= peak < 9 and "and 4 at the end" in plans["last"]
