@@ -487,17 +487,7 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     checkpoint of these settings (nothing to do)."""
     compute_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if args.model is None or args.data is None:
-        from data.embedded import ensure_embedded
-        from model.base import ensure_base
-        if rank == 0:  # built once, cached; the other ranks wait
-            args.model = args.model or str(ensure_base("tiny"))
-            args.data = args.data or str(ensure_embedded() / "C-STANCE" / "train.json")
-        dist.barrier()
-        args.model = args.model or str(ensure_base("tiny"))
-        args.data = args.data or str(ensure_embedded() / "C-STANCE" / "train.json")
-    if not Path(args.model).is_dir():  # a model id: its snapshot in the local Hugging Face cache
-        args.model = str(resolve_model(args.model))
+    resolve_inputs(args, rank)
     out = Path(args.out)
     workdir = out.with_name(out.name + ".partial")  # training state and logs until the checkpoint is final
     device_defaults(args, device, rank, world, compute_dtype, saved_settings(workdir) if args.resume else {})
@@ -513,22 +503,7 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
 
     # 1. data: every rank tokenizes the same mixture and plans the same steps
     tok = ChatTokenizer.from_dir(args.model)
-    records = load_mixture(args.data.split(","))
-    examples, dropped = tokenize_sft(records, tok, args.max_len)
-    if not examples:
-        raise InputError(f"no example of {args.data} fits --max-len {args.max_len}")
-    prompt_ids = teacher_ids = None
-    if args.objective == "sdft":  # the student's prompt x, and the teacher's x with the demonstration in context
-        kept = [r for r in records if tok.sft_length(r["prompt"], r["response"]) <= args.max_len]
-        prompt_ids = [tok.prompt_ids(r["prompt"]) for r in kept]
-        try:
-            teacher_ids = [tok.prompt_ids(args.sdft_template.format(prompt=r["prompt"], demo=r["response"]))
-                           for r in kept]
-        except (KeyError, IndexError, ValueError) as e:
-            raise UserError(f"--sdft-template must use only {{prompt}} and {{demo}} (double other "
-                             f"braces): {e!r}")
-        if "{prompt}" not in args.sdft_template or "{demo}" not in args.sdft_template:
-            raise UserError("--sdft-template must contain both {prompt} and {demo}")
+    examples, dropped, prompt_ids, teacher_ids = tokenize_mixture(args, tok)
     lengths = [len(e.ids) for e in examples]
     # log the loss per source (sdft trains on the student's own responses, not on the records' answers)
     has_replay = args.objective != "sdft" and 0 < sum(e.replay for e in examples) < len(examples)
@@ -539,47 +514,23 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     settings = state_settings(args)
     plan_id = hashlib.sha256(json.dumps([settings, lengths], sort_keys=True).encode()).hexdigest()
 
-    # 2. model, and the teacher of sft-kl / sdft: a copy of the initial weights (an EMA from there on, or frozen);
-    #    sdft's "student" teacher is the training model itself
-    model = build_model(args.model, device, compute_dtype, args.activation_checkpointing, compile=args.compile)
-    teacher, ema_rate = None, None
-    if args.objective == "sft-kl" or (args.objective == "sdft" and args.sdft_teacher != "student"):
-        teacher = build_model(args.model, device, compute_dtype, compile=args.compile)
-        teacher.requires_grad_(False)
-    if args.objective == "sft-kl":
-        ema_rate = 1 - args.sft_kl_ema
-    elif args.objective == "sdft" and args.sdft_teacher == "ema":
-        ema_rate = args.sdft_alpha
+    # 2. model, and the teacher of sft-kl / sdft
+    model, teacher, ema_rate = build_models(args, device, compute_dtype)
     ema_teacher = teacher if ema_rate is not None else None  # part of the resumable state
 
-    # 3. optimizer and schedule
+    # 3. optimizer and schedule, and where a resumed run starts
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay,
                             fused=True)  # one fused kernel over all tensors: a tiny model's step on CPU spends 5 ms
     # in it instead of 22 with foreach=True (FSDP2's DTensors dispatch each foreach op separately)
     schedule = SCHEDULES[args.lr_schedule]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, total_steps, args.warmup))
-    start = 0
-    if rank == 0:
-        claim_dir(workdir, "train-state")
-    dist.barrier()
-    if args.resume:
-        start = load_state(model, opt, sched, workdir, plan_id, ema_teacher, settings)
-        if start and rank == 0:
-            print(f"train.py: resumed at step {start} of {total_steps} from {workdir / 'state'}", flush=True)
-    if rank == 0:  # keep the log consistent with the state we resume from
-        kept = [l for l in (jsonl_lines(log_path.read_text()) if log_path.exists() and start else [])
-                if l.endswith("}") and json.loads(l)["step"] <= start]  # a kill can cut the last line short
-        log_path.write_text("".join(l + "\n" for l in kept))
+    start = resume(args, rank, model, opt, sched, workdir, plan_id, ema_teacher, settings, total_steps)
 
-    cfg = model.cfg
     peak = (args.peak_tflops * 1e12) if args.peak_tflops else measured_peak_flops(device, compute_dtype)
-    mean_doc = sum(lengths) / len(lengths)
-    flops_per_token = 6 * cfg.num_params(embeddings=False) + 6 * cfg.vocab_size * cfg.hidden_size \
-        + 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * mean_doc
+    flops_per_token = model_flops_per_token(model.cfg, sum(lengths) / len(lengths))
     if rank == 0:
-        n_tok = sum(lengths)
-        print(f"train.py: {len(examples)} examples ({dropped} longer than {args.max_len} dropped), {n_tok} tokens, "
-              f"{len(steps)} steps of <= {args.global_batch} sequences on {world} rank(s) "
+        print(f"train.py: {len(examples)} examples ({dropped} longer than {args.max_len} dropped), {sum(lengths)} "
+              f"tokens, {len(steps)} steps of <= {args.global_batch} sequences on {world} rank(s) "
               f"({'FSDP2' if fsdp_units(model) else 'unsharded: one CPU rank, fp32'}), {device.type}, "
               f"{str(compute_dtype).removeprefix('torch.')}{', compiled blocks' if args.compile else ''}, "
               f"{args.micro_tokens} tokens per micro-batch, objective {args.objective}"
@@ -594,6 +545,82 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
                  opt=opt, sched=sched, start=start, peak=peak, flops_per_token=flops_per_token,
                  tb=tensorboard.writer(Path(args.tensorboard), start + 1) if args.tensorboard and rank == 0 else None,
                  wb=wandb_run.start(Path(args.wandb), vars(args)) if args.wandb and rank == 0 else None)
+
+
+def resolve_inputs(args, rank: int):
+    """--model and --data: the embedded benchmark's first task on the tiny base when not given (built once by rank 0,
+    cached), a model id looked up in the local Hugging Face cache."""
+    if args.model is None or args.data is None:
+        from data.embedded import ensure_embedded
+        from model.base import ensure_base
+        if rank == 0:  # built once, cached; the other ranks wait
+            args.model = args.model or str(ensure_base("tiny"))
+            args.data = args.data or str(ensure_embedded() / "C-STANCE" / "train.json")
+        dist.barrier()
+        args.model = args.model or str(ensure_base("tiny"))
+        args.data = args.data or str(ensure_embedded() / "C-STANCE" / "train.json")
+    if not Path(args.model).is_dir():  # a model id: its snapshot in the local Hugging Face cache
+        args.model = str(resolve_model(args.model))
+
+
+def tokenize_mixture(args, tok):
+    """Step 1: the mixture's examples (longer than --max-len dropped and counted) -> (examples, dropped, and for
+    sdft the student's prompts x and the teacher's x with the demonstration in context, else None, None)."""
+    records = load_mixture(args.data.split(","))
+    examples, dropped = tokenize_sft(records, tok, args.max_len)
+    if not examples:
+        raise InputError(f"no example of {args.data} fits --max-len {args.max_len}")
+    if args.objective != "sdft":
+        return examples, dropped, None, None
+    kept = [r for r in records if tok.sft_length(r["prompt"], r["response"]) <= args.max_len]
+    try:
+        teacher_ids = [tok.prompt_ids(args.sdft_template.format(prompt=r["prompt"], demo=r["response"]))
+                       for r in kept]
+    except (KeyError, IndexError, ValueError) as e:
+        raise UserError(f"--sdft-template must use only {{prompt}} and {{demo}} (double other braces): {e!r}")
+    if "{prompt}" not in args.sdft_template or "{demo}" not in args.sdft_template:
+        raise UserError("--sdft-template must contain both {prompt} and {demo}")
+    return examples, dropped, [tok.prompt_ids(r["prompt"]) for r in kept], teacher_ids
+
+
+def build_models(args, device, compute_dtype):
+    """Step 2: the model, and the teacher of sft-kl / sdft: a copy of the initial weights (an EMA from there on, or
+    frozen); sdft's "student" teacher is the training model itself. -> (model, teacher or None, EMA rate or None)."""
+    model = build_model(args.model, device, compute_dtype, args.activation_checkpointing, compile=args.compile)
+    teacher, ema_rate = None, None
+    if args.objective == "sft-kl" or (args.objective == "sdft" and args.sdft_teacher != "student"):
+        teacher = build_model(args.model, device, compute_dtype, compile=args.compile)
+        teacher.requires_grad_(False)
+    if args.objective == "sft-kl":
+        ema_rate = 1 - args.sft_kl_ema
+    elif args.objective == "sdft" and args.sdft_teacher == "ema":
+        ema_rate = args.sdft_alpha
+    return model, teacher, ema_rate
+
+
+def resume(args, rank, model, opt, sched, workdir: Path, plan_id: str, ema_teacher, settings, total_steps) -> int:
+    """The first step to run: 0, or with --resume where the saved state in workdir stopped (loaded into model,
+    optimizer, schedule and EMA teacher); the log is cut to match."""
+    start = 0
+    if rank == 0:
+        claim_dir(workdir, "train-state")
+    dist.barrier()
+    if args.resume:
+        start = load_state(model, opt, sched, workdir, plan_id, ema_teacher, settings)
+        if start and rank == 0:
+            print(f"train.py: resumed at step {start} of {total_steps} from {workdir / 'state'}", flush=True)
+    if rank == 0:  # keep the log consistent with the state we resume from
+        log_path = workdir / "train_log.jsonl"
+        kept = [l for l in (jsonl_lines(log_path.read_text()) if log_path.exists() and start else [])
+                if l.endswith("}") and json.loads(l)["step"] <= start]  # a kill can cut the last line short
+        log_path.write_text("".join(l + "\n" for l in kept))
+    return start
+
+
+def model_flops_per_token(cfg, mean_doc: float) -> float:
+    """Training FLOPs per token (forward and backward) for the MFU: weights, lm_head, attention at the mean length."""
+    return (6 * cfg.num_params(embeddings=False) + 6 * cfg.vocab_size * cfg.hidden_size
+            + 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * mean_doc)
 
 
 def train_step(s: Stage, step: int) -> dict:
