@@ -54,6 +54,7 @@ CPU model a seed's table moves about as far as another seed moves it (the CPU mo
 """
 import argparse
 import faulthandler
+import importlib.util
 import json
 import os
 import re
@@ -201,6 +202,10 @@ def parse_args(argv=None):
                         "and any that a step still to run reads, pruned as the run goes; final = all while the run "
                         "runs, then each method and seed's final one. A pruned checkpoint is trained again when a new "
                         "step needs it (pipeline/keep.py) (default: %(default)s)")
+    p.add_argument("--wandb", action="store_true",
+                   help="also log each training stage's steps to Weights & Biases, one run per stage under RUN/wandb/ "
+                        "(offline with WANDB_MODE=offline, then wandb sync; project $WANDB_PROJECT, default opr); "
+                        "needs pip install wandb")
     p.add_argument("--gen-workers", type=int_at_least(1), default=1,
                    help="CPU runs: data-parallel workers per generating step (torchrun's ranks), each with --threads "
                         "threads, so a generating step takes N x --threads cores (the default --jobs counts them); "
@@ -283,6 +288,8 @@ def main(argv=None):
     if not args.dry_run:  # the steps' engine, before any runs: a missing vLLM is one line, not a failed step
         from model.sampling import resolve_engine
         resolve_engine(engine_name)
+        if args.wandb and importlib.util.find_spec("wandb") is None:  # likewise W&B, not a failed train step
+            raise UserError("--wandb: needs the wandb package; pip install wandb")
     steps = Steps(pipe, cfg, inputs, args, engine_name)
 
     # plan every (rho, method, seed) chain, then the mechanism probes on each
@@ -417,6 +424,7 @@ class Steps:
         self.engine = ["--engine", engine_name, "--tp", str(inputs.layout.tp)]  # (1 on the CPU: keys as before)
         self.py = [sys.executable]
         self.save_every = args.save_every  # train steps: resumable states, kept across a stop (Pipeline.run_step)
+        self.wandb = args.wandb
         # generating steps: one process, or torchrun's ranks as data-parallel workers (model/workers.py) on this node.
         # The layout is not in their keys: the workers give the tokens one process gives (tests/test_workers.py)
         dp = inputs.layout.dp
@@ -475,7 +483,8 @@ class Steps:
                 "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
                 "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", str(self.save_every), "--resume",
                 "--warmup", str(cfg["warmup"]), "--lr-schedule", cfg["lr_schedule"], "--quiet", *extra, *self.ac,
-                "--tensorboard", str(self.pipe.run_dir / "tb" / "train" / tmp.name.removesuffix(".tmp"))]
+                "--tensorboard", str(self.pipe.run_dir / "tb" / "train" / tmp.name.removesuffix(".tmp")),
+                *(["--wandb", str(self.pipe.run_dir / "wandb" / tmp.name.removesuffix(".tmp"))] if self.wandb else [])]
         return self.pipe.add("train", name, spec, [d for d in (prev, buffer_key) if d], build,
                              reads=self.files("train", task_list) + ([] if prev else self.base_files))
 
@@ -743,7 +752,7 @@ STEP_OUTPUTS = {"train": ["ckpt/model.safetensors|ckpt/model.safetensors.index.j
 PRUNABLE = {"train": ["ckpt/model*.safetensors", "ckpt/model.safetensors.index.json"]}
 
 # settings that change how a run runs, not its numbers: out of results.json, which stays byte-identical across them
-HOW_IT_RUNS = ("out", "jobs", "quiet", "save-every", "gen-workers", "keep-checkpoints")
+HOW_IT_RUNS = ("out", "jobs", "quiet", "save-every", "gen-workers", "keep-checkpoints", "wandb")
 
 
 def run_meta(args, preset: str, cfg: dict, rhos: list, inputs: Inputs, pipe: Pipeline, engine_name: str) -> dict:

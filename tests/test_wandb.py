@@ -76,3 +76,25 @@ def test_without_the_package_it_is_one_line(env, tmp_path):
     r = train(env, tmp_path / "ck", "--wandb", tmp_path / "wb", PYTHONPATH=str(hide))
     assert r.returncode == 2 and "Traceback" not in r.stderr and "pip install wandb" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "ck").exists() and not (tmp_path / "wb").exists()
+
+
+def test_run_py_logs_each_stage_to_its_own_run(env, tmp_path):
+    """run.py --wandb: one offline W&B run per training stage, under RUN/wandb/<step>, each holding that stage's
+    steps as its train_log.jsonl has them; the step keys are those of a run without the flag."""
+    pytest.importorskip("wandb")
+    from test_reliability import run_args
+    e = dict(env["env"], WANDB_MODE="offline")
+    cmd = [sys.executable, str(REPO / "run.py"), *map(str, run_args(env, tmp_path)), "--wandb"]
+    r = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "run"
+    trains = sorted(d.name for d in (out / "steps").iterdir() if "-train-" in d.name)
+    assert trains and sorted(d.name for d in (out / "wandb").iterdir()) == trains
+    for key in trains:
+        log = [json.loads(line) for line in (out / "steps" / key / "ckpt" / "train_log.jsonl").read_text().splitlines()]
+        files = glob.glob(str(out / "wandb" / key / "wandb" / "offline-run-*" / "run-*.wandb"))
+        assert len(files) == 1 and [h["train/loss"] for h in wandb_history(files[0])] == [x["loss"] for x in log]
+    again = subprocess.run([sys.executable, str(REPO / "run.py"), *map(str, run_args(env, tmp_path)), "--dry-run"],
+                           cwd=REPO, env=e, capture_output=True, text=True, timeout=900)  # without --wandb
+    n = len(json.loads((out / "manifest.json").read_text()))
+    assert again.returncode == 0 and f"{n} steps ({n} already done)" in again.stdout, again.stdout[-2000:]
