@@ -233,21 +233,37 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
     summary = summary or summarize(results)
     unc = unc or uncertainty(results, summary)
     tasks = results["tasks"]
-    boot = unc["bootstrap"]
     flags = warning_lines(results)
+    noise = (results.get("meta") or {}).get("seed_noise")
+    out = [*_header(results), *_results_section(results, summary, unc, flags, noise),
+           *_paired_section(summary, unc, noise), *_noise_section(results, summary),
+           *_trace_section(tasks, summary), *_matrices_section(results, summary, flags),
+           *mechanism_section(results), "", *_figures_section(figures)]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _header(results) -> list:
+    """The title, the protocol line and the run's settings."""
+    tasks = results["tasks"]
     out = ["# Continual SFT on " + ", ".join(tasks), "", protocol_line(results.get("meta"))]
     for k, v in (results.get("meta") or {}).items():
         if k == "seed_noise":  # shown where it is used (results notes, paired differences)
             continue
         out.append(f"- {k}: {v if isinstance(v, str) else json.dumps(v)}")
+    return out
+
+
+def _results_section(results, summary, unc, flags, noise) -> list:
+    """The main table and its notes: the metrics, the seeds, the intervals, what is missing or flagged."""
+    tasks, boot = results["tasks"], unc["bootstrap"]
     n_seeds = sorted({len(s["seeds"]) for s in summary.values()})
-    out += ["", "## Results", "", format_table(results, summary, unc), "",
-            "- ACC: mean final score over the tasks trained so far; BWT: mean over all but the last of them of "
-            "(final score - score right after training it); negative BWT = forgetting. FWT: mean over tasks 2..N "
-            "of (score before training it, after the previous stage - the base model's score); forgetting: mean "
-            "over all but the last task of (best earlier score - final score). Scores are 0..100.",
-            f"- Seeds per method: {', '.join(map(str, n_seeds))}; 'a ± b' = mean ± sample standard deviation over "
-            f"seeds (n-1 denominator; no ± with one seed); per-task columns are means."]
+    out = ["", "## Results", "", format_table(results, summary, unc), "",
+           "- ACC: mean final score over the tasks trained so far; BWT: mean over all but the last of them of "
+           "(final score - score right after training it); negative BWT = forgetting. FWT: mean over tasks 2..N "
+           "of (score before training it, after the previous stage - the base model's score); forgetting: mean "
+           "over all but the last task of (best earlier score - final score). Scores are 0..100.",
+           f"- Seeds per method: {', '.join(map(str, n_seeds))}; 'a ± b' = mean ± sample standard deviation over "
+           f"seeds (n-1 denominator; no ± with one seed); per-task columns are means."]
     if boot:
         out.append(f"- 95% CI: percentile bootstrap over test prompts ({boot['B']} resamples of each task's test "
                    f"examples with replacement, numpy seed {boot['seed']}; test examples per task: " +
@@ -255,7 +271,6 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
                    "drawn, with the trained checkpoints held fixed; it does not cover training or seed noise.")
     else:
         out.append("- results.json holds no per-example scores: no test-set intervals (re-run run.py to add them).")
-    noise = (results.get("meta") or {}).get("seed_noise")
     if max(n_seeds) == 1 and noise:
         out.append(f"- One seed: its spread over seeds is not measured by this run, but it was for this preset with "
                    f"these settings ({noise['seeds']} seeds, {noise['measured']}). Sample std over those seeds, "
@@ -282,9 +297,15 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
         out.append(f"- {len(flags)} evaluation(s) flagged for degenerate answers (collapse to one label, off-format "
                    f"answers, empty or length-capped responses): see 'Accuracy matrices and answers' below.")
 
+    return out
+
+
+def _paired_section(summary, unc, noise) -> list:
+    """Each reference's paired-difference table, and how its intervals are made."""
     refs = [ref for ref, deltas in unc["deltas"].items() if deltas]
     uses_preset_sigma = any(d.get("seeds_source") == "preset" for ref in refs
                             for entry in unc["deltas"][ref].values() for d in entry.values())
+    out = []
     for ref in refs:
         out += ["", f"## Paired differences vs {ref}", "", delta_table(summary, unc, ref)]
     if refs:
@@ -305,27 +326,45 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
                 "Each interval is for one comparison (no multiple-comparison correction): among many rows, about "
                 "1 in 20 pure-noise intervals excludes 0."]
 
+    return out
+
+
+def _noise_section(results, summary) -> list:
+    """Where the seed noise of ACC and BWT comes from (methods with enough seeds)."""
+    tasks = results["tasks"]
     nn = noise_numbers(results, summary)
-    if nn:
-        out += ["", "## Where the seed noise comes from", "", *noise_tables(tasks, nn), "",
-                "- std: sample std over seeds (as in the main table). 'of it test prompts': the share of its variance "
-                "that is each test prompt's own seed-to-seed variation (evaluation sampling, which prompts a seed "
-                "happens to get right); k times as many test prompts would divide that part by k. The rest is "
-                "whole-task movement (one seed learned or kept a task better than another) that more test prompts "
-                "do not remove. floor: the std with that part gone, i.e. with unlimited test prompts.",
-                "- Per-task shares sum to 100% over the tasks; a negative share is a task moving against the others. "
-                f"Estimated from the seeds at hand (methods with >= {NOISE_MIN_SEEDS} seeds): with few seeds these "
-                "are rough.",
-                "- Δ rows: the same for the per-seed paired difference (method − reference). Its seed std sets the "
-                "width of the seed interval in 'Paired differences' (half-width = t × std / √seeds); its floor is "
-                "what that std stays at however many test prompts there are."]
-    out += ["", "## TRACE's conventions and per-task forgetting", "", transfer_table(tasks, summary), "",
-            "- OP = ACC. BWT (TRACE, 1/N) sums the same differences as BWT but divides by all N tasks, the last one's "
-            "zero term included (TRACE's eq. 2, the official OPR code's tools/show_result.py): (N-1)/N of BWT. "
-            "Compare numbers printed by the official code with it; the OPR paper's Table 1 BWT is the 1/(N-1) "
-            "form (its appendix matrices give it), i.e. the main table's BWT. Forgetting per task: best earlier "
-            "score minus final score."]
-    out += ["", "## Accuracy matrices and answers (mean over seeds)", ""]
+    if not nn:
+        return []
+    out = ["", "## Where the seed noise comes from", "", *noise_tables(tasks, nn), "",
+           "- std: sample std over seeds (as in the main table). 'of it test prompts': the share of its variance "
+           "that is each test prompt's own seed-to-seed variation (evaluation sampling, which prompts a seed "
+           "happens to get right); k times as many test prompts would divide that part by k. The rest is "
+           "whole-task movement (one seed learned or kept a task better than another) that more test prompts "
+           "do not remove. floor: the std with that part gone, i.e. with unlimited test prompts.",
+           "- Per-task shares sum to 100% over the tasks; a negative share is a task moving against the others. "
+           f"Estimated from the seeds at hand (methods with >= {NOISE_MIN_SEEDS} seeds): with few seeds these "
+           "are rough.",
+           "- Δ rows: the same for the per-seed paired difference (method − reference). Its seed std sets the "
+           "width of the seed interval in 'Paired differences' (half-width = t × std / √seeds); its floor is "
+           "what that std stays at however many test prompts there are."]
+    return out
+
+
+def _trace_section(tasks, summary) -> list:
+    """TRACE's conventions (OP, BWT over N) and per-task forgetting."""
+    out = ["", "## TRACE's conventions and per-task forgetting", "", transfer_table(tasks, summary), "",
+           "- OP = ACC. BWT (TRACE, 1/N) sums the same differences as BWT but divides by all N tasks, the last one's "
+           "zero term included (TRACE's eq. 2, the official OPR code's tools/show_result.py): (N-1)/N of BWT. "
+           "Compare numbers printed by the official code with it; the OPR paper's Table 1 BWT is the 1/(N-1) "
+           "form (its appendix matrices give it), i.e. the main table's BWT. Forgetting per task: best earlier "
+           "score minus final score."]
+    return out
+
+
+def _matrices_section(results, summary, flags) -> list:
+    """Each method's mean accuracy matrix with its answer diagnostics, warnings and the flags' rules."""
+    tasks = results["tasks"]
+    out = ["", "## Accuracy matrices and answers (mean over seeds)", ""]
     for m, s in summary.items():
         out += [f"### {m}", "", matrix_table(tasks, s), ""]
         diag = diagnostics_table(tasks, results["methods"][m], s["stages"])
@@ -347,12 +386,15 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
                 f"score that is, and how much chance would give: the hits expected if those answers' first characters "
                 f"were unrelated to their gold labels); empty >= "
                 f"{EMPTY_WARN:.0%}; length-capped (stopped at max-new-tokens) >= {LENGTH_WARN:.0%}.", ""]
-    out += [*mechanism_section(results), ""]
-    if figures:
-        out += ["## Figures", ""]
-        for f in figures:
-            out += [f"![{Path(f).stem}]({f})", "", f"*{({**FIGURES, **MECHANISM_FIGURES})[f]}*", ""]
-    return "\n".join(out).rstrip() + "\n"
+    return out
+
+
+def _figures_section(figures) -> list:
+    """Links to the figures, each with what it shows."""
+    out = ["## Figures", ""] if figures else []
+    for f in figures:
+        out += [f"![{Path(f).stem}]({f})", "", f"*{({**FIGURES, **MECHANISM_FIGURES})[f]}*", ""]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
