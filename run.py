@@ -70,7 +70,7 @@ import rollout
 import train
 
 from data import metrics
-from data.jsonl import jsonl_lines, read_records
+from data.jsonl import read_records
 from data.outputs import check_output, claim_dir, write_json, write_jsonl, write_text_atomic
 from data.manifest import check_scorer, held_out, manifest_path, scorer_files, step_fields
 from data.replay import replay_budget, replay_counts, select
@@ -83,7 +83,7 @@ from pipeline.cli import (ENGINE_HELP, Parser, comma_list, float_in, int_at_leas
 from pipeline import config, keep
 from pipeline.steps import Pipeline
 from reporting import tensorboard
-from reporting.diagnostics import diagnose
+from reporting.collect import Evals, collect, write_partial
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("sft", "replay", "opr-ru", "opr-sc", "opr-low", "opr-random", "mtl", "sdft", "sft-kl")
@@ -789,20 +789,6 @@ def print_report(results: dict, run_dir: Path):
             print(f"  {line}")
 
 
-PROBE_FIELDS = ("drift", "buffer_stats", "rollout_checks", "loss_sources")  # collect_probes' fields of a seed entry
-
-
-def write_partial(results: dict, run_dir: Path) -> None:
-    """results.json while the run runs: rewritten whenever an evaluation commits, from collect(..., done=committed):
-    every method's stages whose training and evaluation are done; "partial": true at the top and on each unfinished
-    seed's entry, its "stages" done, and no continual-learning metrics (they need the whole matrix) or probes. The
-    finished run overwrites it."""
-    methods = {label: {"seeds": {seed: {k: v for k, v in r.items() if k not in PROBE_FIELDS}
-                                 for seed, r in entry["seeds"].items()}}
-               for label, entry in results["methods"].items()}
-    write_json(run_dir / "results.json", {**results, "methods": methods, "partial": True})
-
-
 def write_index(pipe: Pipeline, runs: dict, row0: dict, path: Path):
     """index.md: which step directory holds what, by method, seed and stage (step keys name only stage and kind,
     and the early steps are shared by methods). Written before the steps run, so a running stage's live training
@@ -967,125 +953,6 @@ def epochs_per_task(spec, tasks) -> dict:
     if len(values) != len(tasks):
         raise UserError(f"--epochs has {len(values)} values for {len(tasks)} tasks (give one, or one per task)")
     return dict(zip(tasks, values))
-
-
-class Evals:
-    """read_eval of each evaluation step, read once per run (a committed step does not change while the run runs),
-    with the test examples every evaluation must share (test_idx)."""
-
-    def __init__(self, pipe: Pipeline):
-        self.pipe, self.read, self.test_idx = pipe, {}, {}
-
-    def __call__(self, key: str):
-        if key not in self.read:
-            self.read[key] = read_eval(self.pipe.dir(key) / "eval", self.test_idx)
-        return self.read[key]
-
-
-def collect(pipe: Pipeline, runs: dict, row0: dict, tasks: list, meta: dict, probes: dict | None = None,
-            done: set | None = None, evals: Evals | None = None) -> dict:
-    """results.json (its schema: reporting/schema.py): per method and seed, the accuracy matrix (row i: tasks 1..i
-    after stage i), row 0 (the base on every task), next_task (a(i, i+1): task i+1 after stage i, before training on
-    it), the continual-learning metrics of data.metrics.cl_metrics, the per-step training loss of every stage, from
-    each evaluation's predictions.jsonl, for the cells of the matrix, the per-example scores (averaged over eval
-    repeats, in test_idx order: the test-set bootstrap) and the degenerate-answer diagnostics (reporting.diagnostics), and
-    the mechanism probes (collect_probes). Every evaluation must have scored the same test examples of a task.
-    done: the committed steps, for a partial collection (write_partial); evals: the run's Evals, so that an evaluation
-    is read once however often this is called."""
-    from data.metrics import cl_metrics
-    eval_of = evals or Evals(pipe)  # eval steps are shared between methods: read each once
-    test_idx = eval_of.test_idx
-
-    methods = {}
-    for label, by_seed in runs.items():
-        methods[label] = {"seeds": {}}
-        for seed, chain in by_seed.items():
-            if done is not None and row0[seed] not in done:  # (a partial collection: write_partial)
-                continue
-            matrix, next_task, losses, sources, examples, diagnostics = [], [], [], [], [], []
-            for i, (t_key, e_key) in enumerate(chain):
-                if done is not None and (t_key not in done or e_key not in done):
-                    break
-                scores, per_example, diag = eval_of(e_key)
-                matrix.append([scores[t] for t in tasks[:i + 1]])
-                examples.append([per_example[t] for t in tasks[:i + 1]])
-                diagnostics.append({t: diag[t] for t in tasks[:i + 1]})
-                if i + 1 < len(tasks):
-                    next_task.append(scores[tasks[i + 1]])
-                log_path = pipe.dir(t_key) / "ckpt" / "train_log.jsonl"
-                log = [json.loads(line) for line in jsonl_lines(log_path.read_text()) if line]
-                losses.append([x["loss"] for x in log])
-                sources.append({"task": [x["loss_task"] for x in log], "replay": [x["loss_replay"] for x in log]}
-                               if log and "loss_replay" in log[0] else None)
-            base_row = [eval_of(row0[seed])[0][t] for t in tasks]
-            partial = done is not None and len(matrix) < len(chain)
-            methods[label]["seeds"][str(seed)] = {"matrix": matrix, "row0": base_row, "next_task": next_task,
-                                                  "cl_metrics": None if partial else cl_metrics(matrix, base_row,
-                                                                                                next_task),
-                                                  "loss_curves": losses, "example_scores": examples,
-                                                  "diagnostics": diagnostics}
-            if partial:
-                methods[label]["seeds"][str(seed)].update(partial=True, stages=len(matrix))
-            if probes:
-                methods[label]["seeds"][str(seed)].update(collect_probes(pipe, probes[label][seed], sources, done))
-    return {"tasks": tasks, "methods": methods, "test_idx": {t: test_idx[t] for t in tasks if t in test_idx},
-            "meta": meta}
-
-
-def read_eval(eval_dir: Path, test_idx: dict):
-    """(scores, per_example, diagnostics) of one evaluate.py output: scores.json's per-task means; per task the
-    per-example scores averaged over repeats, ordered by idx (rounded to 1e-4); reporting.diagnostics.diagnose per task.
-    test_idx ({task: [idx]}) is filled by the first evaluation and checked against by the others."""
-    scores = json.loads((eval_dir / "scores.json").read_text())["scores"]
-    by_task = {}
-    for r in read_records(eval_dir / "predictions.jsonl",
-                          required=("task", "idx", "prediction", "gold", "finish_reason", "num_tokens", "score"),
-                          types={"idx": int, "num_tokens": int, "score": (int, float)}):
-        by_task.setdefault(r["task"], []).append(r)
-    per_example, diagnostics = {}, {}
-    for t in scores:
-        by_idx = {}
-        for r in by_task.get(t, []):
-            by_idx.setdefault(r["idx"], []).append(r["score"])
-        idx = sorted(by_idx)
-        if test_idx.setdefault(t, idx) != idx:
-            raise InputError(f"{eval_dir / 'predictions.jsonl'}: task {t} was evaluated on other test "
-                             f"examples than another evaluation of this run ({len(idx)} vs {len(test_idx[t])})")
-        per_example[t] = [round(sum(v) / len(v), 4) for v in (by_idx[i] for i in idx)]
-        diagnostics[t] = diagnose(t, by_task[t])
-    return scores, per_example, diagnostics
-
-
-def collect_probes(pipe: Pipeline, found: dict, loss_sources: list, done: set | None = None) -> dict:
-    """Per seed: "drift" = [{"stage" i, "tasks": {task: drift.py's per-task numbers}, "all"}] for every
-    stage i >= 2 (KL(pi_i || pi_i-1) on tasks 1..i-1); "buffer_stats" = [{"stage" i, score.py's / buffer_nll.py's
-    buffer_stats.json}] for the buffer built after stage i; "rollout_checks" = [{"stage" i, rollout.py's
-    logprob_check}]; "loss_sources" as collect read them from the train logs: per stage, {"task": [per step],
-    "replay": [per step]} (train.py's loss_task and loss_replay), or None for a stage trained without replay.
-    done: the committed steps; each list then holds its stages up to the first one not committed."""
-    if done is not None:
-        found = {what: prefix_done(entries, done) for what, entries in found.items()}
-    out = {"drift": [], "buffer_stats": [], "rollout_checks": [], "loss_sources": loss_sources}
-    for stage, key in found["drift"]:
-        d = json.loads((pipe.dir(key) / "drift" / "drift.json").read_text())
-        out["drift"].append({"stage": stage, "tasks": d["tasks"], "all": d["all"]})
-    for stage, key in found["buffers"]:
-        out["buffer_stats"].append({"stage": stage, **json.loads((pipe.dir(key) / "buffer_stats.json").read_text())})
-    for stage, key in found["rollouts"]:
-        path = pipe.dir(key) / "rollouts_summary.json"
-        if path.exists():
-            out["rollout_checks"].append({"stage": stage, **(json.loads(path.read_text())["logprob_check"] or {})})
-    return out
-
-
-def prefix_done(entries: list, done: set) -> list:
-    """[(stage, key)] up to the first entry whose step is not in `done`."""
-    out = []
-    for stage, key in entries:
-        if key not in done:
-            break
-        out.append((stage, key))
-    return out
 
 
 if __name__ == "__main__":

@@ -742,10 +742,10 @@ def test_help_works(script):
 
 
 def test_read_eval_names_the_bad_prediction_record(tmp_path):
-    """run.read_eval reads idx, score and num_tokens of every prediction: a record without one, or with a string
-    idx, is one line naming file, record and field (it was a KeyError in collect); a good file gives per-example
-    scores ordered by idx, averaged over repeats."""
-    from run import read_eval
+    """reporting.collect.read_eval reads idx, score and num_tokens of every prediction: a record without one, or with a
+    string idx, is one line naming file, record and field (it was a KeyError in collect); a good file gives
+    per-example scores ordered by idx, averaged over repeats."""
+    from reporting.collect import read_eval
     (tmp_path / "scores.json").write_text(json.dumps({"scores": {"FOMC": 50.0}}))
     good = [{"task": "FOMC", "idx": i, "prediction": p, "gold": "A", "finish_reason": "stop", "num_tokens": 1,
              "score": s} for i, p, s in [(3, "A", 100.0), (1, "B", 0.0), (3, "B", 0)]]

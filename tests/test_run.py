@@ -14,6 +14,7 @@ every step's output) while keeping the steps finished before the kill. The pipel
 minute each on 2 CPU cores). lr 1e-4 keeps the model babbling (non-empty rollouts to rank) rather than collapsing to
 empty answers.
 """
+import fcntl
 import json
 import math
 import os
@@ -544,9 +545,12 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(env, run_a):
 
 
 def kill_when(cmd, env, ready, poll: float = 0.005):
-    """Start run.py, SIGKILL it and everything it started as soon as ready() holds (it must not end before)."""
+    """Start run.py, SIGKILL it and everything it started as soon as ready() holds (it must not end before), and
+    return once every step it started is gone too: the steps lead process groups of their own and die of the
+    driver's death (a parent-death signal) a moment later, so a step could still write after the driver's kill --
+    finish its stage, remove the state ready() saw. Every step holds the run's run.lock until it exits."""
     driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              start_new_session=True)  # its own process group: the kill reaches every child
+                              start_new_session=True)
     try:
         while not ready():
             assert driver.poll() is None, f"run.py ended before it could be killed:\n{driver.stderr.read()[-3000:]}"
@@ -558,6 +562,19 @@ def kill_when(cmd, env, ready, poll: float = 0.005):
             pass
         driver.wait()
         driver.stderr.close()
+    lock = Path(cmd[cmd.index("--out") + 1]) / "run.lock"
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "a step outlived the killed driver by a minute"
+                time.sleep(0.05)
+    finally:
+        os.close(fd)  # the flock goes with it
 
 
 def test_a_stage_stopped_mid_training_resumes_from_its_saved_state(env, run_a):
