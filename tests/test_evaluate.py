@@ -24,14 +24,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from model.base import write_random_tiny
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    write_random_tiny(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
     # Py150's fuzzy-match metric gives partial credit to any text, so the score checks are not all 0 == 0
     root = tmp_path_factory.mktemp("trace")
@@ -48,15 +40,15 @@ def evaluate(*args) -> Path:
     return ev.main([str(a) for a in args] + ["--quiet"])
 
 
-def test_evaluate_script_end_to_end(ckpt, data_root):
+def test_evaluate_script_end_to_end(tiny_ckpt, data_root):
     """Subprocess, default tasks and output dir, 2 repeats at temperature 1: every number in scores.json is
     recomputed here from predictions.jsonl with data.metrics.score."""
-    r = subprocess.run([sys.executable, "evaluate.py", "--ckpt", str(ckpt), "--data", str(data_root),
+    r = subprocess.run([sys.executable, "evaluate.py", "--ckpt", str(tiny_ckpt), "--data", str(data_root),
                         "--max-new-tokens", "8", "--repeats", "2", "--temperature", "1.0", "--engine", "native",
                         "--quiet"], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env=ENV)
     assert r.returncode == 0, r.stderr
-    out = ckpt / "eval"
+    out = tiny_ckpt / "eval"
     assert "FOMC/test: kept 4/4 (dropped 0 over 2048 tokens)" in r.stdout
     summary = json.loads((out / "scores.json").read_text())
     rows = read_predictions(out)
@@ -65,7 +57,7 @@ def test_evaluate_script_end_to_end(ckpt, data_root):
 
     assert set(summary) >= {"ckpt", "scores", "std_over_repeats", "n", "dropped_overlong", "scoring", "temperature",
                             "repeats"}
-    assert summary["ckpt"] == str(ckpt) and summary["temperature"] == 1.0 and summary["repeats"] == 2
+    assert summary["ckpt"] == str(tiny_ckpt) and summary["temperature"] == 1.0 and summary["repeats"] == 2
     for key in ("scores", "std_over_repeats", "n", "dropped_overlong"):
         assert list(summary[key]) == tasks, key
     assert summary["n"] == {t: 4 for t in tasks} and summary["dropped_overlong"] == {t: 0 for t in tasks}
@@ -101,10 +93,10 @@ def test_evaluate_script_end_to_end(ckpt, data_root):
         assert f"| {t} | 4 | 0 | {summary['scores'][t]:.2f} |" in r.stdout
 
 
-def test_evaluate_is_reproducible(ckpt, data_root, tmp_path):
+def test_evaluate_is_reproducible(tiny_ckpt, data_root, tmp_path):
     """The same seed gives the same predictions; --scoring only changes how they are scored (and is recorded)."""
     for name, scoring in (("a", "lenient"), ("b", "trace")):
-        evaluate("--ckpt", ckpt, "--data", data_root, "--tasks", "NumGLUE-cm,FOMC", "--max-new-tokens", "4",
+        evaluate("--ckpt", tiny_ckpt, "--data", data_root, "--tasks", "NumGLUE-cm,FOMC", "--max-new-tokens", "4",
                  "--temperature", "1.0", "--seed", "3", "--out", tmp_path / name, "--scoring", scoring)
     a, b = read_predictions(tmp_path / "a"), read_predictions(tmp_path / "b")
     assert [{k: v for k, v in x.items() if k != "score"} for x in a] == \
@@ -119,16 +111,16 @@ def test_evaluate_is_reproducible(ckpt, data_root, tmp_path):
         "trace"
 
 
-def test_overlong_test_examples_are_dropped_and_counted(ckpt, data_root, tmp_path):
+def test_overlong_test_examples_are_dropped_and_counted(tiny_ckpt, data_root, tmp_path):
     """Same length rule as training: len(encode_sft(prompt, answer) ids) > --max-len is dropped."""
-    tok = ChatTokenizer.from_dir(ckpt)
+    tok = ChatTokenizer.from_dir(tiny_ckpt)
     length = {t: {ex.idx: len(tok.encode_sft(ex.prompt, ex.answer)[0]) for ex in load_task(data_root, t, "test")}
               for t in ("FOMC", "NumGLUE-cm")}
     max_len = max(length["FOMC"].values()) - 1
     want = {t: sorted(i for i, n in length[t].items() if n <= max_len) for t in length}
     assert 0 < len(want["FOMC"]) < 4  # the limit splits FOMC's test set
 
-    out = evaluate("--ckpt", ckpt, "--data", data_root, "--tasks", "FOMC,NumGLUE-cm", "--max-new-tokens", "2",
+    out = evaluate("--ckpt", tiny_ckpt, "--data", data_root, "--tasks", "FOMC,NumGLUE-cm", "--max-new-tokens", "2",
                    "--max-len", max_len, "--out", tmp_path / "ev")
     summary = json.loads((out / "scores.json").read_text())
     rows = read_predictions(out)
@@ -138,25 +130,25 @@ def test_overlong_test_examples_are_dropped_and_counted(ckpt, data_root, tmp_pat
 
     # a limit that drops a whole task is an error, not a silent empty score
     with pytest.raises(ValueError, match="FOMC.test.json: no example fits max length 5"):
-        evaluate("--ckpt", ckpt, "--data", data_root, "--tasks", "FOMC", "--max-len", "5", "--out", tmp_path / "x")
+        evaluate("--ckpt", tiny_ckpt, "--data", data_root, "--tasks", "FOMC", "--max-len", "5", "--out", tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 
-def test_unknown_task_fails_and_writes_nothing(ckpt, data_root, tmp_path, capsys):
+def test_unknown_task_fails_and_writes_nothing(tiny_ckpt, data_root, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # a flag error: argparse's exit 2 naming the flag
-        evaluate("--ckpt", ckpt, "--data", data_root, "--tasks", "FOMC,NotATask", "--out", tmp_path / "ev")
+        evaluate("--ckpt", tiny_ckpt, "--data", data_root, "--tasks", "FOMC,NotATask", "--out", tmp_path / "ev")
     assert e.value.code == 2 and "argument --tasks: unknown task 'NotATask'" in capsys.readouterr().err
     # a known task without a test file under --data names the missing file
     with pytest.raises(ValueError, match="MeetingBank/test.json: file not found"):
-        evaluate("--ckpt", ckpt, "--data", data_root, "--tasks", "FOMC,MeetingBank", "--out", tmp_path / "ev")
+        evaluate("--ckpt", tiny_ckpt, "--data", data_root, "--tasks", "FOMC,MeetingBank", "--out", tmp_path / "ev")
     assert not (tmp_path / "ev").exists()
 
 
-def test_checkpoint_without_tokenizer_fails_naming_it(ckpt, data_root, tmp_path):
+def test_checkpoint_without_tokenizer_fails_naming_it(tiny_ckpt, data_root, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
     for f in ("config.json", "model.safetensors"):
-        (bare / f).write_bytes((ckpt / f).read_bytes())
+        (bare / f).write_bytes((tiny_ckpt / f).read_bytes())
     r = subprocess.run([sys.executable, "evaluate.py", "--ckpt", str(bare), "--data", str(data_root), "--quiet"],
                        cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode != 0
@@ -167,7 +159,7 @@ def test_checkpoint_without_tokenizer_fails_naming_it(ckpt, data_root, tmp_path)
     assert not (tmp_path / "ev").exists()
 
 
-def test_rollout_and_evaluate_read_chat_files_as_their_prompt_answer_files(ckpt, data_root, tmp_path):
+def test_rollout_and_evaluate_read_chat_files_as_their_prompt_answer_files(tiny_ckpt, data_root, tmp_path):
     """A TRACE root whose files hold chat records ({"messages": [user, assistant]}, JSON Lines) gives rollout.py and
     evaluate.py the examples of the prompt/answer files they were written from: the same rollouts, predictions and
     scores, byte for byte (data.manifest.as_prompt_record, the manifest's own converter)."""
@@ -182,7 +174,7 @@ def test_rollout_and_evaluate_read_chat_files_as_their_prompt_answer_files(ckpt,
             (chat / t).mkdir(parents=True, exist_ok=True)
             (chat / t / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     for root, name in ((data_root, "trace"), (chat, "chat")):
-        common = ["--ckpt", ckpt, "--data", root, "--tasks", ",".join(tasks), "--max-new-tokens", "4", "--engine",
+        common = ["--ckpt", tiny_ckpt, "--data", root, "--tasks", ",".join(tasks), "--max-new-tokens", "4", "--engine",
                   "native"]
         evaluate(*common, "--out", tmp_path / name / "eval")
         rollout.main([str(a) for a in common] + ["--out", str(tmp_path / name / "rollouts.jsonl"), "--check-logprobs",

@@ -219,28 +219,20 @@ def test_fuzzed_record_files_are_read_sanely_or_refused_naming_the_file(tmp_path
 
 
 # ---- checkpoints: config.json and the tokenizer files ----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    from model.base import write_random_tiny
-    path = tmp_path_factory.mktemp("fuzz") / "base"
-    write_random_tiny(path)
-    return path
-
-
 CONFIG_JUNK = [None, 0, -1, 3, 1.5, float("nan"), float("inf"), True, "abc", "12", [], {}, {"rope_type": "llama3"}]
 
 
-def test_fuzzed_checkpoints_load_or_are_refused_naming_the_file(base, tmp_path):
+def test_fuzzed_checkpoints_load_or_are_refused_naming_the_file(tiny_ckpt, tmp_path):
     import torch
     from model.checkpoint import load_model
     from model.tokenizer import ChatTokenizer
-    cfg = json.loads((base / "config.json").read_text())
-    tok_cfg = json.loads((base / "tokenizer_config.json").read_text())
+    cfg = json.loads((tiny_ckpt / "config.json").read_text())
+    tok_cfg = json.loads((tiny_ckpt / "tokenizer_config.json").read_text())
     rng = random.Random(SEED)
     loaded = refused = 0
     for case in range(300):
         ck = tmp_path / f"ck{case}"
-        shutil.copytree(base, ck)
+        shutil.copytree(tiny_ckpt, ck)
         if case % 3 < 2:  # config.json
             c = dict(cfg)
             for _ in range(rng.randint(1, 2)):

@@ -19,14 +19,6 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE_VARS = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from model.base import write_random_tiny
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    write_random_tiny(path)
-    return path
-
-
 def snapshot(cache: Path, repo_id: str, commit: str, src: Path, mtime: float | None = None) -> Path:
     """src's files as huggingface_hub caches them: blobs named by content, a snapshot of symlinks into ../../blobs."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
@@ -50,31 +42,31 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "hub"
 
 
-def test_a_model_id_is_its_refs_main_snapshot_else_the_newest(cache, ckpt):
-    main = snapshot(cache, "Org/Tiny", "a" * 40, ckpt, mtime=1_000)
-    newer = snapshot(cache, "Org/Tiny", "b" * 40, ckpt, mtime=2_000)
+def test_a_model_id_is_its_refs_main_snapshot_else_the_newest(cache, tiny_ckpt):
+    main = snapshot(cache, "Org/Tiny", "a" * 40, tiny_ckpt, mtime=1_000)
+    newer = snapshot(cache, "Org/Tiny", "b" * 40, tiny_ckpt, mtime=2_000)
     refs = cache / "models--Org--Tiny" / "refs"
     refs.mkdir()
     (refs / "main").write_text("a" * 40)  # as huggingface_hub writes it: the commit, no newline
     assert resolve_model("Org/Tiny") == main
     # the files are symlinks into the blobs, and the loaders read through them
     assert (main / "config.json").is_symlink()
-    assert load_config(main) == load_config(ckpt)
-    assert ChatTokenizer.from_dir(main).vocab_size == ChatTokenizer.from_dir(ckpt).vocab_size
+    assert load_config(main) == load_config(tiny_ckpt)
+    assert ChatTokenizer.from_dir(main).vocab_size == ChatTokenizer.from_dir(tiny_ckpt).vocab_size
     (refs / "main").write_text("c" * 40 + "\n")  # refs/main of a snapshot that is not there: the newest one
     assert resolve_model("Org/Tiny") == newer
     (refs / "main").unlink()
     assert resolve_model("Org/Tiny") == newer
     os.utime(main, (3_000, 3_000))
     assert resolve_model("Org/Tiny") == main
-    snapshot(cache, "gpt2", "d" * 40, ckpt)  # an id without an organisation: models--gpt2
+    snapshot(cache, "gpt2", "d" * 40, tiny_ckpt)  # an id without an organisation: models--gpt2
     assert resolve_model("gpt2") == cache / "models--gpt2" / "snapshots" / ("d" * 40)
 
 
-def test_a_directory_is_taken_as_given(cache, ckpt, tmp_path, monkeypatch):
-    snapshot(cache, "Org/Tiny", "a" * 40, ckpt)
-    monkeypatch.chdir(ckpt.parent)
-    for given in (str(ckpt), "tiny", "./tiny/"):  # also where its name could be a model id
+def test_a_directory_is_taken_as_given(cache, tiny_ckpt, tmp_path, monkeypatch):
+    snapshot(cache, "Org/Tiny", "a" * 40, tiny_ckpt)
+    monkeypatch.chdir(tiny_ckpt.parent)
+    for given in (str(tiny_ckpt), "tiny", "./tiny/"):  # also where its name could be a model id
         assert resolve_model(given) == Path(given)
     (tmp_path / "Org" / "Tiny").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
@@ -103,16 +95,16 @@ def test_a_model_the_cache_lacks_is_one_line_naming_where_it_looked(tmp_path, mo
     assert f"({tmp_path / 'Org' / 'Missing'})" in msg and f"({looked / 'models--Org--Missing' / 'snapshots'};" in msg
 
 
-def test_scripts_take_a_model_id_from_the_cache(cache, ckpt, tmp_path):
+def test_scripts_take_a_model_id_from_the_cache(cache, tiny_ckpt, tmp_path):
     """evaluate.py --ckpt Org/Tiny evaluates the cached snapshot, as --ckpt DIR does; its default output would go
     into the cache, so it wants --out; train.py --model of a model the cache lacks is one line, no traceback."""
     import evaluate
     from data.embedded import write_benchmark
-    snap = snapshot(cache, "Org/Tiny", "a" * 40, ckpt)
+    snap = snapshot(cache, "Org/Tiny", "a" * 40, tiny_ckpt)
     data = tmp_path / "data"
     write_benchmark(data, n_train=2, n_eval=1, n_test=3, tasks="FOMC")
     common = ["--data", str(data), "--tasks", "FOMC", "--max-new-tokens", "4", "--engine", "native", "--quiet"]
-    for name, model in (("dir", ckpt), ("id", "Org/Tiny")):
+    for name, model in (("dir", tiny_ckpt), ("id", "Org/Tiny")):
         evaluate.main(["--ckpt", str(model), "--out", str(tmp_path / name), *common])
     assert (tmp_path / "id" / "predictions.jsonl").read_bytes() == (tmp_path / "dir" / "predictions.jsonl").read_bytes()
     assert json.loads((tmp_path / "id" / "scores.json").read_text())["ckpt"] == str(snap)

@@ -4,7 +4,7 @@ responses sampled token by token by the student from the prompt alone, the teach
 demonstration in its template, the full-vocabulary KL at every sampled position, and the exact EMA update. Also:
 2 ranks = 1 rank, and SIGKILL + --resume = an uninterrupted run (the EMA teacher is part of the training state).
 
-Runs are real subprocesses with OMP_NUM_THREADS=1, as in test_train.py (whose helpers this file reuses).
+Runs are real subprocesses with OMP_NUM_THREADS=1, as in test_train.py (the helpers of both: tests/tiny.py).
 """
 import json
 import shutil
@@ -14,8 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from test_train import (MAX_LEN, N_STEPS, REPO, assert_close_rel, assert_same_weights, ckpt, env, log,  # noqa: F401
-                        kill_once_state_is_saved, train, train_cmd, weights)
+pytest.importorskip("transformers")  # train_ckpt is built by transformers
+
+from tiny import (MAX_LEN, assert_close_rel, assert_same_weights, kill_once_state_is_saved, log, train,  # noqa: E402
+                  weights)
 
 import train as train_script  # noqa: E402
 from data.packing import plan_steps  # noqa: E402
@@ -33,12 +35,12 @@ CASES = {"ema": ("ema", "reverse", 0.5, 0), "base": ("base", "forward", 0.5, 3),
 
 
 @pytest.fixture(scope="module")
-def sharp(ckpt, tmp_path_factory):  # noqa: F811
-    """test_train's random checkpoint with sharper attention and logits: a random model at the usual init scale
+def sharp(train_ckpt, tmp_path_factory):
+    """train_ckpt (conftest.py) with sharper attention and logits: a random model at the usual init scale
     barely reads its context (KL between the two prompts ~1e-4), which would make the comparison weak."""
     out = tmp_path_factory.mktemp("ckpt") / "sharp"
-    shutil.copytree(ckpt, out)
-    w = load_file(ckpt / "model.safetensors")
+    shutil.copytree(train_ckpt, out)
+    w = load_file(train_ckpt / "model.safetensors")
     for k in w:
         if "q_proj" in k or "k_proj" in k:
             w[k] = w[k] * 6

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from data.outputs import claim_dir, write_jsonl
+from tiny import write_statements
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ("C-STANCE", "FOMC")
@@ -37,12 +38,7 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("tb")
     from model.base import write_random_tiny
     write_random_tiny(root / "base")
-    recs = lambda t: [{"prompt": f"{t} statement {i}: the cat sat. Answer A or B.", "answer": "AB"[i % 2]}
-                      for i in range(4)]
-    for t in TASKS:
-        for split in ("train", "test"):
-            (root / "data" / t).mkdir(parents=True, exist_ok=True)
-            (root / "data" / t / f"{split}.json").write_text(json.dumps(recs(t)))
+    write_statements(root / "data", TASKS)
     minuten = [{"prompt": f"Vereinfache den Text {i}: Die Katze sass auf der Matte.", "answer": "Die Katze sass."}
                for i in range(3)]
     for split in ("train", "test"):

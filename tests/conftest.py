@@ -1,0 +1,35 @@
+"""Fixtures several test files share (the functions behind them: tests/tiny.py).
+
+- tiny_ckpt: the project's random tiny Llama (model.base.write_random_tiny) at <tmp>/tiny, one per test file: some
+  files write beside it or into it (evaluate.py's default output is <ckpt>/eval)
+- tiny_env: tiny.make_env's world (that checkpoint, a 2-task TRACE-layout data root, a rollout file, the scripts'
+  environment), one per test file
+- train_ckpt, train_ckpt_tied: train.py's tiny checkpoints (transformers-built, untied and tied embeddings, with an
+  SFT file), built once per session; the tests only read them
+"""
+import pytest
+
+import tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from model.base import write_random_tiny
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    write_random_tiny(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_env(tmp_path_factory):
+    return tiny.make_env(tmp_path_factory.mktemp("env"))
+
+
+@pytest.fixture(scope="session")
+def train_ckpt(tmp_path_factory):
+    return tiny.make_checkpoint(tmp_path_factory.mktemp("ckpt") / "untied", tied=False)
+
+
+@pytest.fixture(scope="session")
+def train_ckpt_tied(tmp_path_factory):
+    return tiny.make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tied", tied=True)

@@ -1,0 +1,198 @@
+"""The tiny world several test files share, as plain functions (conftest.py wraps the expensive ones in fixtures):
+
+- the scripts' world: a random tiny Llama (model.base.write_random_tiny), a 2-task TRACE-layout data root, a rollout
+  file and the environment the scripts run with (`make_env`), and the subprocess helpers that run a script on it
+- train.py's world: a tiny random Llama saved by transformers with an SFT file (`make_checkpoint`), and the helpers
+  that run train.py on it and compare its outputs (test_train.py, test_sdft.py)
+
+A test file imports these from here, never from another test file.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from data.outputs import write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ---- the scripts' world ----------------------------------------------------------------------------------------------
+TASKS = ("C-STANCE", "FOMC")
+
+
+def write_statements(data: Path, tasks=TASKS, n: int = 4):
+    """A TRACE-layout root at `data`: each task's train.json and test.json hold the same n 2-label records."""
+    for t in tasks:
+        for split in ("train", "test"):
+            recs = [{"prompt": f"{t} statement {i}: the cat sat. Answer A or B.", "answer": "AB"[i % 2]}
+                    for i in range(n)]
+            (data / t).mkdir(parents=True, exist_ok=True)
+            (data / t / f"{split}.json").write_text(json.dumps(recs))
+
+
+def make_env(root: Path) -> dict:
+    """A random tiny Llama and a 2-task TRACE-layout data root (4 train / 4 test examples per task) under root,
+    a rollout file, and the environment the scripts run with."""
+    from model.base import write_random_tiny
+    write_random_tiny(root / "base")
+    write_statements(root / "data")
+    rollouts = [{"task": "FOMC", "idx": i, "prompt": f"FOMC statement {i}: the cat sat. Answer A or B.",
+                 "response": "A", "token_ids": [5, 6], "logprobs": [-0.5, -0.1], "finish_reason": "stop"}
+                for i in range(4)]
+    write_jsonl(root / "rollouts.jsonl", rollouts)
+    e = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(root / "cache"))
+    e.pop("OPR_DEBUG", None)
+    return dict(base=root / "base", data=root / "data", rollouts=root / "rollouts.jsonl", env=e)
+
+
+def run(script: str, args, env, cwd=REPO, **kw) -> subprocess.CompletedProcess:
+    """`python <script> args` in make_env's environment `env`."""
+    return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=cwd, env=env["env"],
+                          capture_output=True, text=True, timeout=600, **kw)
+
+
+def score_args(env, tmp, *extra, rollouts=None):
+    return ["--rollouts", rollouts or env["rollouts"], "--data", env["data"], "--budget", "2", "--out",
+            tmp / "out.jsonl", *extra]
+
+
+def run_args(env, tmp, *extra, model=None, data=None):
+    """run.py on make_env's world: 2 tasks, sft, 1 epoch, 2 new tokens, into tmp/run."""
+    return ["--model", model or env["base"], "--data", data or env["data"], "--tasks", ",".join(TASKS),
+            "--methods", "sft", "--epochs", "1", "--global-batch", "2", "--max-new-tokens", "2", "--quiet",
+            "--out", tmp / "run", *extra]
+
+
+def tiny_train(env, out, *extra):
+    """train.py on make_env's C-STANCE train split: 1 epoch of 2 steps."""
+    return run("train.py", ["--model", env["base"], "--data", env["data"] / "C-STANCE" / "train.json", "--out", out,
+                            "--epochs", "1", "--global-batch", "2", "--max-len", "128", "--quiet", *extra], env)
+
+
+def foreign_dir(tmp: Path) -> Path:
+    """A directory of the user's, not this project's output."""
+    d = tmp / "mine"
+    d.mkdir()
+    (d / "notes.txt").write_text("my notes")
+    return d
+
+
+def foreign_file(tmp: Path) -> Path:
+    f = tmp / "mine.jsonl"
+    f.write_text('{"prompt": "mine", "answer": "mine"}\n')
+    return f
+
+
+# ---- train.py's world ------------------------------------------------------------------------------------------------
+MAX_LEN = 48
+# 36 short records + 4 whose prompt alone is longer than MAX_LEN tokens -> 36 examples -> 5 steps/epoch of <= 8
+ARGS = ["--epochs", "3", "--global-batch", "8", "--micro-tokens", "96", "--max-len", str(MAX_LEN), "--lr", "1e-3",
+        "--seed", "0", "--save-every", "2", "--quiet"]
+N_STEPS = 15
+WORDS = "the cat sat on a mat and dog ran to park with red blue green ball one two three four five".split()
+
+
+def make_checkpoint(path: Path, tied: bool) -> Path:
+    """A tiny random Llama (2 layers, GQA 4/2 heads) saved by transformers, with a byte-level BPE + ChatML tokenizer
+    and an SFT file data.jsonl (40 records, 4 of them longer than MAX_LEN tokens)."""
+    import random
+
+    import transformers
+    from model.base import CHATML, train_tiny_tokenizer
+    rng = random.Random(0)
+    say = lambda lo, hi: " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))  # noqa: E731
+    path.mkdir(parents=True)
+    tok = train_tiny_tokenizer([say(5, 20) for _ in range(200)], 320)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>"}))
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied,
+        eos_token_id=tok.token_to_id("<|im_end|>"), pad_token_id=tok.token_to_id("<|endoftext|>"))
+    hf = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # HF initialises norms to 1: randomise them so they are exercised
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+    hf.save_pretrained(path)
+    records = [{"prompt": say(1, 12), "response": say(1, 10)} for _ in range(36)]
+    for i in (3, 11, 20, 30):
+        records.insert(i, {"prompt": say(60, 70), "response": say(1, 3)})
+    write_jsonl(path / "data.jsonl", records)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_cmd(ckpt: Path, out: Path, *extra, world: int = 1, data=None) -> list[str]:
+    launcher = [sys.executable]
+    if world > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port())]
+    return launcher + [str(REPO / "train.py"), "--model", str(ckpt), "--data", str(data or ckpt / "data.jsonl"),
+                       "--out", str(out), *ARGS, *extra]
+
+
+def train_env() -> dict:
+    """This process's environment without a torchrun rank's variables, one thread per process."""
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return {**e, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def train(ckpt, out, *extra, world=1, data=None, ok=True) -> subprocess.CompletedProcess:
+    r = subprocess.run(train_cmd(ckpt, out, *extra, world=world, data=data), cwd=REPO, env=train_env(),
+                       capture_output=True, text=True, timeout=600)
+    if ok and r.returncode != 0:
+        raise AssertionError(f"train.py failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def weights(out: Path) -> dict:
+    return load_file(out / "model.safetensors")
+
+
+def assert_close_rel(a: torch.Tensor, b: torch.Tensor, tol: float, what: str):
+    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+    assert err <= tol, f"{what}: max relative difference {err:.3g} > {tol}"
+
+
+def assert_same_weights(a: dict, b: dict, tol: float):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert_close_rel(a[k], b[k], tol, k)
+
+
+def kill_once_state_is_saved(ckpt, out: Path, *extra) -> tuple[bool, str, Path]:
+    """Start train.py (with `extra` flags), SIGKILL it as soon as a training state exists. Returns (was it still
+    running, its output, the state's progress.pt)."""
+    state = out.with_name(out.name + ".partial") / "state" / "progress.pt"
+    p = subprocess.Popen(train_cmd(ckpt, out, *extra), cwd=REPO, env=train_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not state.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        alive = p.poll() is None
+        p.send_signal(signal.SIGKILL)
+    finally:
+        p.kill()
+        output = p.communicate()[0]
+    return alive, output, state
