@@ -29,12 +29,13 @@ NUMERICS = 12
 # On the CPU, float results depend on the instructions the kernels run, and those follow the CPU: ATen picks its
 # AVX2 or AVX-512 code by the CPU's flags, MKL's GEMMs pick code per vendor and model. So the same command on two
 # machines (an Intel laptop, an AMD server) rounds differently, and this benchmark's training amplifies any rounding
-# into a different checkpoint (BENCHMARKS.md). These pins make both the same on every x86-64 CPU with AVX2 and FMA:
-# ATen's AVX2 kernels, and MKL's conditional numerical reproducibility on its COMPATIBLE branch, the one MKL
-# documents as giving the same results on Intel and non-Intel CPUs at a fixed thread count (run.py and the base
-# build pin that too). Read once per process, so they go into the environment of the processes that compute.
-# Cost on the 2-core AMD EPYC here: MKL's GEMMs ~2.3x slower, the tiny base's build 1.65x, run.py --portable 1.48x
-# the default's wall time (BENCHMARKS.md). The tiny base is always built with them; --portable runs every step so.
+# into a different checkpoint (BENCHMARKS.md, "The seed noise is chaos"). These pins make both the same on every
+# x86-64 CPU with AVX2 and FMA: ATen's AVX2 kernels, and MKL's conditional numerical reproducibility on its
+# COMPATIBLE branch, the one MKL documents as giving the same results on Intel and non-Intel CPUs at a fixed thread
+# count (run.py and the base build pin that too). Read once per process, so they go into the environment of the
+# processes that compute.
+# They make MKL's GEMMs much slower (BENCHMARKS.md, "The same base on every CPU: the CPU pins"), so only the tiny
+# base, which every machine must share, is always built with them; --portable runs every step so.
 CPU_PINS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
 PORTABLE = {"ATEN_CPU_CAPABILITY": ("avx2", "default"), "MKL_CBWR": ("compatible",)}  # (lower case) no CPU changes
 
@@ -80,9 +81,8 @@ def cpu_numerics(portable: bool) -> tuple[dict, dict]:
 # glibc's malloc gives every block above its mmap threshold (128 KiB, rising to at most 32 MiB) its own mmap and
 # unmaps it when freed, so every training step and decode step gets its large tensors (activations, the lm_head's
 # and the embedding's gradients, logits) in fresh pages, which the kernel faults in and zeroes 4 KiB at a time
-# (~3.4 us a page on this VM; BENCHMARKS.md has what it costs a step). Floats do not change: PyTorch aligns every
-# tensor to 64 bytes either way. The price: the heap keeps its peak, plus what aligned blocks fragment (+1-5 % of
-# SmolLM2's training peak).
+# (what that costs a step: BENCHMARKS.md, "The levers, each measured on its own"). Floats do not change: PyTorch
+# aligns every tensor to 64 bytes either way. The price: the heap keeps its peak, plus what aligned blocks fragment.
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")  # a caller's own settings
 

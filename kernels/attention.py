@@ -12,14 +12,13 @@ Backends, in order of preference (chosen once, at import; the first that can run
                  enable_gqa, repeat the kv heads ourselves. Needs CUDA and an Ampere-or-newer GPU (sm80+).
   "sdpa"         torch SDPA looped over documents with is_causal=True -- always available. On the CPU the loop
                  is one custom operator (opr::cpu_varlen_attention, with its backward) calling SDPA's CPU flash
-                 kernel per document: the same bytes as SDPA, without ~12 view/slice nodes per document and layer
-                 (tiny-base step 1.07x, 1 thread), and opaque to torch.compile (no graph break).
+                 kernel per document: the same bytes as SDPA, without the view/slice nodes per document and layer
+                 that an autograd loop records, and opaque to torch.compile (no graph break). A loop rather than
+                 one SDPA call with a [T, T] block-diagonal mask, which is slower on the CPU. Each document goes in
+                 as a 4-D [1, H, L, D] tensor with enable_gqa: that takes the CPU flash kernel, GQA included (3-D
+                 inputs take the slower math path). BENCHMARKS.md, "The levers, each measured on its own".
 As defaults, "flash" and "torch_varlen" apply to fp16/bf16 CUDA tensors only (both are fp16/bf16 CUDA kernels);
 anything else (CPU, fp32 on CUDA) takes the SDPA loop.
-          On CPU this beat one SDPA call with a [T, T] block-diagonal mask (2.6x at 16 documents of 51
-          tokens, fwd+bwd). Each document goes in as a 4-D [1, H, L, D] tensor with enable_gqa: that
-          takes the CPU flash kernel, GQA included; 3-D inputs with the kv heads repeated by hand took
-          the math path, 1.9x slower per document (0.57 vs 1.09 ms fwd+bwd, 60 tokens, 1 thread).
 Force one with the env var KERNELS_ATTN_BACKEND=flash|torch_varlen|sdpa (read at import) or set_backend(name);
 a forced backend is used for every call, whatever the device (tests use this with a stand-in).
 describe() says which backend is in use and for what; train.py prints it.
@@ -70,7 +69,7 @@ def _sdpa_loop(q, k, v, bounds):
     out = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         # [L, H, D] -> [1, H, L, D]: 4-D inputs take the CPU flash kernel, GQA included (3-D ones, or kv heads
-        # repeated by hand, were ~1.9x slower per document, forward + backward: bench_loss_memory --attention)
+        # repeated by hand, take the slower math path)
         qd, kd, vd = (_doc(x, start, end) for x in (q, k, v))
         out.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa)[0].transpose(0, 1))
     return torch.cat(out, dim=0)
@@ -222,7 +221,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen):
 
 flash_attn_varlen_func, varlen_attn, _VARLEN_PARAMS = None, None, frozenset()
 # the GPU kernels are imported only where they can run (or are forced): torch.nn.attention.varlen imports
-# torch._dynamo, ~2-5 s of every CPU process's start otherwise
+# torch._dynamo, which would add seconds to every CPU process's start
 if torch.cuda.is_available() or os.environ.get("KERNELS_ATTN_BACKEND") in ("flash", "torch_varlen"):
     try:
         from flash_attn import flash_attn_varlen_func

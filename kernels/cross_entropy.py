@@ -20,16 +20,17 @@ import torch
 
 # Rows of logits per chunk are picked so that one chunk of fp32 logits is about this many bytes
 # (220 rows at V=151,936). Why 128 MiB: every chunk re-reads and re-writes the whole [V, H] fp32
-# grad_weight accumulator (545 MB at V=151,936, H=896), so chunks of a few dozen rows made the
+# grad_weight accumulator (545 MB at V=151,936, H=896), so chunks of a few dozen rows make the
 # loss slower than the naive one on CPU; 128 MiB keeps the matmuls efficient while the peak stays
-# a small fraction of the naive [N, V] logits. See bench/bench_loss_memory.py.
+# a small fraction of the naive [N, V] logits (BENCHMARKS.md, "Fused linear cross-entropy: memory").
 _CHUNK_BYTES = 128 * 2**20
 
 
-# grad_weight sums over the target rows only when the [V, H] weight has at least this many elements (SmolLM2:
-# 28M; the tiny base: 131k). Summed over every row with the ignored ones as zeros (below), the sum rounds as it did
-# before logits were formed for the target rows only, which keeps the tiny base and the default's tables as they
-# are; at a real vocabulary those zero rows are ~90 % of the loss's largest matmul (BENCHMARKS.md).
+# Kept only for old bytes. grad_weight sums over the target rows only when the [V, H] weight has at least this many
+# elements (SmolLM2: 28M), because at a real vocabulary the ignored rows' zeros are most of the loss's largest
+# matmul (BENCHMARKS.md, "Logits for the target rows only"). Below it (the tiny base: 131k) it sums over every row
+# with the ignored ones as zero rows, which rounds as the every-row form of this loss did and so keeps the tiny base
+# and the default's tables byte-identical. Dropping the threshold changes those floats: a NUMERICS bump.
 GRAD_WEIGHT_TARGETS_MIN = 1 << 20
 
 
@@ -57,7 +58,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if grad_hidden_needed else None
         grad_weight = torch.zeros_like(weight_acc) if grad_weight_needed else None
         # One logits buffer reused by every chunk: a fresh multi-MB tensor per chunk is a fresh mmap on
-        # CPU, and page-faulting it in made the logits matmul ~30% slower in our measurements.
+        # CPU, and page-faulting it in slows the logits matmul.
         buf = torch.empty(min(chunk, n_tokens), vocab, dtype=acc, device=hidden.device)
         dense = None  # a chunk's grad_logits with the ignored rows as zeros, allocated when a chunk first needs it
         sparse_gw = weight.numel() >= GRAD_WEIGHT_TARGETS_MIN  # grad_weight over the target rows only
@@ -70,7 +71,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             if n == 0:
                 continue  # all-ignored chunk: contributes neither loss nor gradient
             # Logits, softmax and grad_hidden for the target rows only: in SFT most tokens are the prompt's, and
-            # computing their logits only to zero them out was most of this function's time (BENCHMARKS.md,
+            # computing their logits only to zero them out would be most of this function's time (BENCHMARKS.md,
             # "Logits for the target rows only").
             h_c = hidden[start:end].to(acc)
             every = n == end - start  # no ignored row: nothing to select or scatter
@@ -82,16 +83,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             target_logit = logits.gather(1, labels_t[:, None]).squeeze(1)
             probs = logits.exp_()
             sum_exp = probs.sum(dim=1)
-            # summed over the chunk's rows with exact zeros at the ignored ones: the same sum, in the same order,
-            # as when every row's loss was computed and the ignored ones multiplied by 0
+            # summed over the chunk's rows with exact zeros at the ignored ones: the every-row form's sum, in its
+            # order, so the loss keeps its bytes
             row_loss = sum_exp.log() - target_logit
             if not every:
                 row_loss = torch.zeros(end - start, dtype=acc, device=hidden.device).index_copy_(0, rows, row_loss)
             loss += row_loss.sum()
             if grad_hidden is None and grad_weight is None:
                 continue
-            # d(lse - logit_y)/d logits = softmax - onehot(y), as probs * (1 / sum_exp): the same bytes as the
-            # every-row version's division of the valid mask by sum_exp
+            # d(lse - logit_y)/d logits = softmax - onehot(y), as probs * (1 / sum_exp): the bytes of the every-row
+            # form's division of the valid mask by sum_exp
             grad_logits = probs.mul_(sum_exp.reciprocal()[:, None])
             grad_logits[torch.arange(n, device=hidden.device), labels_t] -= 1
             if grad_hidden is not None:
@@ -104,10 +105,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             if every or sparse_gw:
                 grad_weight.addmm_(grad_logits.T, h_t)
             else:
-                # small weights: summed over every row of the chunk, the ignored ones as zero rows, as before this
-                # function skipped them: over the target rows alone the sum rounds differently, and with it every
-                # float of the tiny base and of the default's tables (a new base, which learned 2 tasks on fewer
-                # seeds)
+                # small weights: summed over every row of the chunk, the ignored ones as zero rows, for old bytes
+                # only (GRAD_WEIGHT_TARGETS_MIN): over the target rows alone the sum rounds differently, and with
+                # it every float of the tiny base and of the default's tables
                 if dense is None:
                     dense = torch.empty_like(buf)
                 g = dense[: end - start].zero_().index_copy_(0, rows, grad_logits)
