@@ -4,6 +4,7 @@ script on the cases that used to pass: someone's results.json and report.md, a f
 like ours, a first line left blank, an unchecked side file."""
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,15 +15,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from data.outputs import (MARK, OUTPUT_KINDS, check_output, claim_dir, is_ours, mark_path, write_json,  # noqa: E402
                           write_jsonl)
 from data.errors import UserError  # noqa: E402
-from test_reliability import TASKS, make_env, run, score_args  # noqa: E402
+from tiny import TASKS, run, score_args  # noqa: E402
 
 DIRS = [k for k, (is_dir, _) in OUTPUT_KINDS.items() if is_dir]
 FILES = [k for k, (is_dir, _) in OUTPUT_KINDS.items() if not is_dir]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return make_env(tmp_path_factory.mktemp("outputs"))
 
 
 @pytest.mark.parametrize("kind", DIRS)
@@ -96,54 +92,82 @@ def refused(r, *named):
         assert str(s) in r.stderr, (s, r.stderr[-2000:])
 
 
-def test_run_py_keeps_someones_results_and_a_bare_steps_folder(env, tmp_path):
-    args = ["--model", env["base"], "--data", env["data"], "--tasks", ",".join(TASKS), "--methods", "sft",
+def test_run_py_keeps_someones_results_and_a_bare_steps_folder(tiny_env, tmp_path):
+    args = ["--model", tiny_env["base"], "--data", tiny_env["data"], "--tasks", ",".join(TASKS), "--methods", "sft",
             "--epochs", "1", "--global-batch", "2", "--max-new-tokens", "2", "--quiet"]
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "results.json").write_text('{"mine": 1}')
     (mine / "report.md").write_text("my report")
-    refused(run("run.py", [*args, "--out", mine], env), mine)
+    refused(run("run.py", [*args, "--out", mine], tiny_env), mine)
     assert (mine / "results.json").read_text() == '{"mine": 1}' and (mine / "report.md").read_text() == "my report"
     bare = tmp_path / "bare"
     (bare / "steps").mkdir(parents=True)
-    refused(run("run.py", [*args, "--out", bare], env), bare)
+    refused(run("run.py", [*args, "--out", bare], tiny_env), bare)
     assert [p.name for p in bare.iterdir()] == ["steps"]
 
 
-def test_evaluate_and_rollout_keep_files_named_like_theirs(env, tmp_path):
-    common = ["--ckpt", env["base"], "--data", env["data"], "--tasks", TASKS[0], "--limit", "1", "--max-new-tokens",
-              "2"]
+def test_evaluate_and_rollout_keep_files_named_like_theirs(tiny_env, tmp_path):
+    common = ["--ckpt", tiny_env["base"], "--data", tiny_env["data"], "--tasks", TASKS[0], "--limit", "1",
+              "--max-new-tokens", "2"]
     ev = tmp_path / "eval"
     ev.mkdir()
     (ev / "predictions.jsonl").write_text('{"mine": 1}\n')
     (ev / "scores.json").write_text('{"mine": 1}')
-    refused(run("evaluate.py", [*common, "--out", ev], env), ev)
+    refused(run("evaluate.py", [*common, "--out", ev], tiny_env), ev)
     assert (ev / "scores.json").read_text() == '{"mine": 1}'
 
     out = tmp_path / "r.jsonl"
     out.write_text('\n{"token_ids": [1], "logprobs": [0], "finish_reason": "stop", "mine": true}\n')
-    refused(run("rollout.py", [*common, "--out", out], env), out)
+    refused(run("rollout.py", [*common, "--out", out], tiny_env), out)
     out.unlink()
     side = tmp_path / "r_summary.json"  # the side file used to be written without a check
     side.write_text('{"mine": 1}')
-    refused(run("rollout.py", [*common, "--out", out], env), side)
+    refused(run("rollout.py", [*common, "--out", out], tiny_env), side)
     assert side.read_text() == '{"mine": 1}' and not out.exists()
     side.unlink()
 
-    r = run("rollout.py", [*common, "--out", out], env)  # then its own outputs, replaced without asking
+    r = run("rollout.py", [*common, "--out", out], tiny_env)  # then its own outputs, replaced without asking
     assert r.returncode == 0, r.stderr[-2000:]
     assert is_ours(out, "rollouts") and is_ours(side, "rollout-summary")
-    assert run("rollout.py", [*common, "--out", out], env).returncode == 0
-    r = run("evaluate.py", [*common, "--out", tmp_path / "ev2"], env)
+    assert run("rollout.py", [*common, "--out", out], tiny_env).returncode == 0
+    r = run("evaluate.py", [*common, "--out", tmp_path / "ev2"], tiny_env)
     assert r.returncode == 0 and is_ours(tmp_path / "ev2", "eval"), r.stderr[-2000:]
 
 
-def test_score_keeps_someones_buffer_stats(env, tmp_path):
+def test_score_keeps_someones_buffer_stats(tiny_env, tmp_path):
     (tmp_path / "out_stats.json").write_text('{"scorer": "mine", "all": {}}')  # the fields the old check read
-    refused(run("score.py", score_args(env, tmp_path), env), tmp_path / "out_stats.json")
+    refused(run("score.py", score_args(tiny_env, tmp_path), tiny_env), tmp_path / "out_stats.json")
     assert not (tmp_path / "out.jsonl").exists()
     (tmp_path / "out_stats.json").unlink()
-    assert run("score.py", score_args(env, tmp_path), env).returncode == 0
+    assert run("score.py", score_args(tiny_env, tmp_path), tiny_env).returncode == 0
     assert is_ours(tmp_path / "out.jsonl", "buffer") and is_ours(tmp_path / "out_stats.json", "buffer-stats")
-    assert run("score.py", score_args(env, tmp_path), env).returncode == 0  # its own: replaced
+    assert run("score.py", score_args(tiny_env, tmp_path), tiny_env).returncode == 0  # its own: replaced
+
+
+# ---- what writing an output leaves: strict JSON, no temporaries of dead processes ------------------------------------
+def test_json_outputs_are_strict_json(tmp_path):
+    from data.outputs import write_json
+    from data.errors import InputError
+    with pytest.raises(InputError, match=r"s.json: refusing to write a non-finite number \(all.kl\[1\] is nan\)"):
+        write_json(tmp_path / "s.json", {"all": {"kl": [0.5, float("nan")]}})
+    with pytest.raises(InputError, match=r"b.jsonl: record 1: refusing .* \(score is -inf\)"):
+        write_jsonl(tmp_path / "b.jsonl", [{"score": 1.0}, {"score": float("-inf")}])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
+    from data.outputs import write_json
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    live = os.getppid()
+    stale = [tmp_path / f".s.json.tmp-{dead}-x1.tmp", tmp_path / f".ck.tmp-{dead}-x2"]
+    kept = [tmp_path / f".s.json.tmp-{live}-x3.tmp", tmp_path / f".ck.old-{dead}"]  # live; old copy, no ck yet
+    for p in stale + kept:
+        p.mkdir() if not p.name.endswith(".tmp") else p.write_text("half")
+    write_json(tmp_path / "s.json", {})
+    assert not stale[0].exists() and all(p.exists() for p in kept)
+    from data.outputs import remove_stale_temporaries
+    (tmp_path / "ck").mkdir()  # the swap finished: the moved-aside old copy goes too
+    remove_stale_temporaries(tmp_path / "ck")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ck", "s.json", kept[0].name])

@@ -35,6 +35,7 @@ from data.metrics import score as metric
 from data.replay import allocate, buffer_size, select
 from report import FIGURES, format_table, summarize, warning_lines
 from data.trace import load_task
+from tiny import run, run_args
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ["C-STANCE", "Py150", "NumGLUE-cm"]  # Py150 (code_fuzz) gives graded, non-zero scores
@@ -769,3 +770,168 @@ def test_keep_checkpoints_final_on_a_finished_run_and_its_plan(env, run_a):
     assert "and 4 at the end (each method and seed's final stage)" in plans["final"]
     peak = int(re.search(r"--keep-checkpoints last keeps at most (\d+) at once", plans["last"]).group(1))
     assert 4 <= peak < 9 and "and 4 at the end" in plans["last"]
+
+
+# ---- failed steps, killed drivers, concurrent drivers, on tiny_env (2 tasks, sft) ----------------------------------
+def test_failed_step_is_one_line_with_its_log(tiny_env, tmp_path):
+    r = run("run.py", run_args(tiny_env, tmp_path) + ["--launcher", f"{sys.executable} {tmp_path / 'missing.py'}"],
+            tiny_env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    line, = [l for l in r.stderr.splitlines() if "error" in l]
+    assert "step s1-train-C-STANCE" in line and "missing.py" in line and len(line) < 600
+    log = Path(line.rsplit("full log: ", 1)[1])
+    assert log.is_file() and "missing.py" in log.read_text()
+
+
+def long_run(env, out: Path, ignore=()) -> subprocess.Popen:
+    """A driver whose first training step lasts minutes (the test kills it long before). It starts as a terminal's
+    foreground job would, SIGINT and SIGHUP at their defaults (a pytest started with `&` by a non-interactive shell
+    ignores SIGINT, and its children would inherit that: the cause of this file's SIGINT test failing in background
+    runs), except the signals in `ignore` (as nohup ignores SIGHUP)."""
+    argv = run_args(env, out.parent)[:-1] + [out, "--epochs", "100000"]
+
+    def dispositions():
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN if sig in ignore else signal.SIG_DFL)
+    return subprocess.Popen([sys.executable, str(REPO / "run.py"), *map(str, argv)], cwd=REPO, env=env["env"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=dispositions)
+
+
+def child_of(pid: int, name: str, timeout: float = 120) -> int:
+    """The pid of the step running script `name` under driver `pid`: its child (`python train.py ...`, started with
+    OPR_NO_ZYGOTE=1) or its grandchild through the zygote (a fork named `train.py`, pipeline/zygote.py)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        parents, found = {}, []
+        for p in Path("/proc").iterdir():
+            try:
+                if not p.name.isdigit():
+                    continue
+                parents[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if name in (p / "cmdline").read_bytes().decode(errors="replace") or \
+                        (p / "comm").read_text().strip() == name:
+                    found.append(int(p.name))
+            except (OSError, IndexError, ValueError):
+                continue
+        for c in found:
+            if parents.get(c) == pid or parents.get(parents.get(c)) == pid:
+                return c
+        time.sleep(0.1)
+    raise AssertionError(f"no {name} step under {pid} appeared")
+
+
+def gone(pid: int, timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":  # exited, waiting to be reaped by init
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc are Linux")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_killing_the_driver_kills_its_steps(tiny_env, tmp_path, sig):
+    out = tmp_path / "run"
+    driver = long_run(tiny_env, out)
+    try:
+        child = child_of(driver.pid, "train.py")
+        time.sleep(0.5)
+        os.kill(driver.pid, sig)  # the driver alone, not its process group
+        try:
+            driver.wait(120)  # stopping takes <= 20 s (SIGTERM, SIGKILL after 10 s); the rest is slack for load
+        except subprocess.TimeoutExpired:  # say where it hangs: every thread's stack (SIGUSR1) and the processes
+            os.kill(driver.pid, signal.SIGUSR1)
+            time.sleep(3)
+            ps = subprocess.run(["ps", "-eo", "pid,ppid,pgid,stat,etime,args"], capture_output=True, text=True)
+            os.killpg(driver.pid, signal.SIGKILL)
+            raise AssertionError(f"run.py still running 120 s after {sig.name}; its stacks:\n"
+                                 f"{driver.communicate()[1][-6000:]}\nprocesses:\n{ps.stdout[-4000:]}") from None
+        assert gone(child), f"train.py (pid {child}) outlived run.py killed by {sig.name}"
+        err = driver.stderr.read()
+        assert "Traceback" not in err, err[-3000:]
+        if sig != signal.SIGKILL:  # 128 + the signal, as shells report it: not 1, a failed step's code
+            assert driver.returncode == 128 + sig and len([l for l in err.splitlines() if l.strip()]) == 1, err
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.communicate()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux")
+def test_a_driver_started_under_nohup_survives_sighup(tiny_env, tmp_path):
+    driver = long_run(tiny_env, tmp_path / "run", ignore=(signal.SIGHUP,))
+    try:
+        child = child_of(driver.pid, "train.py")
+        os.kill(driver.pid, signal.SIGHUP)
+        time.sleep(3)
+        assert driver.poll() is None and not gone(child, timeout=0.1)  # nohup's promise kept: both still at work
+        os.kill(driver.pid, signal.SIGTERM)
+        driver.wait(120)
+        assert gone(child) and "stopped by SIGTERM" in driver.stderr.read() and driver.returncode == 143
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.communicate()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="SIGUSR1 is POSIX")
+def test_sigusr1_prints_the_drivers_stacks_and_the_run_goes_on(tiny_env, tmp_path):
+    driver = long_run(tiny_env, tmp_path / "run")
+    try:
+        child = child_of(driver.pid, "train.py")
+        os.kill(driver.pid, signal.SIGUSR1)
+        time.sleep(2)
+        assert driver.poll() is None and not gone(child, timeout=0.1)  # both still at work
+        os.kill(driver.pid, signal.SIGTERM)
+        driver.wait(120)
+        err = driver.stderr.read()
+        assert "most recent call first" in err and "run.py" in err and "in execute" in err, err[-3000:]
+        assert gone(child)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.communicate()
+
+
+@pytest.mark.parametrize("zygote", [False, True])
+def test_a_step_that_starts_after_the_stop_is_killed(tmp_path, zygote):
+    """Ctrl-C can land while a pool thread is between picking a step and its process existing: stop_children's list
+    misses that step, so it is killed the moment it appears (else the driver waits on it forever; once seen as a
+    60 s timeout of the SIGINT test above under the full suite's load)."""
+    sys.path.insert(0, str(REPO))
+    from pipeline.zygote import Zygote
+    from pipeline.steps import Pipeline
+    pipe = Pipeline(tmp_path / "run", 1, dict(os.environ, OMP_NUM_THREADS="1"), True, {})
+    pipe.lock_run_dir()
+    if zygote:
+        pipe.zygote = Zygote(pipe.env, pass_fds=(pipe.lock_fd,))
+    try:
+        pipe.stop_children()  # nothing runs yet: from here on, every step that appears is killed
+        t = time.monotonic()
+        argv = [sys.executable, str(REPO / "train.py")]  # no flags: the embedded default, minutes of work
+        assert pipe.call(argv, tmp_path / "log.txt") == -signal.SIGKILL
+        assert time.monotonic() - t < 30 and not pipe.procs
+    finally:
+        if pipe.zygote is not None:
+            pipe.zygote.close()
+
+
+def test_a_second_driver_on_a_directory_in_use_is_refused(tiny_env, tmp_path):
+    out = tmp_path / "run"
+    first = long_run(tiny_env, out)
+    try:
+        child_of(first.pid, "train.py")
+        r = run("run.py", run_args(tiny_env, tmp_path)[:-1] + [out, "--epochs", "100000"], tiny_env)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert f"{out}: in use by another run.py (pid {first.pid})" in r.stderr
+        # the first run was not disturbed: still running, still holding its lock
+        assert first.poll() is None and (out / "run.lock").read_text().strip() == str(first.pid)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()

@@ -1,17 +1,16 @@
 """train.py end to end on tiny checkpoints: packed loss = unpacked loss (values and gradients), world size 2 = world
-size 1 (untied and tied embeddings), SIGKILL + --resume = an uninterrupted run, over-long examples dropped and
-counted, bad data and NaN losses fail loudly without writing --out, the output loads in ours and transformers,
-sft-kl (on-policy SDFT: test_sdft.py).
+size 1 (untied and tied embeddings), SIGKILL + --resume = an uninterrupted run (eager and compiled), over-long
+examples dropped and counted, bad data and NaN losses fail loudly without writing --out, the output loads in ours and
+transformers, sft-kl (on-policy SDFT: test_sdft.py); --out replaces only train.py's own checkpoint, --resume of a
+final checkpoint says so, SIGTERM during the final save leaves no temporary.
 
 Every training run is a real subprocess (`python train.py`, or torchrun with 2 gloo ranks) with OMP_NUM_THREADS=1:
 tiny-tensor ops with 2 threads on a busy 2-core machine are many times slower than with one.
 """
 import json
 import math
-import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,20 +24,13 @@ transformers = pytest.importorskip("transformers")
 
 from data.outputs import write_jsonl  # noqa: E402
 from data.packing import collate, pack, plan_steps, tokenize_sft  # noqa: E402
-from model.base import CHATML, train_tiny_tokenizer  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.objectives import nll  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
 from data.errors import InputError  # noqa: E402
 import train as train_script  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-MAX_LEN = 48
-# 36 short records + 4 whose prompt alone is longer than MAX_LEN tokens -> 36 examples -> 5 steps/epoch of <= 8
-ARGS = ["--epochs", "3", "--global-batch", "8", "--micro-tokens", "96", "--max-len", str(MAX_LEN), "--lr", "1e-3",
-        "--seed", "0", "--save-every", "2", "--quiet"]
-N_STEPS = 15
-WORDS = "the cat sat on a mat and dog ran to park with red blue green ball one two three four five".split()
+from tiny import (MAX_LEN, N_STEPS, REPO, assert_close_rel, assert_same_weights, foreign_dir, foreign_file,  # noqa: E402
+                  free_port, kill_once_state_is_saved, log, tiny_train, train, train_cmd, train_env, weights)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,111 +41,24 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def make_checkpoint(path: Path, tied: bool) -> Path:
-    """A tiny random Llama (2 layers, GQA 4/2 heads) saved by transformers, with a byte-level BPE + ChatML tokenizer
-    and an SFT file data.jsonl (40 records, 4 of them longer than MAX_LEN tokens)."""
-    import random
-    rng = random.Random(0)
-    say = lambda lo, hi: " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))  # noqa: E731
-    path.mkdir(parents=True)
-    tok = train_tiny_tokenizer([say(5, 20) for _ in range(200)], 320)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>"}))
-    torch.manual_seed(1)
-    cfg = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied,
-        eos_token_id=tok.token_to_id("<|im_end|>"), pad_token_id=tok.token_to_id("<|endoftext|>"))
-    hf = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # HF initialises norms to 1: randomise them so they are exercised
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-    hf.save_pretrained(path)
-    records = [{"prompt": say(1, 12), "response": say(1, 10)} for _ in range(36)]
-    for i in (3, 11, 20, 30):
-        records.insert(i, {"prompt": say(60, 70), "response": say(1, 3)})
-    write_jsonl(path / "data.jsonl", records)
-    return path
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "untied", tied=False)
-
-
-@pytest.fixture(scope="module")
-def ckpt_tied(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tied", tied=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def train_cmd(ckpt: Path, out: Path, *extra, world: int = 1, data=None) -> list[str]:
-    launcher = [sys.executable]
-    if world > 1:
-        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port())]
-    return launcher + [str(REPO / "train.py"), "--model", str(ckpt), "--data", str(data or ckpt / "data.jsonl"),
-                       "--out", str(out), *ARGS, *extra]
-
-
-def env() -> dict:
-    e = {k: v for k, v in os.environ.items()
-         if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return {**e, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def train(ckpt, out, *extra, world=1, data=None, ok=True) -> subprocess.CompletedProcess:
-    r = subprocess.run(train_cmd(ckpt, out, *extra, world=world, data=data), cwd=REPO, env=env(),
-                       capture_output=True, text=True, timeout=600)
-    if ok and r.returncode != 0:
-        raise AssertionError(f"train.py failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r
-
-
-def log(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-
-
-def weights(out: Path) -> dict:
-    return load_file(out / "model.safetensors")
-
-
-def assert_close_rel(a: torch.Tensor, b: torch.Tensor, tol: float, what: str):
-    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-    assert err <= tol, f"{what}: max relative difference {err:.3g} > {tol}"
-
-
-def assert_same_weights(a: dict, b: dict, tol: float):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert_close_rel(a[k], b[k], tol, k)
-
-
 # Reference runs, shared by several tests (each subprocess costs seconds of imports).
 @pytest.fixture(scope="module")
-def ref(ckpt, tmp_path_factory):
+def ref(train_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "ref"
-    train(ckpt, out)
+    train(train_ckpt, out)
     return out
 
 
 @pytest.fixture(scope="module")
-def ref_tied(ckpt_tied, tmp_path_factory):
+def ref_tied(train_ckpt_tied, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "ref_tied"
-    train(ckpt_tied, out)
+    train(train_ckpt_tied, out)
     return out
 
 
 # --- packing is exact ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("which", ["ckpt", "ckpt_tied"])
+@pytest.mark.parametrize("which", ["train_ckpt", "train_ckpt_tied"])
 def test_packed_loss_and_grads_equal_one_by_one(which, request):
     path = request.getfixturevalue(which)
     model = load_model(path).train().requires_grad_(True)
@@ -209,7 +114,7 @@ def first_step_loss(path: Path) -> float:
 
 @pytest.mark.parametrize("which", ["untied", "tied"])
 def test_two_ranks_equal_one_process(which, request, tmp_path):
-    path = request.getfixturevalue("ckpt" if which == "untied" else "ckpt_tied")
+    path = request.getfixturevalue("train_ckpt" if which == "untied" else "train_ckpt_tied")
     one = request.getfixturevalue("ref" if which == "untied" else "ref_tied")
     # the plan really splits steps unevenly across 2 ranks: some rank runs an empty (all-ignored) micro-batch
     examples, _ = tokenize_sft([json.loads(line) for line in (path / "data.jsonl").read_text().splitlines()],
@@ -235,7 +140,7 @@ def test_two_ranks_equal_one_process(which, request, tmp_path):
     assert any(not torch.allclose(w0[k], w1[k]) for k in w1), "training did not change the weights"
 
 
-def test_each_rank_loads_its_rows_of_the_fused_projections(ckpt, tmp_path):
+def test_each_rank_loads_its_rows_of_the_fused_projections(train_ckpt, tmp_path):
     """load_into on 3 FSDP2 ranks: the shard boundaries of the fused q/k/v (64 rows -> 22, 22, 20) and gate/up (128
     -> 43, 43, 42) fall inside HF tensors, so a rank reads parts of two of them; the gathered weights must be the
     checkpoint's, bit for bit."""
@@ -254,57 +159,44 @@ def test_each_rank_loads_its_rows_of_the_fused_projections(ckpt, tmp_path):
               "dist.destroy_process_group()\n")
     (tmp_path / "load.py").write_text(f"import sys; sys.path.insert(0, {str(REPO)!r})\n" + script)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()),
-           str(tmp_path / "load.py"), str(ckpt)]
-    r = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+           str(tmp_path / "load.py"), str(train_ckpt)]
+    r = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "same weights" in r.stdout, r.stderr[-3000:]
 
 
-def test_world_of_one_unwrapped_equals_fsdp(ckpt_tied, ref_tied, tmp_path):
+def test_world_of_one_unwrapped_equals_fsdp(train_ckpt_tied, ref_tied, tmp_path):
     """One rank in fp32 trains the plain module (no FSDP2 wrapping, build_model's shortcut): the same bytes as the
     same run with every block and the root fully_shard'ed, tied embeddings included."""
     out = tmp_path / "fsdp"
     wrapper = ("import sys, train; build = train.build_model; "
                "train.build_model = lambda *a, **k: build(*a, **{**k, 'shard': True}); train.main(sys.argv[1:])")
-    cmd = train_cmd(ckpt_tied, out)
-    r = subprocess.run([cmd[0], "-c", wrapper, *cmd[2:]], cwd=REPO, env=env(), capture_output=True, text=True,
+    cmd = train_cmd(train_ckpt_tied, out)
+    r = subprocess.run([cmd[0], "-c", wrapper, *cmd[2:]], cwd=REPO, env=train_env(), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "on 1 rank(s) (FSDP2)" in r.stdout
-    assert "on 1 rank(s) (unsharded" in train(ckpt_tied, tmp_path / "plain", "--max-steps", "1").stdout
+    assert "on 1 rank(s) (unsharded" in train(train_ckpt_tied, tmp_path / "plain", "--max-steps", "1").stdout
     assert [x["loss"] for x in log(out)] == [x["loss"] for x in log(ref_tied)]
     assert [x["grad_norm"] for x in log(out)] == [x["grad_norm"] for x in log(ref_tied)]
     assert_same_weights(weights(out), weights(ref_tied), 0.0)
 
 
-def test_activation_checkpointing_changes_no_number(ckpt, ref, tmp_path):
+def test_activation_checkpointing_changes_no_number(train_ckpt, ref, tmp_path):
     """run.py turns it on for the paper's setting on GPUs: it may only save memory, never change the run."""
     out = tmp_path / "ac"
-    train(ckpt, out, "--activation-checkpointing")
+    train(train_ckpt, out, "--activation-checkpointing")
     assert [r["loss"] for r in log(out)] == [r["loss"] for r in log(ref)]
     assert_same_weights(weights(out), weights(ref), 0.0)
 
 
-def kill_once_state_is_saved(ckpt, out: Path, *extra) -> tuple[bool, str, Path]:
-    """Start train.py (with `extra` flags), SIGKILL it as soon as a training state exists. Returns (was it still
-    running, its output, the state's progress.pt)."""
-    state = out.with_name(out.name + ".partial") / "state" / "progress.pt"
-    p = subprocess.Popen(train_cmd(ckpt, out, *extra), cwd=REPO, env=env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not state.exists() and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        alive = p.poll() is None
-        p.send_signal(signal.SIGKILL)
-    finally:
-        p.kill()
-        output = p.communicate()[0]
-    return alive, output, state
-
-
-def test_sigkill_then_resume_equals_uninterrupted_run(ckpt, ref, tmp_path):
+@pytest.mark.parametrize("flags, reference, tol", [([], "ref", 1e-6), (["--compile"], "ref_compiled", 0.0)],
+                         ids=["eager", "compiled"])
+def test_sigkill_then_resume_equals_uninterrupted_run(train_ckpt, request, tmp_path, flags, reference, tol):
+    """Compiled: one graph serves every micro-batch length (dynamic=True), so the resumed process runs the kernels
+    the uninterrupted one ran at the same steps: the same bytes (tol 0)."""
+    ref = request.getfixturevalue(reference)
     out = tmp_path / "killed"
-    alive, output, state = kill_once_state_is_saved(ckpt, out)
+    alive, output, state = kill_once_state_is_saved(train_ckpt, out, *flags)
     assert alive, f"train.py ended before it could be killed:\n{output[-3000:]}"
     assert not out.exists()
     saved = torch.load(state, weights_only=False)["step"]
@@ -312,20 +204,20 @@ def test_sigkill_then_resume_equals_uninterrupted_run(ckpt, ref, tmp_path):
     with open(tmp_path / "killed.partial" / "train_log.jsonl", "a") as f:
         f.write('{"step": 99, "loss": 1.')  # what a kill in the middle of a log write leaves
 
-    r = train(ckpt, out, "--resume")
+    r = train(train_ckpt, out, *flags, "--resume")
     assert not (tmp_path / "killed.partial").exists()
     resumed, full = log(out), log(ref)
     assert [x["step"] for x in resumed] == list(range(1, N_STEPS + 1)), "each step logged exactly once"
     for a, b in zip(resumed, full):
-        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]), (a, b)
-    assert_same_weights(weights(out), weights(ref), 1e-6)
+        assert abs(a["loss"] - b["loss"]) <= tol * abs(b["loss"]), (a, b)
+    assert_same_weights(weights(out), weights(ref), tol)
     assert json.loads((out / "train_summary.json").read_text())["trained_tokens_this_run"] == \
         sum(x["tokens"] for x in full[saved:]), r.stdout
 
 
-def test_max_steps_keeps_the_whole_plans_schedule(ckpt, ref, tmp_path):
+def test_max_steps_keeps_the_whole_plans_schedule(train_ckpt, ref, tmp_path):
     out = tmp_path / "stopped"
-    train(ckpt, out, "--max-steps", "3")
+    train(train_ckpt, out, "--max-steps", "3")
     assert [x["lr"] for x in log(out)] == [x["lr"] for x in log(ref)[:3]]
 
 
@@ -350,16 +242,16 @@ def test_linear_schedule_hand_checked():
                                                                            abs=1e-12)
 
 
-def test_linear_schedule_reaches_the_logged_lr(ckpt, ref, tmp_path):
+def test_linear_schedule_reaches_the_logged_lr(train_ckpt, ref, tmp_path):
     out = tmp_path / "linear"
-    train(ckpt, out, "--max-steps", "3", "--lr-schedule", "linear")
+    train(train_ckpt, out, "--max-steps", "3", "--lr-schedule", "linear")
     peak = log(ref)[0]["lr"]  # ref: cosine without warmup, its step 0 is at the peak
     assert [x["lr"] for x in log(out)] == pytest.approx([peak * (N_STEPS - s) / N_STEPS for s in range(3)], rel=1e-6)
 
 
-def test_warmup_reaches_the_logged_lr(ckpt, ref, tmp_path):
+def test_warmup_reaches_the_logged_lr(train_ckpt, ref, tmp_path):
     out = tmp_path / "warm"
-    train(ckpt, out, "--max-steps", "3", "--warmup", "0.5")
+    train(train_ckpt, out, "--max-steps", "3", "--warmup", "0.5")
     lrs, peak = [x["lr"] for x in log(out)], log(ref)[0]["lr"]  # ref: no warmup, its step 0 is at the peak
     total = len(log(ref))
     n = round(0.5 * total)
@@ -371,7 +263,7 @@ def test_a_state_removed_half_way_is_gone_whole(tmp_path, monkeypatch):
     not leave progress.pt beside missing shards (a re-run would resume from it and fail on a missing file)."""
     import shutil
     from model import checkpoint
-    state = tmp_path / "ckpt.partial" / "state"
+    state = tmp_path / "train_ckpt.partial" / "state"
     state.mkdir(parents=True)
     for name in ("__0_0.distcp", ".metadata", "progress.pt"):
         (state / name).write_bytes(b"x")
@@ -381,27 +273,27 @@ def test_a_state_removed_half_way_is_gone_whole(tmp_path, monkeypatch):
         raise KeyboardInterrupt  # stands for the SIGKILL: nothing after this line runs
     monkeypatch.setattr(shutil, "rmtree", killed_half_way)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.remove_dir(tmp_path / "ckpt.partial")
-    assert not (tmp_path / "ckpt.partial").exists()
+        checkpoint.remove_dir(tmp_path / "train_ckpt.partial")
+    assert not (tmp_path / "train_ckpt.partial").exists()
     checkpoint.remove_dir(tmp_path / "absent")  # nothing to remove is no error
 
 
-def test_resume_refuses_a_state_saved_for_another_plan(ckpt, tmp_path):
+def test_resume_refuses_a_state_saved_for_another_plan(train_ckpt, tmp_path):
     out = tmp_path / "k"
-    _, _, progress = kill_once_state_is_saved(ckpt, out)
+    _, _, progress = kill_once_state_is_saved(train_ckpt, out)
     assert progress.exists()
-    r = train(ckpt, out, "--resume", "--seed", "7", ok=False)  # another data order: another plan
+    r = train(train_ckpt, out, "--resume", "--seed", "7", ok=False)  # another data order: another plan
     assert r.returncode != 0 and "different run" in r.stdout + r.stderr
     assert not out.exists() and progress.exists()
 
 
-def test_resume_refuses_any_flag_that_changes_the_weights(ckpt, tmp_path):
+def test_resume_refuses_any_flag_that_changes_the_weights(train_ckpt, tmp_path):
     out = tmp_path / "k"
-    _, _, progress = kill_once_state_is_saved(ckpt, out)
+    _, _, progress = kill_once_state_is_saved(train_ckpt, out)
     for flag, value in [("--weight-decay", ["0.1"]), ("--grad-clip", ["0.5"]), ("--betas", ["0.8", "0.99"]),
                         ("--lr-schedule", ["linear"]),
                         ("--compile", [])]:  # compiled kernels round differently
-        r = train(ckpt, out, "--resume", flag, *value, ok=False)
+        r = train(train_ckpt, out, "--resume", flag, *value, ok=False)
         assert r.returncode == 2 and f"{flag} was" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert not out.exists() and progress.exists()
 
@@ -415,9 +307,9 @@ def test_state_settings_are_every_flag_but_the_listed_ones():
         == set(vars(args))
 
 
-def test_overlong_examples_are_dropped_and_reported(ckpt, ref):
-    tok = ChatTokenizer.from_dir(ckpt)
-    records = [json.loads(line) for line in (ckpt / "data.jsonl").read_text().splitlines()]
+def test_overlong_examples_are_dropped_and_reported(train_ckpt, ref):
+    tok = ChatTokenizer.from_dir(train_ckpt)
+    records = [json.loads(line) for line in (train_ckpt / "data.jsonl").read_text().splitlines()]
     expected = sum(len(tok.encode_sft(r["prompt"], r["response"])[0]) > MAX_LEN for r in records)
     assert expected == 4
     summary = json.loads((ref / "train_summary.json").read_text())
@@ -425,7 +317,7 @@ def test_overlong_examples_are_dropped_and_reported(ckpt, ref):
     assert summary["steps"] == N_STEPS
 
 
-def test_output_loads_in_ours_and_transformers(ckpt, ckpt_tied, ref, ref_tied):
+def test_output_loads_in_ours_and_transformers(train_ckpt, train_ckpt_tied, ref, ref_tied):
     for out in (ref, ref_tied):
         ours = load_model(out)
         ids = torch.randint(0, ours.cfg.vocab_size, (2, 20))
@@ -434,18 +326,18 @@ def test_output_loads_in_ours_and_transformers(ckpt, ckpt_tied, ref, ref_tied):
         with torch.no_grad():
             a, b = ours(ids, pos), hf(input_ids=ids, position_ids=pos).logits
         assert_close_rel(a, b, 1e-5, f"logits of {out.name}")
-        assert ChatTokenizer.from_dir(out).vocab_size == ChatTokenizer.from_dir(ckpt).vocab_size
+        assert ChatTokenizer.from_dir(out).vocab_size == ChatTokenizer.from_dir(train_ckpt).vocab_size
 
 
 @pytest.mark.parametrize("content,where", [("", "file is empty"), ("bad", "line 3")])
-def test_bad_data_fails_naming_file_and_line(ckpt, tmp_path, content, where):
+def test_bad_data_fails_naming_file_and_line(train_ckpt, tmp_path, content, where):
     data = tmp_path / "data.jsonl"
     if content:
         good = json.dumps({"prompt": "the cat", "response": "sat"})
         content = f"{good}\n{good}\n{{\"prompt\": \"the cat\", \"response\n{good}\n"
     data.write_text(content)
     out = tmp_path / "out"
-    r = train(ckpt, out, data=str(data), ok=False)
+    r = train(train_ckpt, out, data=str(data), ok=False)
     assert r.returncode != 0
     assert str(data) in r.stderr and where in r.stderr, r.stderr[-2000:]
     assert not out.exists() and not (tmp_path / "out.partial").exists()
@@ -455,16 +347,16 @@ def chat(prompt, answer) -> dict:
     return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
 
 
-def test_chat_and_alpaca_files_train_to_the_weights_of_their_prompt_response_file(ckpt, ref, tmp_path):
+def test_chat_and_alpaca_files_train_to_the_weights_of_their_prompt_response_file(train_ckpt, ref, tmp_path):
     """train.py --data reads the record formats of a task manifest through its converter: a chat JSONL file and an
     alpaca JSON list holding ref's records train to ref's weights and losses, bit for bit."""
-    records = [json.loads(line) for line in (ckpt / "data.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (train_ckpt / "data.jsonl").read_text().splitlines()]
     write_jsonl(tmp_path / "chat.jsonl", [chat(r["prompt"], r["response"]) for r in records])
     (tmp_path / "alpaca.json").write_text(json.dumps(
         [{"instruction": r["prompt"], "input": "", "output": r["response"]} for r in records], indent=1))
     for name in ("chat.jsonl", "alpaca.json"):
         out = tmp_path / name.split(".")[0]
-        train(ckpt, out, data=tmp_path / name)
+        train(train_ckpt, out, data=tmp_path / name)
         a, b = weights(out), weights(ref)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
         assert [x["loss"] for x in log(out)] == [x["loss"] for x in log(ref)], name
@@ -509,19 +401,19 @@ def test_mixture_reads_parquet(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["nan_weight", "huge_lr"])
-def test_nan_loss_stops_without_a_checkpoint(ckpt, tmp_path, how):
+def test_nan_loss_stops_without_a_checkpoint(train_ckpt, tmp_path, how):
     extra = []
     if how == "nan_weight":
         bad = tmp_path / "bad"
         bad.mkdir()
-        for f in ckpt.iterdir():
+        for f in train_ckpt.iterdir():
             (bad / f.name).write_bytes(f.read_bytes())
-        w = load_file(ckpt / "model.safetensors")
+        w = load_file(train_ckpt / "model.safetensors")
         w["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
         save_file(w, bad / "model.safetensors", metadata={"format": "pt"})
         src = bad
     else:
-        src, extra = ckpt, ["--lr", "1e30"]
+        src, extra = train_ckpt, ["--lr", "1e30"]
     out = tmp_path / "out"
     r = train(src, out, *extra, ok=False)
     assert r.returncode != 0
@@ -532,9 +424,9 @@ def test_nan_loss_stops_without_a_checkpoint(ckpt, tmp_path, how):
     assert not out.exists()
 
 
-def test_sft_kl_runs_and_kl_starts_at_zero(ckpt, ref, tmp_path):
+def test_sft_kl_runs_and_kl_starts_at_zero(train_ckpt, ref, tmp_path):
     out = tmp_path / "sft-kl"
-    train(ckpt, out, "--objective", "sft-kl", "--sft-kl-beta", "0.5", "--sft-kl-ema", "0.5")
+    train(train_ckpt, out, "--objective", "sft-kl", "--sft-kl-beta", "0.5", "--sft-kl-ema", "0.5")
     records = log(out)
     assert all("kl" in x for x in records) and "kl" not in log(ref)[0]
     assert abs(records[0]["kl"]) <= 1e-6, "teacher == student at step 1"
@@ -544,15 +436,15 @@ def test_sft_kl_runs_and_kl_starts_at_zero(ckpt, ref, tmp_path):
     assert any(not torch.allclose(w[k], w0[k]) for k in w), "beta > 0 must change the result"
 
 
-def test_loss_per_source_adds_up_and_changes_nothing_else(ckpt, ref, tmp_path):
+def test_loss_per_source_adds_up_and_changes_nothing_else(train_ckpt, ref, tmp_path):
     """Records with a "source" are replay: the log splits each step's NLL into task and replay parts that add up to
     the loss, step 1's parts equal a direct per-source computation, and the run's losses and weights are those of
     the same data without the marks (the split is bookkeeping, not a different objective)."""
-    records = [json.loads(line) for line in (ckpt / "data.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (train_ckpt / "data.jsonl").read_text().splitlines()]
     marked = [dict(r, source="gold") if i % 3 == 0 else r for i, r in enumerate(records)]
     write_jsonl(tmp_path / "mix.jsonl", marked)
     out = tmp_path / "mix"
-    train(ckpt, out, data=tmp_path / "mix.jsonl")
+    train(train_ckpt, out, data=tmp_path / "mix.jsonl")
     got, plain = log(out), log(ref)
     assert len(got) == len(plain) == N_STEPS
     for a, b in zip(got, plain):
@@ -565,12 +457,12 @@ def test_loss_per_source_adds_up_and_changes_nothing_else(ckpt, ref, tmp_path):
 
     # step 1 by hand: its batch really mixes both sources inside one micro-batch, and each part is that source's
     # NLL per token under the initial weights
-    tok = ChatTokenizer.from_dir(ckpt)
+    tok = ChatTokenizer.from_dir(train_ckpt)
     examples, _ = tokenize_sft([dict(r, replay="source" in r) for r in marked], tok, MAX_LEN)
     batch = plan_steps(len(examples), 8, 3, 0)[0]
     micro = pack(batch, [len(e.ids) for e in examples], 96, 1)[0]
     assert any(len({examples[i].replay for i in mb}) == 2 for mb in micro)
-    model = load_model(ckpt)
+    model = load_model(train_ckpt)
     with torch.no_grad():
         for flag, key in ((False, "loss_task"), (True, "loss_replay")):
             mine = [examples[i] for i in batch if examples[i].replay == flag]
@@ -582,12 +474,13 @@ def test_loss_per_source_adds_up_and_changes_nothing_else(ckpt, ref, tmp_path):
 # --- compiled blocks (--compile) ---------------------------------------------------------------------------------
 # Each transformer block through torch.compile(fullgraph=True, dynamic=True), before FSDP2 wraps it: a graph break
 # anywhere in a block (the varlen attention's document loop included) fails the run. The compiled run must track the
-# eager one per step, on 1 and 2 ranks, resume to the same bytes, and train the KL objectives.
+# eager one per step, on 1 and 2 ranks, resume to the same bytes (test_sigkill_then_resume_equals_uninterrupted_run),
+# and train the KL objectives.
 
 @pytest.fixture(scope="module")
-def ref_compiled(ckpt, tmp_path_factory):
+def ref_compiled(train_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "compiled"
-    assert "compiled blocks" in train(ckpt, out, "--compile").stdout
+    assert "compiled blocks" in train(train_ckpt, out, "--compile").stdout
     return out
 
 
@@ -607,30 +500,102 @@ def test_compiled_training_tracks_eager_per_step(ref_compiled, ref):
     assert_same_weights(weights(ref_compiled), weights(ref), 5e-4)
 
 
-def test_compiled_two_ranks_equal_one_process(ckpt, ref_compiled, tmp_path):
+def test_compiled_two_ranks_equal_one_process(train_ckpt, ref_compiled, tmp_path):
     two = tmp_path / "two"
-    r = train(ckpt, two, "--compile", world=2)
+    r = train(train_ckpt, two, "--compile", world=2)
     assert "on 2 rank(s) (FSDP2)" in r.stdout and "compiled blocks" in r.stdout
     assert_tracks(log(two), log(ref_compiled))
     assert_same_weights(weights(two), weights(ref_compiled), 1e-5)
 
 
-def test_compiled_sigkill_then_resume_is_bit_identical(ckpt, ref_compiled, tmp_path):
-    """One graph serves every micro-batch length (dynamic=True), so the resumed process runs the kernels the
-    uninterrupted one ran at the same steps: the same bytes."""
-    out = tmp_path / "killed"
-    alive, output, state = kill_once_state_is_saved(ckpt, out, "--compile")
-    assert alive, f"train.py ended before it could be killed:\n{output[-3000:]}"
-    train(ckpt, out, "--compile", "--resume")
-    assert [x["loss"] for x in log(out)] == [x["loss"] for x in log(ref_compiled)]
-    assert_same_weights(weights(out), weights(ref_compiled), 0.0)
-
-
-def test_compiled_sft_kl_tracks_eager(ckpt, tmp_path):
+def test_compiled_sft_kl_tracks_eager(train_ckpt, tmp_path):
     flags = ["--objective", "sft-kl", "--sft-kl-beta", "0.5", "--sft-kl-ema", "0.5", "--max-steps", "4"]
-    train(ckpt, tmp_path / "eager", *flags)
-    train(ckpt, tmp_path / "compiled", *flags, "--compile")
+    train(train_ckpt, tmp_path / "eager", *flags)
+    train(train_ckpt, tmp_path / "compiled", *flags, "--compile")
     compiled, eager = log(tmp_path / "compiled"), log(tmp_path / "eager")
     assert_tracks(compiled, eager)  # the NLL and the gradient of NLL + beta KL
     # the KL itself (~6e-5 after one EMA step: a difference of nearly equal log-probs) to 1e-3 of itself
     assert_tracks(compiled[1:], eager[1:], ("kl",), tol=1e-3)
+
+
+# --- as a user meets it, on tiny_env's checkpoint (a real subprocess each) ------------------------------------------
+# data loss: --out never replaces what train.py did not write itself, unless --overwrite
+def test_train_replaces_only_its_own_checkpoint(tiny_env, tmp_path):
+    mine = foreign_dir(tmp_path)
+    r = tiny_train(tiny_env, mine)
+    assert r.returncode == 2 and (mine / "notes.txt").read_text() == "my notes"
+    assert not (tmp_path / "mine.partial").exists()
+    r = tiny_train(tiny_env, mine, "--overwrite")  # an explicit yes
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (mine / "train_summary.json").is_file() and not (mine / "notes.txt").exists()
+    first = (mine / "model.safetensors").stat().st_ino
+    r = tiny_train(tiny_env, mine, "--seed", "1")  # its own checkpoint: replaced without asking
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (mine / "model.safetensors").stat().st_ino != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no .old / .tmp left around
+
+    afile = foreign_file(tmp_path)
+    r = tiny_train(tiny_env, afile, "--overwrite")  # a file replaced by a checkpoint: nothing hidden left behind
+    assert r.returncode == 0 and (afile / "config.json").is_file(), r.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "mine.jsonl"]
+
+
+def test_work_is_bounded_by_the_data_not_by_a_flags_value(tiny_env, tmp_path):
+    """A huge --epochs streams its steps (it used to build them all first, past 1 GB); a budget below one example's
+    length packs each example alone, and the efficiency counts that micro-batch at its own length (was 5137.5 %)."""
+    out = tmp_path / "ck"
+    t = time.monotonic()
+    r = tiny_train(tiny_env, out, "--epochs", "1000000000", "--max-steps", "2", "--micro-tokens", "1")
+    assert r.returncode == 0 and time.monotonic() - t < 120, r.stderr[-3000:]
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["steps"] == 2 and summary["packing_efficiency"] == 1.0 and "efficiency 100.0%" in r.stdout
+
+
+# ---- resume after the final checkpoint ------------------------------------------------------------------------------
+def test_resume_of_a_final_checkpoint_says_so(tiny_env, tmp_path):
+    out = tmp_path / "ck"
+    assert tiny_train(tiny_env, out).returncode == 0
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    r = tiny_train(tiny_env, out, "--resume")
+    assert r.returncode == 0 and "already the final checkpoint" in r.stdout, r.stdout + r.stderr
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp and not (tmp_path / "ck.partial").exists()
+    r = tiny_train(tiny_env, out, "--resume", "--seed", "3")  # another run's settings: not silently retrained
+    assert r.returncode == 2 and "--seed" in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+# ---- signals and what a killed process left behind ------------------------------------------------------------------
+SLOW_SAVE = """
+import sys, time
+import model.checkpoint as c
+real = c.save_file
+def slow(*a, **kw):  # the weights are half on disk: SIGTERM lands inside the final save
+    real(*a, **kw)
+    print("SAVING", flush=True)
+    time.sleep(120)
+c.save_file = slow
+import train
+from pipeline.cli import main_cli
+sys.argv = ["train.py", *sys.argv[1:]]
+main_cli(train.main, "train.py")
+"""
+
+
+def test_sigterm_during_the_final_save_leaves_no_temporary(tiny_env, tmp_path):
+    out = tmp_path / "ck"
+    p = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, "--model", tiny_env["base"], "--data",
+                          tiny_env["data"] / "C-STANCE" / "train.json", "--out", out, "--epochs", "1", "--global-batch",
+                          "2", "--max-len", "128", "--quiet"], cwd=REPO, env=tiny_env["env"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stdout:
+            if line.startswith("SAVING"):
+                break
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert any(n.name.startswith(".ck.tmp-") for n in tmp_path.iterdir())  # the save is under way
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 143 and "Traceback" not in err and "train.py: stopped by SIGTERM" in err, err[-3000:]
+    assert sorted(n.name for n in tmp_path.iterdir()) == ["ck.partial"], "a hidden temporary was left behind"
