@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from tiny import REPO, foreign_dir, foreign_file, run, run_args, score_args
-from tiny import make_env  # noqa: F401  (test_wandb.py imports it from here)
 
 
 def snapshot(d: Path) -> dict:

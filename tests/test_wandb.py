@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from test_reliability import make_env  # noqa: E402
+from tiny import make_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,7 @@ def test_run_py_logs_each_stage_to_its_own_run(env, tmp_path):
     """run.py --wandb: one offline W&B run per training stage, under RUN/wandb/<step>, each holding that stage's
     steps as its train_log.jsonl has them; the step keys are those of a run without the flag."""
     pytest.importorskip("wandb")
-    from test_reliability import run_args
+    from tiny import run_args
     e = dict(env["env"], WANDB_MODE="offline")
     cmd = [sys.executable, str(REPO / "run.py"), *map(str, run_args(env, tmp_path)), "--wandb"]
     r = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=900)
