@@ -34,8 +34,8 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY = dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5,
             tie_word_embeddings=True)
-# instruction tuning on first use: 1,500 updates of 8 (189 updates of 32 before benchmark v5). With it and the
-# v5 mixture, stage 1 of the default leaves its plateau after 114-193 updates on 5 of 5 seeds (BENCHMARKS.md)
+# instruction tuning on first use, long enough that stage 1 of the default leaves its chance-level plateau on every
+# seed (BENCHMARKS.md, "Testbed history", v5)
 TINY_TUNE = dict(n_examples=4000, epochs=3, lr=1e-3, global_batch=8, seed=0)
 BUILD_THREADS = 1  # CPU threads of the tiny base's build, whoever builds it
 

@@ -139,8 +139,8 @@ class Engine:
         k, v = self.k[i][:n, :, :span], self.v[i][:n, :, :span]
         if q.is_cuda:
             return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(n, -1)
-        # the CPU: two batched products over the (row, kv head) pairs and a softmax between them, ~1.5x faster than
-        # SDPA's flash kernel with a mask at a few queries per head
+        # the CPU: two batched products over the (row, kv head) pairs and a softmax between them, faster than SDPA's
+        # flash kernel with a mask at a few queries per head (BENCHMARKS.md, "Numerics versions", 12)
         scores = torch.baddbmm(mask, qg.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), alpha=d ** -0.5)
         return torch.bmm(torch.softmax(scores, -1), v.flatten(0, 1)).view(n, -1)
 

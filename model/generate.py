@@ -23,8 +23,9 @@ from model.engine import Engine
 from model.transformer import Transformer
 
 
-MAX_ROWS = {"cpu": 64, "cuda": 256}  # live sequences at most: SmolLM2's decode step at 2 threads makes 211 tokens/s at
-# 32 rows, 279 at 64, 329 at 128 (BENCHMARKS.md, "Generation engine"); 256 is vLLM's default max_num_seqs
+# live sequences at most: on the CPU a decode step's tokens/s grows little past 64 rows while its KV cache keeps
+# growing (BENCHMARKS.md, "The continuous-batching engine"); 256 is vLLM's default max_num_seqs
+MAX_ROWS = {"cpu": 64, "cuda": 256}
 KV_SHARE = {"cpu": 0.25, "cuda": 0.6}  # of the memory available now that the KV cache may take
 
 

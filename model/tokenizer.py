@@ -192,8 +192,8 @@ class ChatTokenizer:
             eos = _read_json(gen_path).get("eos_token_id")
             extra_stop = [] if eos is None else eos if isinstance(eos, list) else [eos]
             if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra_stop):
-                # a float or a null in the list failed later as a traceback; a string or a bool stopped on nothing
-                # or on the wrong token, silently (list("12") is ["1", "2"], True is token 1)
+                # unchecked, a float or a null in the list fails later as a traceback; a string or a bool stops on
+                # nothing or on the wrong token, silently (list("12") is ["1", "2"], True is token 1)
                 raise InputError(f"{gen_path}: eos_token_id must be a token id or a list of token ids, got {eos!r}")
         try:
             tok = cls(tokenizer, template, special, extra_stop, source=str(ckpt_dir))

@@ -19,15 +19,14 @@ from kernels import varlen_attention
 from model.config import ModelConfig
 
 
-# A CPU matmul with a few rows (a decode step of 1-4 sequences) runs through MKL's small-M path: one thread, ~19 GB/s of
-# weight read (about a third of this machine's bandwidth at 2 threads; slower still at 2-4 rows than at 1). The same
-# product as one bmm over the weight's two halves of rows runs multi-threaded and 2-6x faster (BENCHMARKS.md, "Native
-# generation engine"). It rounds differently from F.linear (~1e-6 relative), so it is used only without autograd:
-# sampling, never training.
+# A CPU matmul with a few rows (a decode step of 1-4 sequences) runs through MKL's small-M path: one thread, well
+# below the machine's memory bandwidth for the weight read. The same product as one bmm over the weight's two halves
+# of rows runs multi-threaded and faster (BENCHMARKS.md, "Native generation engine vs Hugging Face `generate`"). It
+# rounds differently from F.linear, so it is used only without autograd: sampling, never training.
 # Large weights (SmolLM2's lm_head and gate/up, any 0.5B+ model's) gain from the same product at up to 512 rows too
 # (the continuous-batching engine's decode steps, a prefill's last tokens), once the rows are padded with zero rows to
 # a multiple of 8: MKL's kernel for a product whose row count is not a multiple of its vector width loses what the
-# split wins (BENCHMARKS.md, "Generation engine").
+# split wins (BENCHMARKS.md, "The continuous-batching engine").
 SPLIT_MAX_ROWS = 4         # inputs of at most this many rows
 SPLIT_MIN_WEIGHT = 1 << 15  # weights of at least this many elements (smaller ones: the bmm's overhead does not pay)
 SPLIT_MAX_ROWS_LARGE = 512  # ... and of at most this many rows for weights of at least
@@ -67,7 +66,8 @@ def linear(x, w, b=None):
 
 class Packed:
     """A weight [N, K] copied once into the blocked layout oneDNN's fp32 kernels read (the layout vLLM's CPU backend
-    packs its weights into too): its products run at 2-4x F.linear's on plain weights at decode and prefill sizes."""
+    packs its weights into too): its products beat F.linear's on plain weights at decode and prefill sizes
+    (BENCHMARKS.md, "At OPR's temperatures, with vLLM-CPU as the peer")."""
     PACK_ROWS = 64  # the row count the layout is chosen for; other row counts use it as it is
 
     def __init__(self, w):
@@ -150,9 +150,8 @@ def apply_rope(x, cos, sin):
 
 
 # q/k/v and gate/up as one weight each: one matmul (and one weight-gradient matmul) instead of three and two: fewer
-# kernels per block on a GPU, where small models are launch-bound. On the CPU, training, it is neutral (0.95-1.14x per
-# group, fp32 forward + backward at 2 threads: BENCHMARKS.md, "Compiled blocks ... and fused projections"). The engine
-# reads the same weights.
+# kernels per block on a GPU, where small models are launch-bound. On the CPU, training, it is neutral (BENCHMARKS.md,
+# "Compiled blocks ... and fused projections"). The engine reads the same weights.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 

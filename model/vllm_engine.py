@@ -41,7 +41,7 @@ def llm_kwargs(vllm, ckpt_dir, *, tp: int, seed: int, cpu: bool = False) -> dict
     (fp32, as the native engine samples there; a fixed KV-cache size instead of a share of the machine's memory)."""
     fields = _engine_fields(vllm)
     kw = {"model": str(ckpt_dir), "tensor_parallel_size": tp, "seed": seed}
-    if cpu:  # eager: compiling the model costs ~40 s per process on 2 cores, more than a CPU step's sampling gains
+    if cpu:  # eager: compiling the model costs each process more than a CPU step's sampling gains from it
         kw.update(dtype="float32", kv_cache_memory_bytes=CPU_KV_CACHE_GIB << 30, enforce_eager=True)
         # per-request seeds need whole prefills on the CPU: after a chunk of a prompt vLLM rewinds the request's
         # generator (gpu_model_runner._bookkeeping_sync: gen.set_offset), which a CPU generator cannot do
