@@ -42,8 +42,7 @@ from data.errors import InputError
 
 # Bumped whenever a change here changes a score that existing data can produce: run.py puts it in the keys of the
 # steps that score (evaluations, OPR buffers) and so of everything downstream, so a resumed run re-scores instead of
-# mixing rules. Scores of the embedded benchmark and of the shared TRACE files did not move at 1.
-# 1: NumGLUE word answers compare without the gold's end punctuation too (a gold "Wednesday." scored 0 against itself)
+# mixing rules.
 RULES = 1
 
 # ---------------------------------------------------------------------------------------------------------------
