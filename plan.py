@@ -39,7 +39,7 @@ from pipeline import keep
 
 # ---- defaults: the throughput profile (BENCHMARKS.md "Anchors"; nothing here was measured on a GPU) --------------
 PEAK_TFLOPS = 989.0      # H100 SXM, bf16 dense
-TRAIN_MFU = 0.36         # torchtitan Llama-3.1-8B, FSDP2 bf16 on 8xH100: 33-39 % MFU (~5,800 tok/s per GPU)
+TRAIN_MFU = 0.36         # within torchtitan's published range for Llama-3.1-8B, FSDP2 bf16 on 8xH100 ("Anchors")
 GEN_TOK_S = 4000.0       # generated tokens/s per GPU (vLLM, 7-8B bf16, large batches): an assumption, not an anchor
 PREFILL_FACTOR = 3.0     # prompt tokens cost a forward only: prefill tok/s = 3 x train tok/s (same MFU, 2N vs 6N)
 STEP_OVERHEAD_S = 120.0  # per GPU step: process start, loading the checkpoint (and saving one) or the engine start-up
@@ -590,12 +590,12 @@ CHARS_PER_TOKEN = 4.0
 TEMPLATE_PROMPT, TEMPLATE_ANSWER = 29, 2
 PAPER_TASKS = {  # task: (n_train kept, mean prompt tokens, mean answer tokens, n_test)
     "C-STANCE": (5000, 150, 1, 2000),      # Chinese stance texts, a letter answer
-    "FOMC": (5000, 112, 1, 496),           # measured: 329 chars + template; test 496 (shared/trace)
+    "FOMC": (5000, 112, 1, 496),           # from shared/trace's files: mean chars / CHARS_PER_TOKEN + template
     "MeetingBank": (4000, 1300, 80, 1000),  # long transcripts: ~1/5 over 2,048 tokens dropped; summaries
     "Py150": (5000, 600, 12, 1000),        # code context, the next line
     "ScienceQA": (5000, 180, 1, 2000),     # question + choices, a letter
-    "NumGLUE-cm": (5000, 81, 1, 81),       # measured: 206 chars; test 81
-    "NumGLUE-ds": (5000, 64, 1, 325),      # measured: 140 chars; test 325
+    "NumGLUE-cm": (5000, 81, 1, 81),       # from shared/trace's files, as FOMC
+    "NumGLUE-ds": (5000, 64, 1, 325),      # from shared/trace's files, as FOMC
     "20Minuten": (5000, 700, 90, 1000),    # German news articles, simplified summaries
 }
 

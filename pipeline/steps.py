@@ -157,7 +157,8 @@ class Pipeline:
     def intact(self, key: str, rec: dict) -> bool:
         """A committed step's files are the ones it committed (their digests are in its manifest entry): one edited,
         truncated, emptied, removed or added by hand makes the step not done, so it runs again (and every step that
-        read it), with one line saying so. Entries from before digests were recorded are trusted."""
+        read it), with one line saying so. An entry without digests is trusted: only runs made before digests were
+        recorded have one, and this keeps them resumable."""
         if "files" not in rec:
             return True
         try:

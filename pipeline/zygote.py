@@ -1,6 +1,7 @@
 """A zygote for run.py's steps: one process imports torch and the pipeline's scripts once, then forks a child per
-step, so a step starts in milliseconds instead of paying the ~2-3 s of `import torch` (and the scripts' own
-imports) again. The tiny default runs ~130 steps, so this is minutes of a 10-minute run.
+step, so a step starts in milliseconds instead of paying for `import torch` (and the scripts' own imports) again:
+the default runs over a hundred short steps, and those imports would be a large share of its wall time
+(BENCHMARKS.md, "The default `python run.py`: wall time, and where it goes").
 
     zygote = Zygote(env, pass_fds=(lock_fd,))      # started by the driver's main thread
     rc = zygote.run("evaluate", ["--ckpt", ...], log_path, on_start=lambda pid: ...)   # from any thread
@@ -29,8 +30,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 SCRIPTS = ("train", "evaluate", "rollout", "score", "drift", "buffer_nll")
 # what the steps import, each once here instead of once per step. torch._dynamo: building a model on the meta device
-# imports it (nn.Embedding's normal_ runs through torch's Python reference kernels), 0.6 s of every model-loading
-# step; rouge_score: 1.0 s of every step that scores a ROUGE task (BENCHMARKS.md, "The default `python run.py`")
+# imports it (nn.Embedding's normal_ runs through torch's Python reference kernels), so every model-loading step
+# would pay for it; rouge_score: every step that scores a ROUGE task (BENCHMARKS.md, "The default `python run.py`")
 PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "tqdm", "model.checkpoint", "model.generate",
            "model.sampling", "model.logprobs", "model.tokenizer", "data.metrics", "data.trace", "data.replay",
            "kernels.attention", "kernels.cross_entropy", "torch.distributed.fsdp", "torch._dynamo",

@@ -154,7 +154,8 @@ def warnings(diag: dict) -> list:
         out.append(f"predictions collapsed to {diag['top_label']!r} ({diag['top_rate']:.0%} of answers, {gold:.0%} "
                    f"of the gold answers; gold majority class {diag['gold_majority_rate']:.0%})")
     if diag.get("off_format", 0.0) >= OFF_FORMAT_WARN:
-        hits, chance = diag["off_format_hits"], diag.get("off_format_chance")  # results.json of earlier code lack it
+        # .get: old results.json lack off_format_chance, and their reports still render
+        hits, chance = diag["off_format_hits"], diag.get("off_format_chance")
         shape = "a declared label" if "declared_labels" in diag else "a letter"
         out.append(f"{diag['off_format']:.0%} of answers are not {shape} (most often {diag['off_format_example']!r})"
                    + (f", {_share(hits)} of answers score by their first character alone" if hits else "")
