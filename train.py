@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# pipeline.cli before torch: from its import on, a Ctrl-C while torch loads (~2 s) ends in one line, not a traceback
+# pipeline.cli before torch: from its import on, a Ctrl-C while torch loads ends in one line, not a traceback
 from pipeline.cli import Parser, float_in, int_at_least, main_cli
 import torch
 import torch.distributed as dist
@@ -91,7 +91,7 @@ SFT_KL_DIRECTION = "reverse"  # KL(student || teacher); "forward" = KL(teacher |
 SDFT_TEACHER = "ema"     # ema (Algorithm 1) | base (frozen initial weights: TRL's default) | student (current weights)
 SDFT_ALPHA = 0.01        # EMA rate: phi <- alpha*theta + (1-alpha)*phi after every step (official: ref_model_mixup_alpha)
 SDFT_KL = "reverse"      # Algorithm 1's KL(student || teacher); "forward" = KL(teacher || student) is the official
-                         # code's default, which its README (2026-04-07) says produced the paper's numbers
+                         # code's default, which its README says produced the paper's numbers
 SDFT_TEMPERATURE = 1.0   # sampling temperature of the student's responses (official and TRL: 1.0)
 SDFT_MAX_NEW_TOKENS = 1024  # response cap (official: max_completion_length 1024)
 SDFT_SKIP_TOKENS = 0     # leading response tokens left out of the loss (official main.py: 3; Algorithm 1: 0)
@@ -249,8 +249,9 @@ def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False,
     inductor may tune kernels to the first length it sees). The loss and embeddings stay eager.
 
     A world of one on CPU that computes in fp32 (the parameters' own dtype) is not wrapped: FSDP2 would have
-    nothing to shard, gather or cast there, only its hooks and DTensor dispatch on every op, ~35% of a tiny
-    model's CPU step (GPU runs keep FSDP2 whatever their size).
+    nothing to shard, gather or cast there, only its hooks and DTensor dispatch on every op, a large share of a
+    tiny model's CPU step (BENCHMARKS.md, "The levers, each measured on its own"; GPU runs keep FSDP2 whatever
+    their size).
     The rest of the loop is the same code for both; fsdp_units() is empty for a plain model. shard=True forces
     the FSDP2 wrapping (benchmarks and tests compare the two)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -519,9 +520,10 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     ema_teacher = teacher if ema_rate is not None else None  # part of the resumable state
 
     # 3. optimizer and schedule, and where a resumed run starts
+    # fused: one kernel over all tensors; with foreach=True FSDP2's DTensors dispatch each op separately, a large
+    # share of a tiny model's CPU step (BENCHMARKS.md, "The default `python run.py`", fused AdamW)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay,
-                            fused=True)  # one fused kernel over all tensors: a tiny model's step on CPU spends 5 ms
-    # in it instead of 22 with foreach=True (FSDP2's DTensors dispatch each foreach op separately)
+                            fused=True)
     schedule = SCHEDULES[args.lr_schedule]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, total_steps, args.warmup))
     start = resume(args, rank, model, opt, sched, workdir, plan_id, ema_teacher, settings, total_steps)
