@@ -42,7 +42,7 @@ from data.errors import InputError
 
 # Bumped whenever a change here changes a score that existing data can produce: run.py puts it in the keys of the
 # steps that score (evaluations, OPR buffers) and so of everything downstream, so a resumed run re-scores instead of
-# mixing rules.
+# mixing rules. What each version changed: BENCHMARKS.md, "Numerics versions".
 RULES = 1
 
 # ---------------------------------------------------------------------------------------------------------------

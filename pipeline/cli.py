@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from data.errors import InputError, MissingFileError, MissingWeightError, UserError  # noqa: F401 (the scripts' names)
+from data.errors import UserError
 
 # errnos that describe the machine or the paths given, not a bug in the code
 ENVIRONMENT_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG,

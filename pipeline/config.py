@@ -16,7 +16,7 @@ import math
 import sys
 from pathlib import Path
 
-from pipeline.cli import InputError
+from data.errors import InputError
 
 NOT_SAVED = ("help", "config", "dry_run", "overwrite", "debug")  # how to run the command, not what it runs
 

@@ -15,7 +15,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from pipeline.cli import MissingFileError
+from data.errors import MissingFileError
 from data.outputs import write_json
 
 CHUNK = 1 << 22  # 4 MiB reads

@@ -33,7 +33,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.outputs import fsync_dir, fsync_tree, write_json
-from pipeline.cli import Terminated, UserError
+from data.errors import UserError
+from pipeline.cli import Terminated
 from pipeline.digest import Digests
 from pipeline.zygote import SCRIPTS, Zygote, die_with_parent
 
