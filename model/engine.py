@@ -101,7 +101,7 @@ class Engine:
             masks = [(torch.arange(e, device=dev)[None, :] <= torch.arange(b, e, device=dev)[:, None]).repeat(g, 1)
                      if b else None for _, b, e in docs]
             own_cu = [None if b else torch.tensor([0, e], device=dev, dtype=torch.int32) for _, b, e in docs]
-        row_mask = _row_mask(pos[:n_rows], span, hkv) if n_rows else None
+        row_mask = _row_mask(pos[:n_rows], span, hkv, self.dtype) if n_rows else None
 
         def attend(i, q, k, v):
             self.k[i][slots, :, pos] = k
@@ -150,7 +150,7 @@ class Engine:
         no host sync: compiles with fullgraph=True and is what the CUDA graphs capture."""
         n = tokens.shape[0]
         rows = torch.arange(n, device=tokens.device)
-        mask = _row_mask(pos, span, self.cfg.num_key_value_heads)
+        mask = _row_mask(pos, span, self.cfg.num_key_value_heads, self.dtype)
 
         def attend(i, q, k, v):
             self.k[i][rows, :, pos] = k
@@ -273,11 +273,11 @@ class Engine:
         return tokens.tolist(), logprobs.tolist()
 
 
-def _row_mask(pos, span: int, hkv: int = 1):
+def _row_mask(pos, span: int, hkv: int = 1, dtype=torch.float32):
     """Row i (at position pos[i]) sees cache columns 0..pos[i]: on CUDA a boolean mask [n, 1, 1, span]; on the CPU
-    one to add to the scores, 0 or -inf, [n * hkv, 1, span] (a row's for each of its kv heads)."""
+    one to add to the scores (the cache's dtype), 0 or -inf, [n * hkv, 1, span] (a row's for each of its kv heads)."""
     seen = torch.arange(span, device=pos.device)[None, :] <= pos[:, None]
     if pos.is_cuda:
         return seen[:, None, None, :]
-    add = torch.zeros(seen.shape, device=pos.device).masked_fill_(~seen, float("-inf"))
+    add = torch.zeros(seen.shape, device=pos.device, dtype=dtype).masked_fill_(~seen, float("-inf"))
     return add.repeat_interleave(hkv, 0)[:, None, :]

@@ -332,7 +332,7 @@ def test_the_default_lr_schedule_adds_nothing_to_a_train_steps_key(tmp_path):
 
     inputs = SimpleNamespace(base=tmp_path / "base", data_root=tmp_path, task_spec=None, tasks=["FOMC"],
                              epochs={"FOMC": 3}, train_sets={"FOMC": []}, layout=SimpleNamespace(dp=1, tp=1))
-    args = SimpleNamespace(gpus=0, launcher=None, save_every=50, task_spec=None)
+    args = SimpleNamespace(gpus=0, launcher=None, save_every=50, task_spec=None, wandb=False)
     for schedule in ("cosine", "linear"):
         cfg = dict(run_py.PRESETS["tiny"], lr_schedule=schedule)
         steps = run_py.Steps(Pipe(), cfg, inputs, args, "native")
