@@ -161,9 +161,9 @@ def mark_path(path: Path, is_dir: bool) -> Path:
 
 
 def _mark(where: Path, kind: str):
-    if OUTPUT_KINDS.get(kind) is None:
+    if kind not in OUTPUT_KINDS:
         raise ValueError(f"unknown output kind {kind!r}")
-    if where.is_file() and _marked_kind(where) == kind:
+    if _marked_kind(where) == kind:  # marked already: no write
         return
     write_text_atomic(where, json.dumps({"kind": kind}) + "\n")
 

@@ -79,15 +79,13 @@ class Scheduler:
     def postprocess(self, batch, tokens: list[int], logprobs: list[float], stop: set) -> list[tuple]:
         """Append each sequence's new token; free the slots of those that finished. Returns the cache copies
         [(src slot, dst slot, columns)] that keep the live sequences in slots 0..n-1, to make in order."""
-        done = set()
         for seq, tok, lp in zip(batch.seqs, tokens, logprobs):
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
             if tok in stop or len(seq.tokens) == seq.cap:
                 seq.finish = "stop" if tok in stop else "length"
-                done.add(id(seq))
         moves = []
-        for s in sorted((s for s, q in enumerate(self.live) if id(q) in done), reverse=True):
+        for s in sorted((s for s, q in enumerate(self.live) if q.finish is not None), reverse=True):
             last = len(self.live) - 1
             if s != last:  # the last live sequence moves into the hole (its cache columns so far)
                 q = self.live[last]
