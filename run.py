@@ -451,9 +451,8 @@ class Steps:
         return [f for t in task_list for f in scorer_files(get_task(t))]
 
     @staticmethod
-    def with_fields(spec, task_list, kind):  # a manifest's task settings; absent without one (TRACE's keys)
-        fields = step_fields(task_list, kind)
-        return spec if fields is None else dict(spec, task_fields=fields)
+    def with_fields(spec, task_list, kind):  # the task settings (a manifest's, or TRACE's own)
+        return dict(spec, task_fields=step_fields(task_list, kind))
 
     def train(self, prev, stage, task_list, buffer_key, seed, extra=(), n_epochs=None):
         """train.py on the checkpoint of `prev` (None: the base) with the train splits of `task_list` and the buffer
@@ -462,11 +461,7 @@ class Steps:
         name = f"s{stage}-train-{task_list[-1] if len(task_list) == 1 else 'joint'}"
         spec = dict(tasks=task_list, seed=seed, lr=cfg["lr"], gb=cfg["global_batch"], extra=list(extra),
                     ep=n_epochs or self.inputs.epochs[task_list[-1]], max_len=cfg["max_len"], mt=cfg["micro_tokens"],
-                    max_train=cfg["max_train"])
-        if cfg["warmup"]:  # absent when 0, so the keys of runs made before the flag existed stay valid
-            spec["warmup"] = cfg["warmup"]
-        if cfg["lr_schedule"] != train.LR_SCHEDULE:  # absent when the default, as warmup
-            spec["lr_schedule"] = cfg["lr_schedule"]
+                    max_train=cfg["max_train"], warmup=cfg["warmup"], lr_schedule=cfg["lr_schedule"])
         spec = self.with_fields(spec, task_list, "data")
 
         def build(tmp, dirs):

@@ -9,9 +9,6 @@ were allocated. It includes the [V, H] weight gradient, which both variants must
     python bench/bench_loss_memory.py --target-share 0.1   # ... when 90% of the tokens are prompt (ignored)
     python bench/bench_loss_memory.py --tokens 1400 --vocab 49152 --hidden 576 --target-share 0.1   # SmolLM2
     python bench/bench_loss_memory.py --attention     # varlen SDPA: 4-D + enable_gqa vs 3-D variants
-
-"fused-every-row" is the fused loss with its weight gradient summed over every row (the ignored ones as zeros), the
-path it keeps for small weights (the tiny base) and took for all before kernels.NUMERICS 6.
 """
 
 import argparse
@@ -46,8 +43,6 @@ def child(variant: str, tokens: int, vocab: int, hidden_size: int, repeats: int,
     from kernels import cross_entropy
 
     cross_entropy.set_backend("chunked")  # the CPU path; on CUDA the wrapper would call liger
-    if variant == "fused-every-row":
-        cross_entropy.GRAD_WEIGHT_TARGETS_MIN = 1 << 62
     torch.manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, requires_grad=True)
     # Filled in place: a `0.02 * randn` temporary would raise the baseline high-water mark by [V, H].
@@ -76,7 +71,7 @@ def child(variant: str, tokens: int, vocab: int, hidden_size: int, repeats: int,
 def run_loss(args) -> None:
     logits_mb = args.tokens * args.vocab * 4 / 2**20
     rows = []
-    for variant in ("naive", "fused-every-row", "fused"):
+    for variant in ("naive", "fused"):
         need_mb = 4 * logits_mb if variant == "naive" else 0
         if need_mb > available_mb():
             print(f"skipping {variant}: needs ~{need_mb:.0f} MB, {available_mb():.0f} MB available")
@@ -101,8 +96,6 @@ def run_loss(args) -> None:
         naive, fused = by["naive"], by["fused"]
         print(f"\nfused / naive: peak memory {fused['peak_mb'] / naive['peak_mb']:.1%}, "
               f"time {statistics.median(fused['times']) / statistics.median(naive['times']):.2f}x")
-    print(f"fused-every-row / fused: time "
-          f"{statistics.median(by['fused-every-row']['times']) / statistics.median(by['fused']['times']):.2f}x")
 
 
 def run_attention(args) -> None:
@@ -179,7 +172,7 @@ def main() -> None:
     p.add_argument("--target-share", type=float, default=0.9,
                    help="share of the tokens with a target, the rest ignored like prompt tokens (default: %(default)s)")
     p.add_argument("--attention", action="store_true", help="compare SDPA GQA variants instead")
-    p.add_argument("--child", choices=["naive", "fused-every-row", "fused"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=["naive", "fused"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.tokens, args.vocab, args.hidden, args.repeats, args.target_share)))

@@ -267,13 +267,9 @@ STEP_FIELDS = {  # step kind -> the task fields its output depends on (the files
 }
 
 
-def step_fields(tasks, kind: str) -> dict | None:
-    """{task: {field: value}} of the manifest's tasks that a step of `kind` depends on; None without a manifest.
-    None (rather than TRACE's own fields) is for old keys only: steps without a manifest keep the keys they had
-    before manifests existed, so their finished runs stay done."""
+def step_fields(tasks, kind: str) -> dict:
+    """{task: {field: value}} of the tasks' settings (a manifest's, or TRACE's own) that a step of `kind` depends on."""
     table = active_tasks()
-    if not any(table[t].manifest for t in tasks):
-        return None
     fields = STEP_FIELDS[kind]
     return {t: {f: list(v) if isinstance(v := getattr(table[t], f), tuple) else v for f in fields} for t in tasks}
 

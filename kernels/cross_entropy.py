@@ -26,14 +26,6 @@ import torch
 _CHUNK_BYTES = 128 * 2**20
 
 
-# Kept only for old bytes. grad_weight sums over the target rows only when the [V, H] weight has at least this many
-# elements (SmolLM2: 28M), because at a real vocabulary the ignored rows' zeros are most of the loss's largest
-# matmul (BENCHMARKS.md, "Logits for the target rows only"). Below it (the tiny base: 131k) it sums over every row
-# with the ignored ones as zero rows, which rounds as the every-row form of this loss did and so keeps the tiny base
-# and the default's tables byte-identical. Dropping the threshold changes those floats: a NUMERICS bump.
-GRAD_WEIGHT_TARGETS_MIN = 1 << 20
-
-
 def _chunk_rows(vocab_size: int) -> int:
     return max(1, _CHUNK_BYTES // (4 * vocab_size))
 
@@ -60,8 +52,6 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # One logits buffer reused by every chunk: a fresh multi-MB tensor per chunk is a fresh mmap on
         # CPU, and page-faulting it in slows the logits matmul.
         buf = torch.empty(min(chunk, n_tokens), vocab, dtype=acc, device=hidden.device)
-        dense = None  # a chunk's grad_logits with the ignored rows as zeros, allocated when a chunk first needs it
-        sparse_gw = weight.numel() >= GRAD_WEIGHT_TARGETS_MIN  # grad_weight over the target rows only
         for start in range(0, n_tokens, chunk):
             end = min(start + chunk, n_tokens)
             labels_c = labels[start:end]
@@ -83,17 +73,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             target_logit = logits.gather(1, labels_t[:, None]).squeeze(1)
             probs = logits.exp_()
             sum_exp = probs.sum(dim=1)
-            # summed over the chunk's rows with exact zeros at the ignored ones: the every-row form's sum, in its
-            # order, so the loss keeps its bytes
-            row_loss = sum_exp.log() - target_logit
-            if not every:
-                row_loss = torch.zeros(end - start, dtype=acc, device=hidden.device).index_copy_(0, rows, row_loss)
-            loss += row_loss.sum()
+            loss += (sum_exp.log() - target_logit).sum()
             if grad_hidden is None and grad_weight is None:
                 continue
-            # d(lse - logit_y)/d logits = softmax - onehot(y), as probs * (1 / sum_exp): the bytes of the every-row
-            # form's division of the valid mask by sum_exp
-            grad_logits = probs.mul_(sum_exp.reciprocal()[:, None])
+            grad_logits = probs.div_(sum_exp[:, None])  # d(lse - logit_y)/d logits = softmax - onehot(y)
             grad_logits[torch.arange(n, device=hidden.device), labels_t] -= 1
             if grad_hidden is not None:
                 if every:
@@ -102,16 +85,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_hidden[start:end].index_copy_(0, rows, torch.mm(grad_logits, weight_acc))
             if grad_weight is None:
                 continue
-            if every or sparse_gw:
-                grad_weight.addmm_(grad_logits.T, h_t)
-            else:
-                # small weights: summed over every row of the chunk, the ignored ones as zero rows, for old bytes
-                # only (GRAD_WEIGHT_TARGETS_MIN): over the target rows alone the sum rounds differently, and with
-                # it every float of the tiny base and of the default's tables
-                if dense is None:
-                    dense = torch.empty_like(buf)
-                g = dense[: end - start].zero_().index_copy_(0, rows, grad_logits)
-                grad_weight.addmm_(g.T, h_c)
+            grad_weight.addmm_(grad_logits.T, h_t)  # over the target rows only
         ctx.save_for_backward(
             grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
             grad_weight.to(weight.dtype) if grad_weight is not None else None,

@@ -158,24 +158,22 @@ class Pipeline:
     def intact(self, key: str, rec: dict) -> bool:
         """A committed step's files are the ones it committed (their digests are in its manifest entry): one edited,
         truncated, emptied, removed or added by hand makes the step not done, so it runs again (and every step that
-        read it), with one line saying so. An entry without digests is trusted: only runs made before digests were
-        recorded have one, and this keeps them resumable."""
-        if "files" not in rec:
-            return True
+        read it), with one line saying so."""
         try:
             now = self.outputs(key)
         except OSError:
             now = None
         if now is not None and rec.get("pruned"):  # a prune stopped between its record and its delete
             now = {f: h for f, h in now.items() if rec["pruned"].get(f) != h}
-        if now == rec["files"]:
+        if now == rec.get("files"):
             return True
         if key not in self.warned:
             self.warned.add(key)
-            now = now or {}
-            changed = sorted(f for f in set(rec["files"]) | set(now) if rec["files"].get(f) != now.get(f))
-            print(f"run.py: {self.dir(key)}: {', '.join(changed[:3]) or 'its files'} changed since the step "
-                  f"committed; running it again", file=sys.stderr, flush=True)
+            now, was = now or {}, rec.get("files")
+            changed = sorted(f for f in set(was or {}) | set(now) if (was or {}).get(f) != now.get(f))
+            what = (f"{', '.join(changed[:3]) or 'its files'} changed since the step committed" if was is not None
+                    else "no record of its files")
+            print(f"run.py: {self.dir(key)}: {what}; running it again", file=sys.stderr, flush=True)
         return False
 
     def run_step(self, key: str):

@@ -243,14 +243,18 @@ def test_a_rerun_step_makes_everything_that_read_it_stale(tmp_path):
     assert out2[c].split("|", 1)[1] == out2[b]
 
 
-def test_a_manifest_from_before_the_provenance_records_is_resumed(tmp_path):
-    """Run directories written before steps recorded their inputs' executions are resumed as they are."""
+def test_an_entry_without_its_files_digests_runs_again(tmp_path, capsys):
+    """A manifest entry that does not say what its step wrote cannot show the files intact: the step runs again (and
+    its dependents), with one line naming it, and its new entry records them."""
     run_dir = tmp_path / "run"
     keys, first, m1 = _execute(run_dir)
+    capsys.readouterr()
     old = {k: {"kind": v["kind"], "seconds": v["seconds"]} for k, v in m1.items()}
     (run_dir / "manifest.json").write_text(json.dumps(old))
     _, again, m2 = _execute(run_dir)
-    assert again == first and m2 == old
+    assert all(again[k] != first[k] and set(m2[k]["files"]) == set(m1[k]["files"]) for k in keys)
+    err = capsys.readouterr().err
+    assert all(f"{k}: no record of its files" in err for k in keys)
 
 
 def test_a_step_is_durable_before_it_is_listed(tmp_path, monkeypatch):
@@ -316,9 +320,9 @@ def test_keys_follow_what_a_setting_changes(setup):
         assert len(portable) == len(auto) and not set(portable) & set(auto)
 
 
-def test_the_default_lr_schedule_adds_nothing_to_a_train_steps_key(tmp_path):
-    """A train step's spec (its key) holds the settings it held before --lr-schedule existed, so earlier runs keep
-    their steps; a linear schedule is in the spec and reaches train.py."""
+def test_a_train_steps_key_holds_its_settings_and_they_reach_train_py(tmp_path):
+    """A train step's spec (its key) holds every setting that changes its weights, the default ones too (the
+    schedule, the warmup, the task's own fields), and the schedule reaches train.py."""
     from types import SimpleNamespace
     import run as run_py
 
@@ -339,8 +343,9 @@ def test_the_default_lr_schedule_adds_nothing_to_a_train_steps_key(tmp_path):
         steps.train(None, 1, ["FOMC"], None, 0)
         spec, build = Pipe.specs[-1]
         want = dict(tasks=["FOMC"], seed=0, lr=cfg["lr"], gb=cfg["global_batch"], extra=[], ep=3,
-                    max_len=cfg["max_len"], mt=cfg["micro_tokens"], max_train=cfg["max_train"])
-        assert spec == (want if schedule == "cosine" else dict(want, lr_schedule="linear"))
+                    max_len=cfg["max_len"], mt=cfg["micro_tokens"], max_train=cfg["max_train"], warmup=cfg["warmup"],
+                    lr_schedule=schedule, task_fields={"FOMC": {"system": None, "held_out": 0.1}})
+        assert spec == want
         (tmp_path / "s1-train.tmp").mkdir(exist_ok=True)
         cmd = build(tmp_path / "s1-train.tmp", {})
         assert cmd[cmd.index("--lr-schedule") + 1] == schedule
