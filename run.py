@@ -61,7 +61,7 @@ import re
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import drift
@@ -81,6 +81,7 @@ from data.errors import InputError, UserError
 from pipeline.cli import (ENGINE_HELP, Parser, comma_list, float_in, int_at_least, main_cli,
                           use_manifest_from_argv)
 from pipeline import config, keep
+from pipeline.settings import add_flags, apply, setting
 from pipeline.steps import Pipeline
 from reporting import tensorboard
 from reporting.collect import Evals, collect, write_partial
@@ -96,24 +97,60 @@ OPR_BUFFERS = {"opr-ru": ("ru", "top"), "opr-sc": ("sc", "top"), "opr-low": ("ru
 # --threads, or by an OMP_NUM_THREADS the caller set explicitly.
 THREADS = 1
 
-# ---- presets: the paper's setting and two CPU-sized ones --------------------------------------------------------
-# the paper's setting is the scripts' own defaults (train.py, rollout.py), not a second copy of them; --micro-tokens
-# is train.py's fixed CPU budget, 16,384, on every device (its GPU default follows free memory: not a step key)
-PAPER = dict(methods="sft,replay,opr-ru,opr-sc", rho=0.01, lr=train.LR, warmup=train.WARMUP,
-             lr_schedule=train.LR_SCHEDULE,
-             global_batch=train.GLOBAL_BATCH,
-             max_len=train.MAX_LEN, micro_tokens=train.MICRO_TOKENS, max_new_tokens=rollout.MAX_NEW_TOKENS,
-             temperature=rollout.TEMPERATURE, max_train=rollout.MAX_TRAIN, eval_limit=None,
-             eval_repeats=8,           # the official tools/eval.py: 8 samples per test prompt, scores averaged
-             scoring="paper",          # the official tools/eval.py rules (data/metrics.py); CPU presets: lenient
-             replay_budget="total",    # the equal-budget comparison of the paper's budget table
-             sft_kl_beta=train.SFT_KL_BETA, sdft_teacher=train.SDFT_TEACHER, sdft_alpha=train.SDFT_ALPHA,
-             sdft_kl=train.SDFT_KL, sdft_temperature=train.SDFT_TEMPERATURE,
-             sdft_max_new_tokens=train.SDFT_MAX_NEW_TOKENS, epochs=None,  # epochs None: the task table's [5,3,7,5,3,5,5,7]
-             first_epochs=None,        # epochs of stage 1 when --epochs is not given (None: as `epochs` says)
-             activation_checkpointing=True,  # 7-8B at 16,384 tokens per micro-batch: ~29 GB/GPU with, ~125 without
-             drift_limit=drift.LIMIT,     # test prompts per prior task for the per-update KL (0: no drift steps)
-             n_train=128, n_test=32)      # sizes of the embedded benchmark when no --data is given
+# ---- the settings: the paper's values, and two CPU-sized presets -------------------------------------------------
+@dataclass(frozen=True)
+class Settings:
+    """Every setting that changes what a run computes, declared once: its paper value (the scripts' own defaults,
+    train.py and rollout.py, not a second copy of them), and the flag that sets it (pipeline/settings.py). A preset
+    replaces some values; a flag, or an experiment file naming it, replaces a preset's."""
+    methods: str = setting("sft,replay,opr-ru,opr-sc", f"comma-separated, from {', '.join(METHODS)}")
+    rho: float = setting(0.01, "replay ratio(s) in (0, 1]: b = rho * n_next; a comma list sweeps (e.g. "
+                               "0.01,0.02,0.05,0.1)", comma_list(float_in(0, 1, lo_open=True), unique=True))
+    lr: float = setting(train.LR, "peak learning rate", float_in(0, lo_open=True))
+    warmup: float = setting(train.WARMUP, "fraction of each stage's steps with a linear lr warmup", float_in(0, 1))
+    lr_schedule: str = setting(train.LR_SCHEDULE, "each stage's lr decay to 0 after the warmup: cosine (the paper's "
+                               "text) or linear (the official OPR code's)", choices=list(train.SCHEDULES))
+    global_batch: int = setting(train.GLOBAL_BATCH, "sequences per optimizer step", int_at_least(1))
+    max_len: int = setting(train.MAX_LEN)
+    # train.py's fixed CPU budget on every device (its GPU default follows free memory: not a step key)
+    micro_tokens: int = setting(train.MICRO_TOKENS)
+    max_new_tokens: int = setting(rollout.MAX_NEW_TOKENS, "generation budget", int_at_least(1))
+    temperature: float = setting(rollout.TEMPERATURE)
+    max_train: int = setting(rollout.MAX_TRAIN, "per-task training subsample of a TRACE root (seeded, as in TRACE); "
+                             "also the n of the budget rule", int_at_least(1))
+    eval_limit: int | None = setting(None, "evaluate at most this many test prompts per task (the first ones that "
+                                     "fit the length; TRACE's test splits hold up to 2,000)", int_at_least(1))
+    # the official tools/eval.py: 8 samples per test prompt, scores averaged
+    eval_repeats: int = setting(8, "sampled responses per test prompt, averaged", int_at_least(1))
+    scoring: str = setting("paper", "metric convention for evaluation and OPR-RU: lenient reads the meant answer, "
+                           "paper = the official OPR code's tools/eval.py, trace = TRACE's metrics.py",
+                           choices=["lenient", "paper", "trace"])
+    replay_budget: str = setting("total", "total: b = rho * n_next split over the prior tasks (the equal-budget "
+                                 "comparison of the paper's budget table); per-task: rho times each prior task's own "
+                                 "training-set size (TRACE's past_task_ratio), for replay and the OPR methods alike",
+                                 choices=["total", "per-task"])
+    sft_kl_beta: float = setting(train.SFT_KL_BETA, "sft-kl: KL weight", float_in(0))
+    sdft_teacher: str = setting(train.SDFT_TEACHER, "sdft: the teacher's weights (ema: the paper's Algorithm 1)",
+                                choices=["ema", "base", "student"])
+    sdft_alpha: float = setting(train.SDFT_ALPHA)
+    sdft_kl: str = setting(train.SDFT_KL)
+    sdft_temperature: float = setting(train.SDFT_TEMPERATURE)
+    sdft_max_new_tokens: int = setting(train.SDFT_MAX_NEW_TOKENS, "sdft: length cap of the student's responses (the "
+                                       "paper's: the official SDFT code's)", int_at_least(1))
+    # None: the task table's [5,3,7,5,3,5,5,7] (or a manifest's); a CPU preset: a dict task -> epochs
+    epochs: object = setting(None, "epochs per stage: one int, or a comma list per task (none: the task table's, or "
+                             "a manifest's)", comma_list(int_at_least(1)))
+    first_epochs: int | None = setting(None)  # epochs of stage 1 when --epochs is not given (None: as epochs says)
+    activation_checkpointing: bool = setting(True)  # 7-8B at 16,384 tokens per micro-batch: ~29 GB/GPU with, ~125 without
+    drift_limit: int = setting(drift.LIMIT, "test prompts per prior task for drift.py's per-update KL after every "
+                               "stage >= 2 (0 = no drift steps)", int_at_least(0))
+    n_train: int = setting(128, "embedded benchmark only: training examples per task it generates (with --data use "
+                           "--max-train)", int_at_least(1))
+    n_test: int = setting(32, "embedded benchmark only: test examples per task it generates (with --data use "
+                          "--eval-limit)", int_at_least(1))
+
+
+PAPER = Settings()
 PRESETS = {
     # tiny Llama on the embedded benchmark: 8 stages x 4 methods in minutes on 2 CPU cores
     # (256 distinct training prompts per task, updates of 4; a 128-example buffer (rho 0.5); 128 test prompts per
@@ -125,19 +162,18 @@ PRESETS = {
     # ACC and BWT (opr-ru 3.34 / 2.59 -> 1.79 / 1.33) and held replay's (10 seeds; BENCHMARKS.md, "The default's
     # epochs"; SEED_NOISE below is 20 seeds), at ~1.5x the training: 7:32 with a fresh cache on 2 cores, <= 10
     # minutes at the speed of this round's machine, not of the slowest one measured
-    "tiny": dict(PAPER, rho=0.5, lr=5e-4, global_batch=4, max_len=512, micro_tokens=4096, max_new_tokens=32,
-                 sdft_max_new_tokens=32, n_train=256, n_test=128, first_epochs=24, eval_repeats=1,
-                 epochs={"C-STANCE": 10, "FOMC": 6, "MeetingBank": 3, "Py150": 3, "ScienceQA": 6, "NumGLUE-cm": 10,
-                         "NumGLUE-ds": 10, "20Minuten": 3},
-                 drift_limit=16, scoring="lenient",
-                 activation_checkpointing=False),
+    "tiny": replace(PAPER, rho=0.5, lr=5e-4, global_batch=4, max_len=512, micro_tokens=4096, max_new_tokens=32,
+                    sdft_max_new_tokens=32, n_train=256, n_test=128, first_epochs=24, eval_repeats=1,
+                    epochs={"C-STANCE": 10, "FOMC": 6, "MeetingBank": 3, "Py150": 3, "ScienceQA": 6,
+                            "NumGLUE-cm": 10, "NumGLUE-ds": 10, "20Minuten": 3},
+                    drift_limit=16, scoring="lenient", activation_checkpointing=False),
     # SmolLM2-135M-Instruct on the embedded benchmark, sized for CPU (48 training and 32 test prompts per task,
     # 2 epochs of 12 updates of 4). Stage 1 trains 8 epochs: at 12-24 updates (lr 5e-5-2e-4) the first letter task
     # collapsed to one label, at 96 updates of lr 2e-4 it reached 100 and FOMC then learned in 24 (BENCHMARKS.md).
     # No drift probe by default: with SmolLM2 it cost more than training (--drift-limit N turns it on)
-    "smollm2": dict(PAPER, rho=0.2, lr=2e-4, global_batch=4, max_len=512, micro_tokens=4096, max_new_tokens=40,
-                    sdft_max_new_tokens=40, n_train=48, n_test=32, epochs="2", first_epochs=8, eval_repeats=1,
-                    drift_limit=0, scoring="lenient", activation_checkpointing=False),
+    "smollm2": replace(PAPER, rho=0.2, lr=2e-4, global_batch=4, max_len=512, micro_tokens=4096, max_new_tokens=40,
+                       sdft_max_new_tokens=40, n_train=48, n_test=32, epochs="2", first_epochs=8, eval_repeats=1,
+                       drift_limit=0, scoring="lenient", activation_checkpointing=False),
     "paper": PAPER,
 }
 # The seed noise measured for a preset with its settings as they are: 20 seeds of `python run.py --seeds 0,...,19`
@@ -165,9 +201,8 @@ SEED_NOISE = {
 
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", help=f"comma-separated, from {', '.join(METHODS)} (default: sft,replay,opr-ru,opr-sc)")
-    p.add_argument("--rho", type=comma_list(float_in(0, 1, lo_open=True), unique=True),
-                   help="replay ratio(s) in (0, 1]: b = rho * n_next; a comma list sweeps (e.g. 0.01,0.02,0.05,0.1)")
+    g = p.add_argument_group("settings (class Settings; default: each preset's value, or the one value of all three)")
+    add_flags(g, Settings, PRESETS)
     p.add_argument("--seeds", default="0", type=comma_list(int_at_least(0), unique=True),
                    help="comma-separated seeds; results are averaged (default: 0)")
     p.add_argument("--tasks", type=task_names, help="comma-separated task order (default: all tasks in TRACE order, "
@@ -210,46 +245,6 @@ def parse_args(argv=None):
                    help="CPU runs: data-parallel workers per generating step (torchrun's ranks), each with --threads "
                         "threads, so a generating step takes N x --threads cores (the default --jobs counts them); "
                         "the same tokens as one worker. On GPUs the workers are --gpus / --tp")
-    p.add_argument("--epochs", type=comma_list(int_at_least(1)),
-                   help="epochs per stage: one int, or a comma list per task (default: per preset; the paper's: "
-                        "the task table)")
-    p.add_argument("--lr", type=float_in(0, lo_open=True), help="peak learning rate (default: per preset; paper 1e-5)")
-    p.add_argument("--warmup", type=float_in(0, 1),
-                   help="fraction of each stage's steps with a linear lr warmup (default: per preset; paper 0)")
-    p.add_argument("--lr-schedule", choices=list(train.SCHEDULES),
-                   help=f"each stage's lr decay to 0 after the warmup: cosine (the paper's text) or linear (the "
-                        f"official OPR code's) (default: {train.LR_SCHEDULE})")
-    p.add_argument("--global-batch", type=int_at_least(1),
-                   help="sequences per optimizer step (default: per preset; paper 128)")
-    p.add_argument("--max-new-tokens", type=int_at_least(1), help="generation budget (default: per preset; paper 512)")
-    p.add_argument("--n-train", type=int_at_least(1),
-                   help="embedded benchmark only: training examples per task it generates (with --data use "
-                        "--max-train)")
-    p.add_argument("--n-test", type=int_at_least(1),
-                   help="embedded benchmark only: test examples per task it generates (with --data use --eval-limit)")
-    p.add_argument("--max-train", type=int_at_least(1),
-                   help="per-task training subsample of a TRACE root (seeded; default 5000 as in TRACE); also the n "
-                        "of the budget rule")
-    p.add_argument("--eval-limit", type=int_at_least(1),
-                   help="evaluate at most this many test prompts per task (the first ones that fit --max-len; "
-                        "TRACE's test splits hold up to 2,000)")
-    p.add_argument("--eval-repeats", type=int_at_least(1),
-                   help="sampled responses per test prompt, averaged (default: per preset; paper 8, CPU presets 1)")
-    p.add_argument("--scoring", choices=["lenient", "paper", "trace"],
-                   help="metric convention for evaluation and OPR-RU: lenient reads the meant answer, paper = the "
-                        "official OPR code's tools/eval.py, trace = TRACE's metrics.py (default: per preset; paper "
-                        "preset: paper, CPU presets: lenient)")
-    p.add_argument("--replay-budget", choices=["total", "per-task"],
-                   help="total: b = rho * n_next split over the prior tasks (the equal-budget comparison, "
-                        "default); per-task: rho times each prior task's own training-set size (TRACE's "
-                        "past_task_ratio), for replay and the OPR methods alike")
-    p.add_argument("--sft-kl-beta", type=float_in(0), help=f"sft-kl: KL weight (default {train.SFT_KL_BETA})")
-    p.add_argument("--sdft-teacher", choices=["ema", "base", "student"],
-                   help=f"sdft: the teacher's weights (default {train.SDFT_TEACHER}, the paper's Algorithm 1)")
-    p.add_argument("--sdft-max-new-tokens", type=int_at_least(1), help="sdft: length cap of the student's "
-                   "responses (default: per preset; paper 1024, the official SDFT code's)")
-    p.add_argument("--drift-limit", type=int_at_least(0), help="test prompts per prior task for drift.py's per-update "
-                   "KL after every stage >= 2 (default: per preset; 0 = no drift steps)")
     p.add_argument("--jobs", type=int_at_least(1),
                    help="steps run in parallel on CPU (default: cores // threads; always 1 with GPUs); never changes "
                         "results")
@@ -592,13 +587,7 @@ def configure(args):
     """The run's settings, checked: (preset, cfg, methods, rhos, seeds). The preset is the paper's with --model, else
     --base's (tiny by default); cfg is its settings with the flags given in their place."""
     preset = "paper" if args.model else (args.base or "tiny")
-    cfg = dict(PRESETS[preset])
-    for k in ("methods", "rho", "lr", "warmup", "lr_schedule", "global_batch", "max_new_tokens", "n_train", "n_test",
-              "eval_limit", "sft_kl_beta",
-              "sdft_teacher", "sdft_max_new_tokens", "epochs", "max_train", "eval_repeats", "scoring", "replay_budget",
-              "drift_limit"):
-        if getattr(args, k, None) is not None:
-            cfg[k] = getattr(args, k)
+    cfg = asdict(apply(PRESETS[preset], args))
     methods = [m.strip() for m in str(cfg["methods"]).split(",")]
     for m in methods:
         if m not in METHODS:
@@ -891,7 +880,7 @@ def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool, numerics
     the native engine and the pinned thread count, from the same base (base_sha: its weights' sha256; a CPU that
     builds another base has another testbed, whose noise was not measured). Else None."""
     noise = SEED_NOISE.get(preset)
-    if noise is None or custom or rhos != [float(PRESETS[preset]["rho"])]:
+    if noise is None or custom or rhos != [float(PRESETS[preset].rho)]:
         return None
     from data.embedded import VERSION
     # code: the steps' kernels (kernels.NUMERICS); rules: the scoring rules (data.metrics.RULES; scores feed the
@@ -902,7 +891,7 @@ def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool, numerics
     if where != noise["setting"]:
         return None
     ignored = ("methods", "drift_limit", "rho")
-    return noise if all(cfg[k] == PRESETS[preset][k] for k in cfg if k not in ignored) else None
+    return noise if all(cfg[k] == getattr(PRESETS[preset], k) for k in cfg if k not in ignored) else None
 
 
 def pinned_threads(omp_env) -> int:

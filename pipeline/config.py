@@ -8,8 +8,9 @@ and the command line overrides them; run.py writes the experiment it ran to RUN_
     lr: 1.0e-5
     quiet: true
 
-The flags are the one definition of the settings: a file key is a flag's name and its value goes through the
-flag's own parser (its type, range and choices), so a file cannot hold what the command line could not.
+A file key is a flag's name and its value goes through the flag's own parser (its type, range and choices), so a
+file cannot hold what the command line could not; run.py's setting flags derive from its Settings class
+(pipeline/settings.py), so a setting is declared in one place.
 """
 import argparse
 import math

@@ -59,3 +59,28 @@ def test_a_value_the_flag_refuses_is_refused_as_the_flag_would(tmp_path, capsys)
     with pytest.raises(SystemExit) as e:
         args_of(tmp_path, "rho: 5\n")
     assert e.value.code == 2 and "--rho" in capsys.readouterr().err
+
+
+def test_each_setting_is_declared_once_and_its_flag_help_and_presets_follow(capsys):
+    """run.Settings is the one definition: every field with help is a flag whose value replaces the preset's in the
+    run's settings, --help shows each preset's value, and the presets differ from the paper's by replace() alone."""
+    import dataclasses
+    flagged = [f for f in dataclasses.fields(run.Settings) if f.metadata.get("help")]
+    assert {f.name for f in flagged} >= {"methods", "rho", "lr", "epochs", "drift_limit", "scoring"}
+    given = {"methods": "sft", "rho": "0.3", "lr": "0.001", "warmup": "0.1", "lr_schedule": "linear",
+             "global_batch": "2", "max_new_tokens": "7", "max_train": "9", "eval_limit": "5", "eval_repeats": "3",
+             "scoring": "trace", "replay_budget": "per-task", "sft_kl_beta": "0.25", "sdft_teacher": "base",
+             "sdft_max_new_tokens": "11", "epochs": "2", "drift_limit": "0", "n_train": "64", "n_test": "16"}
+    assert set(given) == {f.name for f in flagged}  # a new flagged setting gets a value here
+    argv = [a for k, v in given.items() for a in (f"--{k.replace('_', '-')}", v)]
+    _, cfg, *_ = run.configure(run.parse_args(argv))
+    for f in flagged:
+        parse = f.metadata["type"] or str
+        assert cfg[f.name] == parse(given[f.name]) != getattr(run.PRESETS["tiny"], f.name), f.name
+    _, tiny, *_ = run.configure(run.parse_args([]))
+    assert tiny == dataclasses.asdict(run.PRESETS["tiny"]) and tiny["lr"] == 5e-4 and tiny["global_batch"] == 4
+    with pytest.raises(SystemExit):
+        run.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "peak learning rate (default: tiny 0.0005; smollm2 0.0002; paper 1e-05)" in text
+    assert "sequences per optimizer step (default: tiny 4; smollm2 4; paper 128)" in text

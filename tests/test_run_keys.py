@@ -12,6 +12,7 @@ The end-to-end runs use a tiny untrained Llama, 2 tasks x 8 training examples, m
 (about half a minute each on 2 CPU cores).
 """
 import json
+from dataclasses import asdict, replace
 import os
 import shutil
 import subprocess
@@ -338,7 +339,7 @@ def test_a_train_steps_key_holds_its_settings_and_they_reach_train_py(tmp_path):
                              epochs={"FOMC": 3}, train_sets={"FOMC": []}, layout=SimpleNamespace(dp=1, tp=1))
     args = SimpleNamespace(gpus=0, launcher=None, save_every=50, task_spec=None, wandb=False)
     for schedule in ("cosine", "linear"):
-        cfg = dict(run_py.PRESETS["tiny"], lr_schedule=schedule)
+        cfg = asdict(replace(run_py.PRESETS["tiny"], lr_schedule=schedule))
         steps = run_py.Steps(Pipe(), cfg, inputs, args, "native")
         steps.train(None, 1, ["FOMC"], None, 0)
         spec, build = Pipe.specs[-1]
@@ -356,7 +357,7 @@ def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only(monkeypatch)
     is the one measured: other methods or the drift probe do not matter; any other setting, the device, GPUs, the
     engine, the thread count, the benchmark version or the scoring rules do."""
     from run import PRESETS, SEED_NOISE, preset_seed_noise
-    tiny = dict(PRESETS["tiny"])
+    tiny = asdict(PRESETS["tiny"])
     from kernels import NUMERICS
     measured_code = SEED_NOISE["tiny"]["setting"]["code"]
     cpu = dict(device="cpu", gpus=0, threads=1, torch="t", code=measured_code)
@@ -381,13 +382,13 @@ def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only(monkeypatch)
     monkeypatch.undo()
     assert noise(base_sha="0" * 64) is None and noise(base_sha=None) is None  # another base: another testbed
     assert noise(cpu=dict(pins={}, model="another CPU")) is SEED_NOISE["tiny"]  # its rounding: like another seed
-    assert preset_seed_noise("smollm2", dict(PRESETS["smollm2"]), [0.2], False, cpu, "native",
+    assert preset_seed_noise("smollm2", asdict(PRESETS["smollm2"]), [0.2], False, cpu, "native",
                              measured_base) is None  # not measured
     import data.embedded
     assert SEED_NOISE["tiny"]["setting"]["benchmark"] == data.embedded.VERSION  # re-measure when the data changes
     assert SEED_NOISE["tiny"]["setting"]["rules"] == data.metrics.RULES  # ... or the scoring rules
     # the table covers the default's methods, and every paired difference the report draws for them
-    assert set(SEED_NOISE["tiny"]["std"]) == set(PRESETS["tiny"]["methods"].split(","))
+    assert set(SEED_NOISE["tiny"]["std"]) == set(PRESETS["tiny"].methods.split(","))
     for ref in ("replay", "sft"):
         assert set(SEED_NOISE["tiny"]["delta_std"][ref]) == set(SEED_NOISE["tiny"]["std"]) - {ref}
 
@@ -397,7 +398,7 @@ def test_epochs_per_task_reads_a_presets_table_a_comma_list_or_the_task_table():
     does not name; --epochs' comma list is one value for all or one per task in the order given."""
     from data.errors import UserError
     from run import PRESETS, epochs_per_task
-    tiny = PRESETS["tiny"]["epochs"]
+    tiny = PRESETS["tiny"].epochs
     assert epochs_per_task(tiny, ["NumGLUE-ds", "20Minuten", "FOMC"]) == {"NumGLUE-ds": 10, "20Minuten": 3, "FOMC": 6}
     assert epochs_per_task({"FOMC": 9}, ["FOMC", "Py150"]) == {"FOMC": 9, "Py150": 5}  # Py150: the task table's 5
     assert epochs_per_task(None, ["C-STANCE", "ScienceQA"]) == {"C-STANCE": 5, "ScienceQA": 3}
@@ -409,7 +410,7 @@ def test_epochs_per_task_reads_a_presets_table_a_comma_list_or_the_task_table():
     from data.tasks import TASKS
     assert {t: tiny[t] for t in TASKS} == {t: 3 if TASKS[t].metric in ("rouge_l", "code_fuzz", "sari")
                                           else 2 * TASKS[t].epochs for t in TASKS}
-    assert PRESETS["tiny"]["first_epochs"] == 24
+    assert PRESETS["tiny"].first_epochs == 24
 
 
 def test_a_crash_while_a_rerun_step_is_committed_leaves_its_readers_stale(tmp_path, monkeypatch):
