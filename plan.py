@@ -362,9 +362,10 @@ class EstimatedTokenizer:
 
 def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data_root, model_cfg,
              profile: Profile, checkpointing: bool = False) -> list[StepCost]:
-    """One StepCost per step of run.py's Pipeline (steps: key -> {kind, deps, spec}), in its order. checkpointing:
-    the command trains with --activation-checkpointing (run.py: the preset says so and it runs on GPUs)."""
-    from data.replay import replay_counts, select
+    """One StepCost per step of run.py's Pipeline (steps: key -> {kind, deps, spec: a pipeline.specs type}), in its
+    order. checkpointing: the command trains with --activation-checkpointing (run.py: the preset says so and it runs
+    on GPUs)."""
+    from data.replay import gold_draw, replay_counts
     from data.tasks import get_task
     from data.trace import filter_overlong, load_task
 
@@ -391,15 +392,11 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
         """(estimated lengths, upper-bound lengths, exact?) of the examples of the buffer step `key`."""
         s = steps[key]
         spec = s["spec"]
-        if s["kind"] == "replay":  # gold replay: the same seeded draw run.py makes, so exact
-            prior, stage = spec["prior"], len(spec["prior"])
-            counts = replay_counts(spec["budget"], {t: len(train_sets[t]) for t in prior})
-            picked = [e for t in prior for e in select(train_sets[t], [0.0] * len(train_sets[t]), counts[t],
-                                                        "random", f"{spec['seed']}:{stage}:{t}")]
-            lens = [L.sft(e) for e in picked]
+        if s["kind"] == "replay":  # gold replay: the draw run.py writes, so exact
+            lens = [L.sft(e) for _, e in gold_draw(train_sets, spec.prior, spec.budget, spec.seed)]
             return lens, lens, True
-        prior = steps[s["deps"][0]]["spec"]["prior"]  # score <- rollout of the prior tasks
-        counts = replay_counts(spec["budget"], {t: len(train_sets[t]) for t in prior})  # one rollout per example
+        prior = steps[s["deps"][0]]["spec"].prior  # score <- rollout of the prior tasks
+        counts = replay_counts(spec.budget, {t: len(train_sets[t]) for t in prior})  # one rollout per example
         est, hi = [], []
         for t in prior:
             mean = sum(L.sft(e) for e in train_sets[t]) / len(train_sets[t])
@@ -412,22 +409,22 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
         spec, kind = s["spec"], s["kind"]
         c = StepCost(key, kind, list(s["deps"]))
         if kind == "train":
-            task_lens = [L.sft(e) for t in spec["tasks"] for e in train_sets[t]]
+            task_lens = [L.sft(e) for t in spec.tasks for e in train_sets[t]]
             est, hi = list(task_lens), list(task_lens)
             for d in s["deps"]:
                 if steps[d]["kind"] in ("replay", "score"):
                     b_est, b_hi, exact = buffer_lengths(d)
                     est, hi, c.exact = est + b_est, hi + b_hi, c.exact and exact
-            c.train_tokens, c.train_tokens_max = spec["ep"] * sum(est), spec["ep"] * sum(hi)
+            c.train_tokens, c.train_tokens_max = spec.ep * sum(est), spec.ep * sum(hi)
             c.mean_doc = sum(est) / max(len(est), 1)
-            c.sdft = "sdft" in spec.get("extra", [])  # --objective sdft (sft-kl's teacher pass is not priced)
+            c.sdft = "sdft" in spec.extra  # --objective sdft (sft-kl's teacher pass is not priced)
         elif kind == "rollout":
-            generation(c, [e for t in spec["prior"] for e in train_sets[t]])
+            generation(c, [e for t in spec.prior for e in train_sets[t]])
         elif kind == "eval":
-            generation(c, [e for t in spec["tasks"] for e in test_set(t)], spec.get("repeats", 1))
+            generation(c, [e for t in spec.tasks for e in test_set(t)], spec.repeats)
         elif kind == "drift":  # drift.py: sample the first `limit` test prompts of each prior task, then both models
             # teacher-force the samples and the gold answers (priced as prefill in price())
-            generation(c, [e for t in spec["prior"] for e in test_set(t, limit=spec["limit"])])
+            generation(c, [e for t in spec.prior for e in test_set(t, limit=spec.limit)])
         elif kind == "buffer-nll":  # buffer_nll.py: one teacher-forced forward over the gold buffer
             b_est, _, _ = buffer_lengths(s["deps"][1])
             c.prompts, c.prompt_tokens = len(b_est), sum(b_est)

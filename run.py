@@ -73,14 +73,14 @@ from data import metrics
 from data.jsonl import read_records
 from data.outputs import check_output, claim_dir, write_json, write_jsonl, write_text_atomic
 from data.manifest import check_scorer, held_out, manifest_path, scorer_files, step_fields
-from data.replay import replay_budget, replay_counts, select
+from data.replay import gold_draw, replay_budget
 from data.tasks import get_task, parse_tasks, task_names
 from data.trace import filter_overlong, load_task, task_file
 from model.tokenizer import ChatTokenizer
 from data.errors import InputError, UserError
 from pipeline.cli import (ENGINE_HELP, Parser, comma_list, float_in, int_at_least, main_cli,
                           use_manifest_from_argv)
-from pipeline import config, keep
+from pipeline import config, keep, specs
 from pipeline.settings import add_flags, apply, setting
 from pipeline.steps import Pipeline
 from reporting import tensorboard
@@ -445,19 +445,15 @@ class Steps:
     def scorers(task_list):  # a user's own scorer is read like a data file by the steps that score with it
         return [f for t in task_list for f in scorer_files(get_task(t))]
 
-    @staticmethod
-    def with_fields(spec, task_list, kind):  # the task settings (a manifest's, or TRACE's own)
-        return dict(spec, task_fields=step_fields(task_list, kind))
-
     def train(self, prev, stage, task_list, buffer_key, seed, extra=(), n_epochs=None):
         """train.py on the checkpoint of `prev` (None: the base) with the train splits of `task_list` and the buffer
         of `buffer_key` (None: no replay); extra: train.py flags (the objective)."""
         cfg, train_sets, base = self.cfg, self.inputs.train_sets, self.inputs.base
         name = f"s{stage}-train-{task_list[-1] if len(task_list) == 1 else 'joint'}"
-        spec = dict(tasks=task_list, seed=seed, lr=cfg["lr"], gb=cfg["global_batch"], extra=list(extra),
-                    ep=n_epochs or self.inputs.epochs[task_list[-1]], max_len=cfg["max_len"], mt=cfg["micro_tokens"],
-                    max_train=cfg["max_train"], warmup=cfg["warmup"], lr_schedule=cfg["lr_schedule"])
-        spec = self.with_fields(spec, task_list, "data")
+        spec = specs.Train(tasks=task_list, seed=seed, lr=cfg["lr"], gb=cfg["global_batch"], extra=list(extra),
+                           ep=n_epochs or self.inputs.epochs[task_list[-1]], max_len=cfg["max_len"],
+                           mt=cfg["micro_tokens"], max_train=cfg["max_train"], warmup=cfg["warmup"],
+                           lr_schedule=cfg["lr_schedule"], task_fields=step_fields(task_list, "data"))
 
         def build(tmp, dirs):
             records = [{"prompt": e.prompt, "response": e.answer, "task": e.task, "idx": e.idx}
@@ -469,7 +465,7 @@ class Steps:
             model = dirs[prev] / "ckpt" if prev else base
             return self.trainer + [
                 str(HERE / "train.py"), "--model", str(model), "--data", str(tmp / "mixture.jsonl"),
-                "--out", str(tmp / "ckpt"), "--epochs", str(spec["ep"]), "--lr", str(cfg["lr"]),
+                "--out", str(tmp / "ckpt"), "--epochs", str(spec.ep), "--lr", str(cfg["lr"]),
                 "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
                 "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", str(self.save_every), "--resume",
                 "--warmup", str(cfg["warmup"]), "--lr-schedule", cfg["lr_schedule"], "--quiet", *extra, *self.ac,
@@ -489,9 +485,10 @@ class Steps:
                               "--tasks", ",".join(task_list), "--out", str(tmp / "eval"), "--seed", str(seed),
                               "--repeats", str(cfg["eval_repeats"]), "--scoring", cfg["scoring"], *self.gen,
                               *self.engine, *limit]
-        spec = dict(tasks=task_list, seed=seed, gen=self.gen_spec, repeats=cfg["eval_repeats"],
-                    scoring=cfg["scoring"], rules=metrics.RULES, limit=cfg["eval_limit"])
-        return self.pipe.add("eval", f"s{stage}-eval", self.with_fields(spec, task_list, "eval"),
+        spec = specs.Eval(tasks=task_list, seed=seed, gen=self.gen_spec, repeats=cfg["eval_repeats"],
+                          scoring=cfg["scoring"], rules=metrics.RULES, limit=cfg["eval_limit"],
+                          task_fields=step_fields(task_list, "eval"))
+        return self.pipe.add("eval", f"s{stage}-eval", spec,
                              [train_key] if train_key else [], build,
                              reads=self.files("test", task_list) + self.scorers(task_list)
                              + ([] if train_key else self.base_files))
@@ -516,8 +513,8 @@ class Steps:
             return self.gen_py + [str(HERE / "rollout.py"), "--ckpt", str(dirs[train_key] / "ckpt"), *self.common_data,
                               "--tasks", ",".join(prior), "--out", str(tmp / "rollouts.jsonl"), "--seed", str(seed),
                               "--max-train", str(cfg["max_train"]), *self.gen, *self.engine]
-        spec = self.with_fields(dict(prior=prior, seed=seed, gen=self.gen_spec, max_train=cfg["max_train"]), prior,
-                                "rollout")
+        spec = specs.Rollout(prior=prior, seed=seed, gen=self.gen_spec, max_train=cfg["max_train"],
+                             task_fields=step_fields(prior, "rollout"))
         return self.pipe.add("rollout", f"s{stage}-rollout", spec, [train_key], build,
                              reads=self.files("train", prior))
 
@@ -535,9 +532,9 @@ class Steps:
                               "--max-len", str(cfg["max_len"]), "--tokenizer", str(base),
                               "--tasks", ",".join(prior), "--seed", draw, "--out", str(tmp / "buffer.jsonl"),
                               *self.spec_flag]
-        spec = dict(scorer=scorer, mode=mode, budget=budget, seed=draw, scoring=cfg["scoring"], rules=metrics.RULES,
-                    max_len=cfg["max_len"])
-        return self.pipe.add("score", f"s{stage}-{scorer}-{mode}", self.with_fields(spec, prior, "score"),
+        spec = specs.Score(scorer=scorer, mode=mode, budget=budget, seed=draw, scoring=cfg["scoring"],
+                           rules=metrics.RULES, max_len=cfg["max_len"], task_fields=step_fields(prior, "score"))
+        return self.pipe.add("score", f"s{stage}-{scorer}-{mode}", spec,
                              [rollout_key], build, reads=self.files("train", prior) + self.scorers(prior))
 
     def gold_buffer(self, stage, prior, seed, next_task, rho):
@@ -546,14 +543,12 @@ class Steps:
         _, budget = self.budget_args(prior, next_task, rho)
 
         def build(tmp, dirs):
-            counts = replay_counts(budget, {t: len(train_sets[t]) for t in prior})
-            picked = [{"prompt": e.prompt, "response": e.answer, "task": t, "idx": e.idx, "source": "gold"}
-                      for t in prior for e in select(train_sets[t], [0.0] * len(train_sets[t]), counts[t],
-                                                     "random", f"{seed}:{stage}:{t}")]
-            write_jsonl(tmp / "buffer.jsonl", picked)
+            write_jsonl(tmp / "buffer.jsonl", [{"prompt": e.prompt, "response": e.answer, "task": t, "idx": e.idx,
+                                                "source": "gold"} for t, e in gold_draw(train_sets, prior, budget, seed)])
             return None
-        spec = dict(prior=prior, seed=seed, budget=budget, max_len=cfg["max_len"], max_train=cfg["max_train"])
-        return self.pipe.add("replay", f"s{stage}-gold", self.with_fields(spec, prior, "data"), [], build,
+        spec = specs.Replay(prior=prior, seed=seed, budget=budget, max_len=cfg["max_len"], max_train=cfg["max_train"],
+                            task_fields=step_fields(prior, "data"))
+        return self.pipe.add("replay", f"s{stage}-gold", spec, [], build,
                              reads=self.files("train", prior) + self.base_files)
 
     def drift(self, cur_key, prev_key, stage, prior, seed):
@@ -565,9 +560,10 @@ class Steps:
                               str(dirs[prev_key] / "ckpt"), *self.common_data, "--tasks", ",".join(prior), "--out",
                               str(tmp / "drift"), "--seed", str(seed), "--limit", str(cfg["drift_limit"]),
                               "--max-new-tokens", str(cfg["max_new_tokens"]), "--quiet", *self.engine]
-        spec = dict(prior=prior, seed=seed, limit=cfg["drift_limit"], temperature=drift.TEMPERATURE,
-                    max_new_tokens=cfg["max_new_tokens"], max_len=cfg["max_len"], engine=self.engine)
-        return self.pipe.add("drift", f"s{stage}-drift", self.with_fields(spec, prior, "data"), [cur_key, prev_key],
+        spec = specs.Drift(prior=prior, seed=seed, limit=cfg["drift_limit"], temperature=drift.TEMPERATURE,
+                           max_new_tokens=cfg["max_new_tokens"], max_len=cfg["max_len"], engine=self.engine,
+                           task_fields=step_fields(prior, "data"))
+        return self.pipe.add("drift", f"s{stage}-drift", spec, [cur_key, prev_key],
                              build, reads=self.files("test", prior))
 
     def gold_nll(self, train_key, buffer_key, stage):
@@ -578,7 +574,7 @@ class Steps:
             return self.py + [str(HERE / "buffer_nll.py"), "--ckpt", str(dirs[train_key] / "ckpt"), "--buffer",
                               str(dirs[buffer_key] / "buffer.jsonl"), "--max-len", str(max_len), "--out",
                               str(tmp / "buffer_stats.json"), "--quiet"]
-        return self.pipe.add("buffer-nll", f"s{stage}-buffer-nll", dict(max_len=max_len), [train_key, buffer_key],
+        return self.pipe.add("buffer-nll", f"s{stage}-buffer-nll", specs.BufferNll(max_len), [train_key, buffer_key],
                              build)
 
 

@@ -98,3 +98,13 @@ def replay_counts(budget: dict, available: dict) -> dict:
     if "per_task" in budget:
         return {t: min(budget["per_task"][t], n) for t, n in available.items()}
     return allocate(budget["total"], available)
+
+
+def gold_draw(train_sets: dict, prior: list, budget: dict, seed: int) -> list:
+    """Gold replay's buffer after the stage that trained prior[-1]: a seeded uniform draw of the budget's examples
+    from each prior task's training examples, as (task, example) in task order. run.py writes it and plan.py prices
+    it, so the two cannot disagree about which examples it holds."""
+    counts = replay_counts(budget, {t: len(train_sets[t]) for t in prior})
+    stage = len(prior)
+    return [(t, e) for t in prior for e in select(train_sets[t], [0.0] * len(train_sets[t]), counts[t], "random",
+                                                   f"{seed}:{stage}:{t}")]

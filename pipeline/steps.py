@@ -35,6 +35,7 @@ from tqdm import tqdm
 from data.outputs import fsync_dir, fsync_tree, write_json
 from data.errors import UserError
 from pipeline.cli import Terminated
+from pipeline.specs import fields_of
 from pipeline.digest import Digests
 from pipeline.zygote import SCRIPTS, Zygote, die_with_parent
 
@@ -91,12 +92,12 @@ class Pipeline:
         # and the checkpoint can be pruned (run.py --keep-checkpoints last); else in the order the steps were added
         self.readers_first = False
 
-    def add(self, kind: str, name: str, spec: dict, deps: list[str], build, reads=()) -> str:
+    def add(self, kind: str, name: str, spec, deps: list[str], build, reads=()) -> str:
         """Register a step; `build(tmp_dir, dep_dirs) -> argv` writes its inputs and returns the command that
         fills tmp_dir (or None when build itself produced the output). `spec` holds every setting that changes the
-        step's numbers, `deps` the steps whose outputs it reads, `reads` the other files and directories it reads
+        step's numbers (a pipeline.specs type), `deps` the steps whose outputs it reads, `reads` the other files and directories it reads
         (their content goes into the key). Returns the step key (identical inputs -> identical keys -> run once)."""
-        key = f"{name}-{stable_hash([kind, spec, deps, self.numerics, self.digests.of(reads)])}"
+        key = f"{name}-{stable_hash([kind, fields_of(spec), deps, self.numerics, self.digests.of(reads)])}"
         self.steps.setdefault(key, dict(kind=kind, deps=deps, build=build, spec=spec))
         return key
 

@@ -346,7 +346,7 @@ def test_a_train_steps_key_holds_its_settings_and_they_reach_train_py(tmp_path):
         want = dict(tasks=["FOMC"], seed=0, lr=cfg["lr"], gb=cfg["global_batch"], extra=[], ep=3,
                     max_len=cfg["max_len"], mt=cfg["micro_tokens"], max_train=cfg["max_train"], warmup=cfg["warmup"],
                     lr_schedule=schedule, task_fields={"FOMC": {"system": None, "held_out": 0.1}})
-        assert spec == want
+        assert asdict(spec) == want
         (tmp_path / "s1-train.tmp").mkdir(exist_ok=True)
         cmd = build(tmp_path / "s1-train.tmp", {})
         assert cmd[cmd.index("--lr-schedule") + 1] == schedule

@@ -1,0 +1,98 @@
+"""Step specs: for each kind of step, every setting its output depends on besides the files and steps it reads. run.py
+builds them, pipeline.steps hashes their fields into the step's key, and plan.py prices the step from the same
+fields, so a setting the planner reads is one the key holds.
+
+Every spec but BufferNll holds `task_fields`: the settings of its tasks that it depends on (data.manifest.STEP_FIELDS;
+a manifest's, or TRACE's own). `gen`: the generation settings shared by rollout and evaluation (engine, temperature,
+max_new_tokens, max_len).
+"""
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class Train:
+    kind: ClassVar[str] = "train"
+    tasks: list          # the tasks whose train splits it trains on (mtl: all so far)
+    seed: int
+    lr: float
+    gb: int              # sequences per optimizer step
+    extra: list          # train.py's flags of the objective
+    ep: int              # epochs
+    max_len: int
+    mt: int              # tokens per micro-batch
+    max_train: int       # per-task training subsample
+    warmup: float
+    lr_schedule: str
+    task_fields: dict
+
+
+@dataclass(frozen=True)
+class Eval:
+    kind: ClassVar[str] = "eval"
+    tasks: list
+    seed: int
+    gen: dict
+    repeats: int         # sampled responses per test prompt
+    scoring: str
+    rules: int           # data.metrics.RULES
+    limit: int | None    # test prompts per task (None: all)
+    task_fields: dict
+
+
+@dataclass(frozen=True)
+class Rollout:
+    kind: ClassVar[str] = "rollout"
+    prior: list          # the tasks whose training prompts it answers
+    seed: int
+    gen: dict
+    max_train: int
+    task_fields: dict
+
+
+@dataclass(frozen=True)
+class Score:
+    kind: ClassVar[str] = "score"
+    scorer: str          # ru: the task metric, sc: mean log-prob
+    mode: str            # top, low, random
+    budget: dict         # data.replay.replay_budget
+    seed: str            # "seed:stage": ties drawn anew at every stage
+    scoring: str
+    rules: int
+    max_len: int
+    task_fields: dict
+
+
+@dataclass(frozen=True)
+class Replay:
+    kind: ClassVar[str] = "replay"
+    prior: list
+    seed: int
+    budget: dict
+    max_len: int
+    max_train: int
+    task_fields: dict
+
+
+@dataclass(frozen=True)
+class Drift:
+    kind: ClassVar[str] = "drift"
+    prior: list          # the tasks whose test prompts it probes
+    seed: int
+    limit: int           # test prompts per prior task
+    temperature: float
+    max_new_tokens: int
+    max_len: int
+    engine: list
+    task_fields: dict
+
+
+@dataclass(frozen=True)
+class BufferNll:
+    kind: ClassVar[str] = "buffer-nll"
+    max_len: int
+
+
+def fields_of(spec) -> dict:
+    """A spec's fields as the key hashes them (a plain dict passes as it is: the tests' stand-in steps)."""
+    return spec if isinstance(spec, dict) else asdict(spec)
