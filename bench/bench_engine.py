@@ -11,7 +11,7 @@ each, greedy or at --temperature (OPR samples at 0.1, SDFT at 1.0; the native en
 engines that draw alike give the same tokens). --fixed instead: the first --batch-size prompts, exactly
 --max-new-tokens tokens each, no stop (the batch-32 row of bench_generate.py). Each engine runs in a process of its
 own (the model loaded, one warm-up on 4 prompts, then the timed call), the engines alternating, median of --repeats:
-this checkout's engine, --before's (e.g. a `git worktree` of an earlier commit: its model.generate.generate is
+this checkout's engine, --before's (e.g. a `git worktree` of an earlier commit: its model.generate.generate or model.native.sample is
 imported from there), HF `generate` (batches of --batch-size prompts sorted by length, left-padded; a batch runs until
 its last row stops) and, with --vllm, vLLM run by that interpreter (model.vllm_engine's settings on the CPU backend:
 fp32, eager, its threads bound to the same cores). Reports the timed call's time to drain and new tokens/s (sampled
@@ -113,11 +113,14 @@ def worker(args):
             return out
     else:
         from model.checkpoint import load_model
-        from model.generate import generate
+        try:
+            from model.native import sample
+        except ImportError:  # a --before checkout from before the rename
+            from model.generate import generate as sample
         model = load_model(job["ckpt"])
 
         def run(ps):
-            return generate(model, ps, temperature=job["temperature"], max_new_tokens=n_new, seed=0,
+            return sample(model, ps, temperature=job["temperature"], max_new_tokens=n_new, seed=0,
                             stop_ids=() if job["fixed"] else stop, batch_size=bs, progress=False)
     run(prompts[:4])
     t0 = time.perf_counter()

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_train import sgemm_flops  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
-from model.generate import generate  # noqa: E402
+from model.native import sample  # noqa: E402
 
 SMOLLM2_CONFIG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
@@ -144,7 +144,7 @@ def main():
     for bs in sizes:
         batch = prompts[:bs]
         def run_ours(k=n):
-            return generate(ours, batch, temperature=0.0, max_new_tokens=k, stop_ids=(), batch_size=bs,
+            return sample(ours, batch, temperature=0.0, max_new_tokens=k, stop_ids=(), batch_size=bs,
                             progress=False)
 
         def run_hf(k=n):

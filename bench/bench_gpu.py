@@ -245,7 +245,7 @@ def rollout_worker(args):
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n, _ in lengths]
     caps = [a for _, a in lengths]
     from model.engine import Engine
-    from model.generate import default_batch_size
+    from model.native import default_batch_size
     engine = Engine(model, max_seqs=min(batch or default_batch_size(model, max(n + a for n, a in lengths)),
                                         len(prompts)))
     kw = dict(temperature=0.1, max_new_tokens=caps, progress=False)
@@ -254,7 +254,7 @@ def rollout_worker(args):
         if cuda:
             torch.cuda.synchronize()
         t = time.perf_counter()
-        out = engine.generate(prompts, **kw)
+        out = engine.run(prompts, **kw)
         if cuda:
             torch.cuda.synchronize()
         return out, time.perf_counter() - t

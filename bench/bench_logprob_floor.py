@@ -31,9 +31,9 @@ def worker(args):
     job = json.loads(Path(args.job).read_text())
     sys.path.insert(0, str(args.root))  # the engine under test: args.root's (nothing of the project imported yet)
     from model.checkpoint import load_model
-    from model.generate import generate
+    from model.native import sample
     model = load_model(job["ckpt"])
-    out = {bs: [[o["token_ids"], o["logprobs"]] for o in generate(
+    out = {bs: [[o["token_ids"], o["logprobs"]] for o in sample(
         model, job["prompts"], temperature=0.0, max_new_tokens=job["max_new_tokens"], stop_ids=job["stop_ids"],
         batch_size=bs, progress=False)] for bs in job["batch_sizes"]}
     print(json.dumps(out))

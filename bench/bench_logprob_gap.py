@@ -52,11 +52,11 @@ def main():
     for head_fp32 in (False, True):
         engine = Engine(bf16, max_seqs=64, lm_head_fp32=head_fp32)
         # every prompt, so that the warm-up captures the CUDA graph of each batch bucket the timed call meets
-        engine.generate(prompts, temperature=0.1, max_new_tokens=4, stop_ids=tok.stop_ids, progress=False)
+        engine.run(prompts, temperature=0.1, max_new_tokens=4, stop_ids=tok.stop_ids, progress=False)
         if args.device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, temperature=0.1, max_new_tokens=args.max_new_tokens, stop_ids=tok.stop_ids,
+        outs = engine.run(prompts, temperature=0.1, max_new_tokens=args.max_new_tokens, stop_ids=tok.stop_ids,
                                seed=0, progress=False)
         if args.device == "cuda":
             torch.cuda.synchronize()

@@ -33,7 +33,7 @@ def full_sample(logits, temperature, keys, counters):
 def pool(model, prompts, stop, temperature, max_new_tokens):
     """fp32 logits [positions, V] at every response position of one rollout of `prompts`."""
     from model.engine import Engine
-    outs = Engine(model, max_seqs=len(prompts)).generate(prompts, temperature=temperature, stop_ids=stop, seed=0,
+    outs = Engine(model, max_seqs=len(prompts)).run(prompts, temperature=temperature, stop_ids=stop, seed=0,
                                                          max_new_tokens=max_new_tokens, progress=False)
     w, rows = model.lm_head.weight, []
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Where a decode step of the native sampler (model/generate.py) spends its time: torch.profiler over one generate()
+"""Where a decode step of the native sampler (model/native.py) spends its time: torch.profiler over one sample()
 call on a random-init model of a given shape, on CUDA (bf16) or the CPU (fp32).
 
     python bench/profile_decode.py --config qwen2.5-1.5b --batch 1                 # on a GPU machine
@@ -46,7 +46,7 @@ def main(argv=None):
     from torch.profiler import ProfilerActivity, profile
 
     from model.checkpoint import load_config
-    from model.generate import generate
+    from model.native import sample
     from model.transformer import Transformer
 
     cuda = args.device == "cuda"
@@ -71,7 +71,7 @@ def main(argv=None):
             torch.cuda.synchronize()
         t = time.perf_counter()
         with sdpa_kernel(backends):
-            generate(model, prompts, temperature=0.1, max_new_tokens=n_new, batch_size=args.batch, progress=False)
+            sample(model, prompts, temperature=0.1, max_new_tokens=n_new, batch_size=args.batch, progress=False)
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - t

@@ -2,7 +2,7 @@
 CUDA graph on a GPU), fused projections, shared prefill of repeated prompts, exact raw log-probs.
 
     engine = Engine(model, max_seqs=32)
-    outs = engine.generate(prompts, temperature=0.1, max_new_tokens=512, stop_ids={2}, seed=0)
+    outs = engine.run(prompts, temperature=0.1, max_new_tokens=512, stop_ids={2}, seed=0)
     outs[i] = {"token_ids": [...], "logprobs": [...], "finish_reason": "stop" | "length"}
 
 The cache. Keys and values live in one preallocated tensor per layer, [max_seqs, n_kv, max_len, head_dim]; a
@@ -205,7 +205,7 @@ class Engine:
 
     # -- generation: the scheduler's batches, run --------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], *, temperature: float = 0.1, max_new_tokens: int | list = 512,
+    def run(self, prompts: list[list[int]], *, temperature: float = 0.1, max_new_tokens: int | list = 512,
                  stop_ids=(), seed: int = 0, seeds: list[int] | None = None, progress: bool = True) -> list[dict]:
         """One response per prompt (token id lists), in the input order. See the module docstring.
         max_new_tokens: one cap for all, or one per prompt (tasks of one call may need 4 tokens or 512)."""

@@ -127,13 +127,13 @@ def sample_responses(model, prompts: list[list[int]], seeds: list[int], temperat
     """One response per prompt from the training model itself (sdft). Under FSDP each unit is gathered once and
     kept whole while the KV-cache sampler runs, so its many small forwards need no collective and ranks may sample
     different numbers of tokens; afterwards the blocks are sharded again as build_model left them."""
-    from model.generate import generate
+    from model.native import sample
     units = fsdp_units(model)
     for unit in units:
         unit.unshard()
         unit.set_reshard_after_forward(False, recurse=False)  # the root's own setting already is False
     try:
-        return generate(model, prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+        return sample(model, prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                         seeds=seeds, batch_size=batch_size, progress=False)
     finally:
         for unit in units[:-1]:  # the blocks

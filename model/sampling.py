@@ -45,7 +45,7 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, ma
     """Sample one response per prompt (lists of token ids, already chat-templated) from the checkpoint in ckpt_dir.
 
     stop_ids: token ids that end a response; None reads them from the checkpoint's tokenizer (ChatTokenizer.stop_ids).
-    batch_size: native engine only, sequences decoded at once (None: model.generate.default_batch_size; vLLM
+    batch_size: native engine only, sequences decoded at once (None: model.native.default_batch_size; vLLM
     schedules its own batches). tp: vLLM tensor-parallel size. model: native engine only, the checkpoint already
     loaded by load_native (generate_tasks loads it once for all its calls).
     """
@@ -65,9 +65,9 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, ma
                   seeds=[keys[i] for i in mine], progress=progress and workers.is_main())
         if engine == "vllm":
             from model import vllm_engine
-            return vllm_engine.generate(ckpt_dir, [prompts[i] for i in mine], seed=seed, tp=tp, **kw)
-        from model.generate import generate as native_generate
-        return native_generate(model if model is not None else load_native(ckpt_dir), [prompts[i] for i in mine],
+            return vllm_engine.sample(ckpt_dir, [prompts[i] for i in mine], seed=seed, tp=tp, **kw)
+        from model.native import sample
+        return sample(model if model is not None else load_native(ckpt_dir), [prompts[i] for i in mine],
                                batch_size=batch_size, **kw)
     return workers.sharded(run, [len(p) + c for p, c in zip(prompts, caps)])
 

@@ -1,4 +1,4 @@
-"""Thin vLLM wrapper with the native sampler's contract (see model/generate.py). vLLM is imported lazily.
+"""Thin vLLM wrapper with the native sampler's contract (see model/native.py). vLLM is imported lazily.
 
 What we pin, and why (checked against vLLM's source/docs):
 - `LLM(generation_config="vllm")`: the default "auto" merges the checkpoint's generation_config.json (e.g. a
@@ -122,7 +122,7 @@ def engine_env(env: dict):
                 os.environ[k] = v
 
 
-def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float, max_new_tokens, stop_ids, seed: int,
+def sample(ckpt_dir, prompts: list[list[int]], *, temperature: float, max_new_tokens, stop_ids, seed: int,
              seeds: list[int] | None = None, tp: int = 1, progress: bool = True) -> list[dict]:
     """One response per prompt (token id lists) in input order: {"token_ids", "logprobs", "finish_reason"}.
     max_new_tokens: one cap, or one per prompt (LLM.generate takes one SamplingParams per prompt). seeds: one per

@@ -14,7 +14,7 @@ import transformers  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.sampler import _full_draw, _row_hash, _sample_candidates, gumbel, hash32, row_keys, sample  # noqa: E402
-from model.generate import generate  # noqa: E402
+from model import native  # noqa: E402
 
 TOL = 1e-5
 
@@ -95,7 +95,7 @@ def test_engine_equals_the_reference_sampler(model, temperature, batch_size, mix
     # a stop id that row 0 samples third, so that rows end at different steps
     stop = reference(model, PROMPTS[:1], temperature=temperature, max_new_tokens=3, seed=3)[0]["token_ids"][2]
     ref = reference(model, PROMPTS, temperature=temperature, max_new_tokens=9, stop_ids={stop}, seed=3)
-    outs = Engine(model, max_seqs=min(batch_size, len(PROMPTS)), mix=mix).generate(
+    outs = Engine(model, max_seqs=min(batch_size, len(PROMPTS)), mix=mix).run(
         PROMPTS, temperature=temperature, max_new_tokens=9, stop_ids={stop}, seed=3, progress=False)
     assert_same(outs, ref)
     assert any(o["finish_reason"] == "stop" for o in outs) and any(o["finish_reason"] == "length" for o in outs)
@@ -117,7 +117,7 @@ def test_the_gpus_schedule_runs_on_the_cpu(model, monkeypatch):
         steps.append((tokens.shape[0], span))
         return eng.decode_step(tokens, pos, keys, counters, span, temperature)
     monkeypatch.setattr(eng, "_decode", eager)
-    outs = eng.generate(prompts, temperature=1.0, max_new_tokens=caps, seed=4, progress=False)
+    outs = eng.run(prompts, temperature=1.0, max_new_tokens=caps, seed=4, progress=False)
     assert_same(outs, reference_alone(model, prompts, caps, 4))
     assert {b for b, _ in steps} == {1, 2, 4, 5} and {s for _, s in steps} == {256}
 
@@ -129,23 +129,23 @@ def test_per_prompt_seeds_do_not_depend_on_the_batch(model):
     seeds = [7, 8, 9, 10, 11, 12]
 
     def run(idx, batch_size):
-        return [o["token_ids"] for o in generate(model, [PROMPTS[i] for i in idx], temperature=1.0,
+        return [o["token_ids"] for o in native.sample(model, [PROMPTS[i] for i in idx], temperature=1.0,
                                                  max_new_tokens=10, stop_ids={stop}, seeds=[seeds[i] for i in idx],
                                                  batch_size=batch_size, progress=False)]
     together = run(range(6), 6)
     assert [run([i], 1)[0] for i in range(6)] == together
     assert run(range(5, -1, -1), 3)[::-1] == together
     assert run([0, 2, 4], 2) == [together[i] for i in (0, 2, 4)]
-    other = generate(model, PROMPTS, temperature=1.0, max_new_tokens=10, stop_ids={stop}, seeds=seeds[:5] + [13],
+    other = native.sample(model, PROMPTS, temperature=1.0, max_new_tokens=10, stop_ids={stop}, seeds=seeds[:5] + [13],
                      progress=False)
     assert [o["token_ids"] for o in other][:5] == together[:5] and other[5]["token_ids"] != together[5]
     with pytest.raises(ValueError, match="2 seeds for 6 prompts"):
-        generate(model, PROMPTS, seeds=[1, 2], progress=False)
+        native.sample(model, PROMPTS, seeds=[1, 2], progress=False)
 
 
 def test_seed_reproduces_and_differs(model):
     def run(seed, batch_size=2):
-        return [o["token_ids"] for o in generate(model, PROMPTS, temperature=1.0, max_new_tokens=10, seed=seed,
+        return [o["token_ids"] for o in native.sample(model, PROMPTS, temperature=1.0, max_new_tokens=10, seed=seed,
                                                  batch_size=batch_size, progress=False)]
     assert run(0) == run(0) == run(0, batch_size=5)
     assert run(0) != run(1)
@@ -169,7 +169,7 @@ def test_repeated_prompts_prefill_once_and_sample_apart(model, prefilled):
     prefill only their last token, for its logits) and give exactly what prefilling each would: the same tokens as
     the reference, each repeat with its own draws."""
     prompts = [PROMPTS[0]] * 4 + [PROMPTS[3]] * 3 + [PROMPTS[1]]
-    outs = generate(model, prompts, temperature=1.0, max_new_tokens=8, seed=2, batch_size=8, progress=False)
+    outs = native.sample(model, prompts, temperature=1.0, max_new_tokens=8, seed=2, batch_size=8, progress=False)
     assert prefilled == [len(PROMPTS[0]) + len(PROMPTS[3]) + len(PROMPTS[1]) + 3 + 2]  # leaders + repeats' last
     assert_same(outs, reference(model, prompts, temperature=1.0, max_new_tokens=8, seed=2))
     assert len({tuple(o["token_ids"]) for o in outs[:4]}) > 1  # the repeats are separate samples
@@ -180,7 +180,7 @@ def test_shared_prefixes_prefill_once(model, prefilled):
     from one admitted before them, and prefill only the rest: the same tokens as prefilling everything."""
     instruction = [(7 * i) % 90 + 3 for i in range(37)]
     prompts = [instruction + [i + 1, 2 * i + 5] for i in range(10)] + [instruction[:20] + [1, 2, 3]] + PROMPTS[:2]
-    outs = generate(model, prompts, temperature=1.0, max_new_tokens=6, seed=9, batch_size=4, progress=False)
+    outs = native.sample(model, prompts, temperature=1.0, max_new_tokens=6, seed=9, batch_size=4, progress=False)
     assert sum(prefilled) < sum(len(p) for p in prompts) - 8 * 32  # most of the 37-token instruction is shared
     assert_same(outs, reference(model, prompts, temperature=1.0, max_new_tokens=6, seed=9))
 
@@ -202,7 +202,7 @@ def test_prefixes_shared_with_live_sequences(model, mix, monkeypatch):
         seen.append((n_rows, list(docs), list(copies)))
         return real(self, ids, pos, slots, docs, copies, n_rows, span)
     monkeypatch.setattr(Engine, "_forward", spy)
-    outs = Engine(model, max_seqs=3, mix=mix, max_prefill_tokens=30).generate(
+    outs = Engine(model, max_seqs=3, mix=mix, max_prefill_tokens=30).run(
         prompts, temperature=1.0, max_new_tokens=caps, seed=5, progress=False)
     assert_same(outs, reference_alone(model, prompts, caps, 5))
     # the twin prefills its last token only, from its donor in the same forward; the 23-token prompt (11 + 1 + 23
@@ -221,7 +221,7 @@ def test_slot_bookkeeping_survives_thousands_of_admissions(tmp_path):
     rng = random.Random(0)
     prompts = [[rng.randrange(23) for _ in range(rng.randint(1, 6))] for _ in range(1500)]
     stops = {3, 7, 11}  # with 23 tokens, responses end after ~1-8 tokens
-    outs = generate(m, prompts, temperature=1.0, max_new_tokens=8, stop_ids=stops, seed=4, batch_size=5,
+    outs = native.sample(m, prompts, temperature=1.0, max_new_tokens=8, stop_ids=stops, seed=4, batch_size=5,
                     progress=False)
     lengths = [len(o["token_ids"]) for o in outs]
     assert min(lengths) == 1 and max(lengths) == 8 and sum(lengths) > 3000
@@ -283,7 +283,7 @@ def test_the_cpu_engine_packs_frozen_weights_only(model):
         model.requires_grad_(False)
     assert not plain.packs
     kw = dict(temperature=0.0, max_new_tokens=12, progress=False)
-    a, b = plain.generate(PROMPTS, **kw), Engine(model).generate(PROMPTS, **kw)
+    a, b = plain.run(PROMPTS, **kw), Engine(model).run(PROMPTS, **kw)
     assert [o["token_ids"] for o in a] == [o["token_ids"] for o in b]
     assert max(abs(x - y) for o, p in zip(a, b) for x, y in zip(o["logprobs"], p["logprobs"])) < TOL
 
@@ -349,19 +349,19 @@ def test_sampling_follows_the_softmax():
 
 def test_each_prompt_may_have_its_own_length_cap(model):
     caps = [1, 5, 3, 9, 2, 4]
-    outs = generate(model, PROMPTS, temperature=1.0, max_new_tokens=caps, seed=6, batch_size=3, progress=False)
+    outs = native.sample(model, PROMPTS, temperature=1.0, max_new_tokens=caps, seed=6, batch_size=3, progress=False)
     assert [len(o["token_ids"]) for o in outs] == caps and {o["finish_reason"] for o in outs} == {"length"}
     assert [o["token_ids"] for o in outs] == [reference(model, [p], temperature=1.0, max_new_tokens=c,
                                                         seeds=[row_keys(6, 6)[i]])[0]["token_ids"]
                                               for i, (p, c) in enumerate(zip(PROMPTS, caps))]
     with pytest.raises(ValueError, match="2 max_new_tokens for 6 prompts"):
-        generate(model, PROMPTS, max_new_tokens=[1, 2], progress=False)
+        native.sample(model, PROMPTS, max_new_tokens=[1, 2], progress=False)
 
 
 def test_default_batch_size_is_what_the_memory_holds(model, monkeypatch):
     """Without --batch-size the KV cache takes a quarter of the available memory (CPU), at most 64 rows, at least 1;
     a row holds keys and values of every layer for the longest prompt plus its cap."""
-    import model.generate as mg
+    import model.native as mg
     cfg = model.cfg
     per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 100 * 4  # fp32, 100 columns
     for available, rows in ((per_row * 4 * 10, 10), (per_row * 4 * 1000, 64), (per_row, 1)):
@@ -375,5 +375,5 @@ def test_default_batch_size_is_what_the_memory_holds(model, monkeypatch):
         seen.append(max_seqs)
         real(self, m, max_seqs=max_seqs, **kw)
     monkeypatch.setattr(Engine, "__init__", spy)
-    generate(model, [[1] * 60] * 8, max_new_tokens=[40, 1, 1, 1, 1, 1, 1, 1], temperature=0.0, progress=False)
+    native.sample(model, [[1] * 60] * 8, max_new_tokens=[40, 1, 1, 1, 1, 1, 1, 1], temperature=0.0, progress=False)
     assert seen == [3]

@@ -214,9 +214,9 @@ def teacher_forced(model, prompt, response):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_sampler_logprobs_equal_teacher_forced_on_cuda(cuda_models, dtype):
-    from model.generate import generate
+    from model.native import sample
     model = cuda_models[dtype]
-    outs = generate(model, PROMPTS, temperature=1.0, max_new_tokens=24, seed=0, batch_size=4, progress=False)
+    outs = sample(model, PROMPTS, temperature=1.0, max_new_tokens=24, seed=0, batch_size=4, progress=False)
     # fp32: only summation order differs (batched, left-padded, KV-cached vs one unpadded pass);
     # bf16: both passes round activations to bf16 at different points, so a token's log-prob may move by a few
     # hundredths; the mean stays small
@@ -260,7 +260,7 @@ def test_engine_cuda_graphs_give_the_eager_steps_tokens(setup, dtype):
     for graphs in (True, False):
         eng = Engine(model, max_seqs=6, graphs=graphs)
         for call in range(2):
-            runs[graphs, call] = eng.generate(prompts, temperature=1.0, max_new_tokens=100, stop_ids={7, 11}, seed=1,
+            runs[graphs, call] = eng.run(prompts, temperature=1.0, max_new_tokens=100, stop_ids={7, 11}, seed=1,
                                               progress=False)
         assert len(eng._graphs) > 1 if graphs else not eng._graphs
     ref = runs[False, 0]
@@ -277,10 +277,10 @@ def test_engine_cuda_graphs_give_the_eager_steps_tokens(setup, dtype):
 def test_engine_per_prompt_seeds_do_not_depend_on_the_batch_on_cuda(cuda_models):
     """The keyed noise is the same integer hash on the GPU: a prompt's sampled tokens with its own seed do not
     depend on its neighbours (fp32: the logits do not move across batch compositions beyond rounding)."""
-    from model.generate import generate
+    from model.native import sample
     model = cuda_models[torch.float32]
     seeds = [11, 12, 13, 14]
-    together = generate(model, PROMPTS, temperature=1.0, max_new_tokens=16, seeds=seeds, progress=False)
-    alone = [generate(model, [p], temperature=1.0, max_new_tokens=16, seeds=[s], progress=False)[0]
+    together = sample(model, PROMPTS, temperature=1.0, max_new_tokens=16, seeds=seeds, progress=False)
+    alone = [sample(model, [p], temperature=1.0, max_new_tokens=16, seeds=[s], progress=False)[0]
              for p, s in zip(PROMPTS, seeds)]
     assert [o["token_ids"] for o in together] == [o["token_ids"] for o in alone]

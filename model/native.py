@@ -1,6 +1,6 @@
-"""Native sampling entry point: one call, one response per prompt, on the model in this process (model/engine.py).
+"""The native engine on a model in this process: one call, one response per prompt (model/engine.py runs it).
 
-    outs = generate(model, prompts, temperature=0.1, max_new_tokens=512, stop_ids={2}, seed=0, batch_size=32)
+    outs = sample(model, prompts, temperature=0.1, max_new_tokens=512, stop_ids={2}, seed=0, batch_size=32)
     outs[i] = {"token_ids": [...], "logprobs": [...], "finish_reason": "stop" | "length"}
 
 - A row that samples a stop id (kept in `token_ids`, like vLLM) or reaches `max_new_tokens` ends; its place in the
@@ -54,7 +54,7 @@ def _mem_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def generate(model: Transformer, prompts: list[list[int]], *, temperature: float = 0.1,
+def sample(model: Transformer, prompts: list[list[int]], *, temperature: float = 0.1,
              max_new_tokens: int | list[int] = 512,
              stop_ids=(), seed: int = 0, seeds: list[int] | None = None, batch_size: int | None = None,
              progress: bool = True) -> list[dict]:
@@ -64,5 +64,5 @@ def generate(model: Transformer, prompts: list[list[int]], *, temperature: float
         caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else max_new_tokens
         batch_size = default_batch_size(model, max(len(p) + c for p, c in zip(prompts, caps)))
     engine = Engine(model, max_seqs=max(1, min(batch_size or 1, len(prompts))))
-    return engine.generate(prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+    return engine.run(prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                            seed=seed, seeds=seeds, progress=progress)
