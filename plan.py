@@ -288,7 +288,9 @@ def generation_hours(profile: Profile, gpu_seconds: float) -> tuple[float, float
 def price(c: StepCost, cfg, profile: Profile, checkpointing: bool = False):
     """Fill in c.gpu_hours (estimate), c.gpu_hours_max (upper bound) and c.wall_hours. Training with activation
     checkpointing (`checkpointing`: the command turns it on; or it only fits with it) pays a second forward
-    (x 4/3); SDFT's teacher forward another 1/3. Generation runs on profile.layout (generation_hours)."""
+    (x 4/3); SDFT's teacher forward another 1/3, and its student's sampling its prompts' prefill and its new tokens
+    at the generation rate (train.py samples on the training GPUs). Generation steps run on profile.layout
+    (generation_hours)."""
     over = profile.overhead_s * profile.gpus / 3600
     tps = train_tok_s(cfg, c.mean_doc or 512, profile)
     if c.kind in ("eval", "rollout", "drift"):
@@ -302,8 +304,10 @@ def price(c: StepCost, cfg, profile: Profile, checkpointing: bool = False):
         f = 1 + c.sdft / 3  # (a train tok/s given by the user gets no recomputation factor)
         if not profile.train_tok_s:
             f += recomputes(cfg, profile, checkpointing) / 3
-        c.gpu_hours = over + f * c.train_tokens / tps / 3600
-        c.gpu_hours_max = over + f * c.train_tokens_max / tps / 3600
+        # sdft's sampling: every rank its share of the step's prompts, at the generation rate of a GPU
+        sample = c.prompt_tokens / (PREFILL_FACTOR * tps) if c.sdft else 0.0
+        c.gpu_hours = over + (f * c.train_tokens / tps + sample + c.new_tokens_est / profile.gen_tok_s) / 3600
+        c.gpu_hours_max = over + (f * c.train_tokens_max / tps + sample + c.new_tokens_max / profile.gen_tok_s) / 3600
     elif c.kind == "buffer-nll":
         c.gpu_hours = c.gpu_hours_max = over + c.prompt_tokens / (PREFILL_FACTOR * tps) / 3600
     c.wall_hours = c.gpu_hours / profile.gpus  # priced as work that every GPU of the node shares
@@ -418,6 +422,12 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
             c.train_tokens, c.train_tokens_max = spec.ep * sum(est), spec.ep * sum(hi)
             c.mean_doc = sum(est) / max(len(est), 1)
             c.sdft = "sdft" in spec.extra  # --objective sdft (sft-kl's teacher pass is not priced)
+            if c.sdft:  # the student samples one response per example and epoch on the training ranks (train.py)
+                cap, exs = cfg_run["sdft_max_new_tokens"], [e for t in spec.tasks for e in train_sets[t]]
+                c.prompts = spec.ep * len(exs)
+                c.prompt_tokens = spec.ep * sum(L.prompt(e) for e in exs)
+                c.new_tokens_est = spec.ep * sum(min(cap, L.sft(e) - L.prompt(e)) for e in exs)  # the demo's length
+                c.new_tokens_max = spec.ep * len(exs) * cap
         elif kind == "rollout":
             generation(c, [e for t in spec.prior for e in train_sets[t]])
         elif kind == "eval":
@@ -504,7 +514,8 @@ def format_plan(costs: list[StepCost], model_cfg, profile: Profile, micro_tokens
               format_layout(profile.layout),
               "train_tok: exact (train.py's count) except after an OPR buffer (model answers: gold-length estimate; "
               "train_max: every answer at max_new_tokens); new_max: every response at max_new_tokens; wall_h: the "
-              "node's hours, one step after another", "",
+              "node's hours, one step after another; an sdft train step's prompts and new tokens: its student's "
+              "samples, one per example and epoch, priced at the generation rate", "",
               format_memory(model_cfg, profile.gpus, micro_tokens)]
     return "\n".join(lines)
 

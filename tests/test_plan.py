@@ -120,6 +120,31 @@ def test_gpu_hours_add_up_per_method_and_in_total(dry):
     assert len(drift) == 3 and probes["sft"] == pytest.approx(drift[0], abs=0.01)
 
 
+def test_sdft_training_prices_its_students_samples(env):
+    """An sdft stage samples one response per training example and epoch on the training GPUs before it trains: its
+    train steps list those prompts and new tokens (at most --sdft-max-new-tokens each) and cost their generation on
+    top of the training; sft's train steps generate nothing."""
+    out = run_py(env, env["root"] / "dry-sdft", "--dry-run", "--methods", "sft,sdft", "--sdft-max-new-tokens", "5")
+    trains = {k: s for k, s in plan.parse_plan(out).items() if s["kind"] == "train"}
+    sdft = [s for s in trains.values() if s["prompts"]]
+    assert len(trains) == 4 and len(sdft) == 2  # stage 1 and 2 of each method: sdft's own objective from stage 1
+    for s in sdft:
+        assert s["prompts"] == 2 * 8 and s["new_tokens_max"] == 5 * s["prompts"] >= s["new_tokens_est"] > 0
+        assert s["prompt_tokens"] > s["prompts"]
+    c = plan.StepCost("s", "train", [], train_tokens=10**6, train_tokens_max=10**6, mean_doc=300, sdft=True)
+    profile = plan.Profile(overhead_s=0)
+    from model.checkpoint import load_config
+    cfg = load_config(REPO / "bench" / "configs" / "qwen2.5-0.5b")
+    plan.price(c, cfg, profile)
+    base = c.gpu_hours
+    c.prompt_tokens, c.new_tokens_est, c.new_tokens_max = 3 * 10**5, 10**6, 2 * 10**6
+    plan.price(c, cfg, profile)
+    tps = plan.train_tok_s(cfg, 300, profile)
+    assert c.gpu_hours - base == pytest.approx((3 * 10**5 / (plan.PREFILL_FACTOR * tps) + 10**6 / profile.gen_tok_s)
+                                               / 3600)
+    assert c.gpu_hours_max - c.gpu_hours == pytest.approx(10**6 / profile.gen_tok_s / 3600)
+
+
 def test_activation_checkpointing_is_priced_when_the_command_turns_it_on():
     """Qwen2.5-0.5B fits 80 GB without recomputation, but the paper preset passes --activation-checkpointing on GPUs
     anyway: its training then costs 4/3 of the tokens' time (the per-step overhead aside)."""
