@@ -53,6 +53,13 @@ G_MAX = -torch.log(-torch.log(torch.tensor((2.0 ** 32 - 0.5) * 2.0 ** -32, dtype
 # Above this temperature the tokens within T * G_MAX logits of the top are most of a language model's vocabulary, and
 # looking for them costs more than it saves; below it, a few (both ways give the same tokens)
 CANDIDATE_MAX_T = 0.5
+# A token whose scaled logit lies d below the top token's drawn score wins only if its noise reaches d, i.e. its
+# u >= exp(-exp(-d)): u in the top third of its range at d = 0, in the top 1e-4 at d = 9. U_FLOOR[k + 5] is a hash
+# value below which u is short of exp(-exp(-k)) (a 2-hash margin for the fp64 rounding), so a token at d >= k whose
+# hash is below it cannot win: telling so costs the hash and a compare, not the noise's two fp64 logs.
+# (d >= -G_MAX's lower twin, -3.13, always: the top token's own noise is at least that.)
+_D = torch.arange(-5, 41, dtype=torch.float64)
+U_FLOOR = (torch.exp(-torch.exp(-_D)) * 2.0 ** 32 - 0.5).floor().sub(2).clamp(min=0).long()
 
 
 def sample(logits, temperature: float, keys, counters):
@@ -60,9 +67,10 @@ def sample(logits, temperature: float, keys, counters):
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(-1)
-    elif (temperature > CANDIDATE_MAX_T or (logits.is_cuda and torch.cuda.is_current_stream_capturing())
-          or torch.compiler.is_compiling()):
+    elif (logits.is_cuda and torch.cuda.is_current_stream_capturing()) or torch.compiler.is_compiling():
         tokens = _full_draw(logits, temperature, keys, counters)  # static shapes
+    elif temperature > CANDIDATE_MAX_T:
+        tokens = _sample_thresholded(logits, temperature, keys, counters)
     else:
         tokens = _sample_candidates(logits, temperature, keys, counters)
     logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -95,6 +103,30 @@ def _sample_candidates(logits, temperature: float, keys, counters):
     row_max = torch.full((n,), -torch.inf, dtype=score.dtype, device=score.device).scatter_reduce(0, r, score, "amax")
     won = score == row_max[r]
     # argmax's rule among equal maxima: the first id
+    return torch.full((n,), vocab, device=r.device).scatter_reduce(0, r[won], j[won], "amin")
+
+
+def _sample_thresholded(logits, temperature: float, keys, counters, rows: int | None = None):
+    """_full_draw's tokens, bit for bit, for high temperatures, where most of the vocabulary lies within G_MAX of the
+    top: every token's hash is computed, but the noise (two fp64 logs) only for the tokens whose hash clears the
+    floor of their distance d below the top token's drawn score (U_FLOOR), at T 1 a few per row. `rows` at a time,
+    as _full_draw."""
+    n, vocab = logits.shape
+    rows = rows or (n if logits.is_cuda else max(1, (1 << 18) // vocab))
+    if n > rows:
+        return torch.cat([_sample_thresholded(logits[i:i + rows], temperature, keys[i:i + rows],
+                                              counters[i:i + rows], rows) for i in range(0, n, rows)])
+    row = _row_hash(keys, counters)
+    top = logits.argmax(-1)
+    best = logits.gather(-1, top[:, None]).squeeze(-1).double() / temperature + _noise(row, top)
+    d = best.float()[:, None] - logits / temperature  # fp32: off by <= ~1e-5 of the operands' size, hence the margin
+    margin = 1e-2 + 1e-5 * (best.abs().float() + logits.abs().amax(-1) / temperature)
+    k = (d - margin[:, None]).floor_().clamp_(-5, 40).long().add_(5)
+    h = hash32(row[:, None] ^ torch.arange(vocab, device=logits.device))
+    r, j = (h >= U_FLOOR.to(logits.device)[k]).nonzero(as_tuple=True)  # row-major: ids ascending within a row
+    score = logits[r, j].double() / temperature + _noise(row[r], j)  # the full draw's ops, element for element
+    row_max = torch.full((n,), -torch.inf, dtype=score.dtype, device=score.device).scatter_reduce(0, r, score, "amax")
+    won = score == row_max[r]
     return torch.full((n,), vocab, device=r.device).scatter_reduce(0, r[won], j[won], "amin")
 
 

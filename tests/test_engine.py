@@ -13,7 +13,8 @@ import transformers  # noqa: E402
 
 from model.checkpoint import load_model  # noqa: E402
 from model.engine import Engine  # noqa: E402
-from model.sampler import _full_draw, _row_hash, _sample_candidates, gumbel, hash32, row_keys, sample  # noqa: E402
+from model.sampler import (_full_draw, _row_hash, _sample_candidates, _sample_thresholded, gumbel, hash32,  # noqa: E402
+                           row_keys, sample)
 from model import native  # noqa: E402
 
 TOL = 1e-5
@@ -290,8 +291,8 @@ def test_the_cpu_engine_packs_frozen_weights_only(model):
 
 @pytest.mark.parametrize("vocab", [50, 4099, 49152])
 def test_candidate_draw_is_the_full_draw_bit_for_bit(vocab):
-    """sample() draws noise only for the tokens that can still win (model.sampler._sample_candidates) and the full
-    draw a few rows at a time (_full_draw): both pick argmax(logits / T + gumbel) over the whole vocabulary, computed
+    """sample() draws noise only for the tokens that can still win (model.sampler._sample_candidates at low T,
+    _sample_thresholded's hash floors at high T) and the full draw a few rows at a time (_full_draw): all pick argmax(logits / T + gumbel) over the whole vocabulary, computed
     in one piece, on every row -- ties included (argmax's first id), rows whose winner is not the top logit, peaked
     and flat rows, T from 0.05 to 2. Fails when the bound on the noise (G_MAX) is too small or the tie rule differs."""
     g = torch.Generator().manual_seed(vocab)
@@ -304,6 +305,8 @@ def test_candidate_draw_is_the_full_draw_bit_for_bit(vocab):
         for t in (0.05, 0.1, 0.7, 1.0, 2.0):
             full = (logits.double() / t + gumbel(keys, counters, vocab)).argmax(-1)
             assert torch.equal(_sample_candidates(logits, t, keys, counters), full), (scale, t)
+            assert torch.equal(_sample_thresholded(logits, t, keys, counters), full), (scale, t)
+            assert torch.equal(_sample_thresholded(logits, t, keys, counters, rows=5), full), (scale, t)
             assert torch.equal(_full_draw(logits, t, keys, counters, rows=5), full), (scale, t)
             not_top += (full != logits.argmax(-1)).sum().item()
     assert not_top > 100  # the noise decided many rows, not only the logits
@@ -336,6 +339,21 @@ def test_a_token_that_wins_only_by_the_largest_noise_is_a_candidate():
         logits[0, j] = (g[top].item() - largest + 1e-3) * t
         assert (logits.double() / t + g).argmax(-1).item() == j  # the largest noise decides
         assert _sample_candidates(logits, t, keys, counters).item() == j
+        assert _sample_thresholded(logits, t, keys, counters).item() == j
+
+
+def test_the_hash_floors_are_below_their_noise_bounds_and_tight():
+    """U_FLOOR[k + 5]: every hash below it gives u < exp(-exp(-k)) exactly (so a token at distance >= k with such a
+    hash cannot win), and at most 3 hashes above it one reaches it (so the floors filter what they can). Checked
+    in 50-digit decimals, not in the fp64 that made them."""
+    from decimal import Decimal, getcontext
+    from model.sampler import U_FLOOR
+    getcontext().prec = 50
+    for k, h in zip(range(-5, 41), U_FLOOR.tolist()):
+        bound = (-(Decimal(-k).exp())).exp()  # exp(-exp(-k))
+        u = lambda x: (Decimal(x) + Decimal("0.5")) / Decimal(2) ** 32  # noqa: E731
+        assert h == 0 or u(h) < bound, k
+        assert u(min(h + 3, 2 ** 32 - 1)) >= bound or h + 3 >= 2 ** 32 - 1 or h == 0, k
 
 
 def test_sampling_follows_the_softmax():
