@@ -15,18 +15,23 @@ M32 = 0xFFFFFFFF
 
 
 # ---- counter-based random numbers: the same bits on every device and for every batch ---------------------------
-def _mul32(x, c: int):
-    """(x * c) mod 2^32 for int64 x in [0, 2^32), without ever overflowing int64 (two 16-bit halves of c)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & M32
+def _i32(c: int) -> int:
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def hash32_i32(x):
+    """lowbias32 (C. Wellons' integer hash) on int32 tensors holding 32-bit words (two's complement): products wrap
+    mod 2^32 as the hash wants, and shifts are made logical by a mask. Half the bytes and ops of int64 arithmetic."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _i32(0x7FEB352D)
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _i32(0x846CA68B)
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
 def hash32(x):
-    """lowbias32 (C. Wellons' integer hash), a bijection of [0, 2^32), on int64 tensors."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    """lowbias32, a bijection of [0, 2^32), on int64 tensors of values in that range."""
+    return hash32_i32(x.to(torch.int32)).long() & M32
 
 
 def _row_hash(keys, counters):
@@ -122,8 +127,10 @@ def _sample_thresholded(logits, temperature: float, keys, counters, rows: int | 
     d = best.float()[:, None] - logits / temperature  # fp32: off by <= ~1e-5 of the operands' size, hence the margin
     margin = 1e-2 + 1e-5 * (best.abs().float() + logits.abs().amax(-1) / temperature)
     k = (d - margin[:, None]).floor_().clamp_(-5, 40).long().add_(5)
-    h = hash32(row[:, None] ^ torch.arange(vocab, device=logits.device))
-    r, j = (h >= U_FLOOR.to(logits.device)[k]).nonzero(as_tuple=True)  # row-major: ids ascending within a row
+    h = hash32_i32(row.to(torch.int32)[:, None] ^ torch.arange(vocab, dtype=torch.int32, device=logits.device))
+    # unsigned h >= floor, as int32s: flipping the sign bit of both keeps their unsigned order
+    floor = (U_FLOOR.to(logits.device) ^ (1 << 31)).to(torch.int32)
+    r, j = ((h ^ _i32(1 << 31)) >= floor[k]).nonzero(as_tuple=True)  # row-major: ids ascending within a row
     score = logits[r, j].double() / temperature + _noise(row[r], j)  # the full draw's ops, element for element
     row_max = torch.full((n,), -torch.inf, dtype=score.dtype, device=score.device).scatter_reduce(0, r, score, "amax")
     won = score == row_max[r]

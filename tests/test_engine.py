@@ -342,6 +342,23 @@ def test_a_token_that_wins_only_by_the_largest_noise_is_a_candidate():
         assert _sample_thresholded(logits, t, keys, counters).item() == j
 
 
+def test_the_int32_hash_is_lowbias32_bit_for_bit():
+    """hash32 runs in int32 with wrapping products; it must give lowbias32's words exactly as the int64 arithmetic
+    that never overflows does (the noise, and so every sampled token, is made of them): 4M random words and the
+    edges of the signed range, in any shape."""
+    def mul32(x, c):
+        return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+    def lowbias32(x):
+        x = mul32(x ^ (x >> 16), 0x7FEB352D)
+        x = mul32(x ^ (x >> 15), 0x846CA68B)
+        return x ^ (x >> 16)
+    x = torch.cat([torch.randint(0, 1 << 32, (1 << 22,), generator=torch.Generator().manual_seed(0)),
+                   torch.tensor([0, 1, (1 << 31) - 1, 1 << 31, (1 << 31) + 1, (1 << 32) - 2, (1 << 32) - 1])])
+    assert torch.equal(hash32(x), lowbias32(x))
+    assert torch.equal(hash32(x[:4096].view(64, 64)), lowbias32(x[:4096]).view(64, 64))
+
+
 def test_the_hash_floors_are_below_their_noise_bounds_and_tight():
     """U_FLOOR[k + 5]: every hash below it gives u < exp(-exp(-k)) exactly (so a token at distance >= k with such a
     hash cannot win), and at most 3 hashes above it one reaches it (so the floors filter what they can). Checked
