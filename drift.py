@@ -84,6 +84,49 @@ def summarize(rows: list[dict]) -> dict:
             "gold_nll_ref": sum(r["gold_nll_ref"] for r in rows) / max(gold_tok, 1)}
 
 
+def check_one_vocabulary(cur_dir, ref_dir, cur_cfg, ref_cfg):
+    """A KL over two different vocabularies is meaningless: the two checkpoints must share one tokenizer."""
+    if (cur_dir / "tokenizer.json").read_bytes() != (ref_dir / "tokenizer.json").read_bytes() \
+            or cur_cfg.vocab_size != ref_cfg.vocab_size:
+        raise InputError(f"--ckpt {cur_dir} and --ref {ref_dir} have different tokenizers or vocab sizes; "
+                         f"the per-token KL needs one vocabulary")
+
+
+def gold_sequence(tok, ex) -> tuple[list, list]:
+    """(prompt ids, gold answer ids) of a test example, as train.py's chat template splits them."""
+    ids, labels = tok.encode_sft(ex.prompt, ex.answer)
+    start = next(t for t, lab in enumerate(labels) if lab != -100)
+    end = max(t for t, lab in enumerate(labels) if lab != -100) + 1
+    return ids[:start], ids[start:end]
+
+
+def sample_rows(examples, outs, sampled, gold, gold_seqs, models: str) -> list[dict]:
+    """drift_samples.jsonl's rows: each sample's KL per token and the gold answer's NLL under both models. A
+    non-finite KL or NLL (an overflow in either model) is an error, never a NaN in drift.json."""
+    rows = []
+    for ex, o, s, g, (_, gold_ids) in zip(examples, outs, sampled, gold, gold_seqs):
+        rows.append({"task": ex.task, "idx": ex.idx, "token_ids": o["token_ids"], "num_tokens": len(o["token_ids"]),
+                     "finish_reason": o["finish_reason"], "seq_kl": sum(s["kl"]), "kl": s["kl"],
+                     "gold_tokens": len(gold_ids), "gold_nll_cur": -sum(g["logprobs"]),
+                     "gold_nll_ref": -sum(g["ref_logprobs"])})
+    bad = next((r for r in rows if not all(map(math.isfinite, (r["seq_kl"], r["gold_nll_cur"], r["gold_nll_ref"])))),
+               None)
+    if bad is not None:
+        raise InputError(f"{models}: non-finite KL or NLL on {bad['task']} example "
+                         f"{bad['idx']} (seq_kl {bad['seq_kl']}, gold NLL {bad['gold_nll_cur']} / "
+                         f"{bad['gold_nll_ref']}); one of the models overflows: nothing written")
+    return rows
+
+
+def print_table(summary: dict):
+    """drift.json's per-task summary as a markdown table."""
+    print("| task | n | mean seq KL | median seq KL | KL / token | mean tokens | gold NLL PREV | gold NLL CUR |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for t, s in [*summary["tasks"].items(), ("all", summary["all"])]:
+        print(f"| {t} | {s['n']} | {s['mean_seq_kl']:.4f} | {s['median_seq_kl']:.4f} | {s['kl_per_token']:.5f} | "
+              f"{s['mean_tokens']:.1f} | {s['gold_nll_ref']:.4f} | {s['gold_nll_cur']:.4f} |")
+
+
 def main(argv=None):
     args = parse_args(argv)
     from kernels import retain_freed_memory
@@ -102,11 +145,7 @@ def main(argv=None):
     cur_dir, ref_dir = resolve_model(args.ckpt), resolve_model(args.ref)  # or model ids in the Hugging Face cache
     cur_cfg, ref_cfg = load_config(cur_dir), load_config(ref_dir)  # fail before any work on an unusable checkpoint
     tok = ChatTokenizer.from_dir(cur_dir)
-    # a KL over two different vocabularies is meaningless: the tokenizers must be one
-    if (cur_dir / "tokenizer.json").read_bytes() != (ref_dir / "tokenizer.json").read_bytes() \
-            or cur_cfg.vocab_size != ref_cfg.vocab_size:
-        raise InputError(f"--ckpt {cur_dir} and --ref {ref_dir} have different tokenizers or vocab sizes; "
-                         f"the per-token KL needs one vocabulary")
+    check_one_vocabulary(cur_dir, ref_dir, cur_cfg, ref_cfg)
     root = data_root(args)
     tasks = args.tasks or tasks_in(root, "test")
     if not tasks:
@@ -137,12 +176,7 @@ def main(argv=None):
     sampled = workers.sharded(lambda ix: response_stats(cur, [(prompts[i], outs[i]["token_ids"]) for i in ix], ref,
                                                         progress=not args.quiet and workers.is_main(), desc="kl"),
                               [len(p) + len(o["token_ids"]) for p, o in zip(prompts, outs)])
-    gold_seqs = []
-    for ex in examples:
-        ids, labels = tok.encode_sft(ex.prompt, ex.answer)
-        start = next(t for t, lab in enumerate(labels) if lab != -100)
-        end = max(t for t, lab in enumerate(labels) if lab != -100) + 1
-        gold_seqs.append((ids[:start], ids[start:end]))
+    gold_seqs = [gold_sequence(tok, ex) for ex in examples]
     gold = workers.sharded(lambda ix: response_stats(cur, [gold_seqs[i] for i in ix], ref, desc="gold nll",
                                                      progress=not args.quiet and workers.is_main()),
                            [len(p) + len(a) for p, a in gold_seqs])
@@ -150,19 +184,7 @@ def main(argv=None):
         return out_dir
     t_all = time.perf_counter() - t0
 
-    rows = []
-    for ex, o, s, g, (_, gold_ids) in zip(examples, outs, sampled, gold, gold_seqs):
-        rows.append({"task": ex.task, "idx": ex.idx, "token_ids": o["token_ids"], "num_tokens": len(o["token_ids"]),
-                     "finish_reason": o["finish_reason"], "seq_kl": sum(s["kl"]), "kl": s["kl"],
-                     "gold_tokens": len(gold_ids), "gold_nll_cur": -sum(g["logprobs"]),
-                     "gold_nll_ref": -sum(g["ref_logprobs"])})
-    # a non-finite KL or NLL (an overflow in either model) is an error, never a NaN in drift.json
-    bad = next((r for r in rows if not all(map(math.isfinite, (r["seq_kl"], r["gold_nll_cur"], r["gold_nll_ref"])))),
-               None)
-    if bad is not None:
-        raise InputError(f"--ckpt {cur_dir} / --ref {ref_dir}: non-finite KL or NLL on {bad['task']} example "
-                         f"{bad['idx']} (seq_kl {bad['seq_kl']}, gold NLL {bad['gold_nll_cur']} / "
-                         f"{bad['gold_nll_ref']}); one of the models overflows: nothing written")
+    rows = sample_rows(examples, outs, sampled, gold, gold_seqs, f"--ckpt {cur_dir} / --ref {ref_dir}")
     summary = {"tasks": {t: summarize([r for r in rows if r["task"] == t]) for t in tasks}, "all": summarize(rows),
                "ckpt": str(cur_dir), "ref": str(ref_dir), "temperature": args.temperature,
                "max_new_tokens": args.max_new_tokens, "seed": args.seed, "limit": args.limit,
@@ -174,11 +196,7 @@ def main(argv=None):
     write_jsonl(out_dir / "drift_samples.jsonl", rows)
     write_json(out_dir / "drift.json", summary)
 
-    print("| task | n | mean seq KL | median seq KL | KL / token | mean tokens | gold NLL PREV | gold NLL CUR |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for t, s in [*summary["tasks"].items(), ("all", summary["all"])]:
-        print(f"| {t} | {s['n']} | {s['mean_seq_kl']:.4f} | {s['median_seq_kl']:.4f} | {s['kl_per_token']:.5f} | "
-              f"{s['mean_tokens']:.1f} | {s['gold_nll_ref']:.4f} | {s['gold_nll_cur']:.4f} |")
+    print_table(summary)
     print(f"wrote drift.json and {len(rows)} samples to {out_dir} ({t_all:.1f}s, of which sampling {t_gen:.1f}s)")
     return out_dir
 

@@ -81,16 +81,43 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def score_all(jobs, outs, tok, root, args) -> list[dict]:
+    """predictions.jsonl's records: each response decoded and scored by its task's metric (--scoring); a scorer that
+    fails on one names its test file and record."""
+    from tqdm import tqdm
+    from data.metrics import score
+    from data.trace import task_file
+    records = []
+    for (ex, k), o in tqdm(list(zip(jobs, outs)), desc="score", unit="response", disable=args.quiet):
+        ids = o["token_ids"]
+        pred = tok.decode_response(ids)
+        try:
+            s = float(score(ex.task, pred, ex.answer, ex.prompt, scoring=args.scoring, record=ex.record))
+        except InputError as e:  # a user scorer failing on this prediction, a prompt --scoring cannot score: which one
+            raise InputError(f"{task_file(root, ex.task, 'test')}: record {ex.idx}: {e}") from None
+        records.append({"task": ex.task, "idx": ex.idx, "repeat": k, "prompt": ex.prompt, "prediction": pred,
+                        "gold": ex.answer, "score": s, "finish_reason": o["finish_reason"], "num_tokens": len(ids)})
+    return records
+
+
+def print_table(summary: dict, records: list):
+    """scores.json's per-task numbers, with the responses' lengths and how many hit the cap, as markdown."""
+    print("| task | n | dropped | score | std over repeats | mean tokens | hit max tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for t in summary["scores"]:
+        rs = [r for r in records if r["task"] == t]
+        print(f"| {t} | {summary['n'][t]} | {summary['dropped_overlong'][t]} | {summary['scores'][t]:.2f} | "
+              f"{summary['std_over_repeats'][t]:.2f} | {sum(r['num_tokens'] for r in rs) / len(rs):.1f} | "
+              f"{sum(r['finish_reason'] == 'length' for r in rs)}/{len(rs)} |")
+
+
 def main(argv=None):
     args = parse_args(argv)
     from kernels import retain_freed_memory
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
-    from tqdm import tqdm
-
     from data.outputs import check_output, claim_dir, write_json, write_jsonl
-    from data.metrics import score
     from data.tasks import parse_tasks
-    from data.trace import load_filtered, task_file, tasks_in
+    from data.trace import load_filtered, tasks_in
     from model.checkpoint import load_config, weight_files
     from model.hub import default_output, resolve_model
     from model import workers
@@ -130,16 +157,7 @@ def main(argv=None):
         return out_dir
 
     # 4. per-example scores
-    records = []
-    for (ex, k), o in tqdm(list(zip(jobs, outs)), desc="score", unit="response", disable=args.quiet):
-        ids = o["token_ids"]
-        pred = tok.decode_response(ids)
-        try:
-            s = float(score(ex.task, pred, ex.answer, ex.prompt, scoring=args.scoring, record=ex.record))
-        except InputError as e:  # a user scorer failing on this prediction, a prompt --scoring cannot score: which one
-            raise InputError(f"{task_file(root, ex.task, 'test')}: record {ex.idx}: {e}") from None
-        records.append({"task": ex.task, "idx": ex.idx, "repeat": k, "prompt": ex.prompt, "prediction": pred,
-                        "gold": ex.answer, "score": s, "finish_reason": o["finish_reason"], "num_tokens": len(ids)})
+    records = score_all(jobs, outs, tok, root, args)
 
     def task_mean(task, k=None):
         xs = [r["score"] for r in records if r["task"] == task and (k is None or r["repeat"] == k)]
@@ -161,13 +179,7 @@ def main(argv=None):
     write_json(out_dir / "scores.json", summary)
 
     n_tok = sum(r["num_tokens"] for r in records)
-    print("| task | n | dropped | score | std over repeats | mean tokens | hit max tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for t in tasks:
-        rs = [r for r in records if r["task"] == t]
-        print(f"| {t} | {summary['n'][t]} | {dropped[t]} | {summary['scores'][t]:.2f} | "
-              f"{summary['std_over_repeats'][t]:.2f} | {sum(r['num_tokens'] for r in rs) / len(rs):.1f} | "
-              f"{sum(r['finish_reason'] == 'length' for r in rs)}/{len(rs)} |")
+    print_table(summary, records)
     print(f"wrote {len(records)} predictions and scores.json to {out_dir} ({n_tok} tokens generated in {wall:.1f}s, "
           f"{n_tok / max(wall, 1e-9):.1f} tok/s)")
     return out_dir

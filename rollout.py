@@ -112,6 +112,47 @@ def logprob_check(ckpt, prompts, outs, k: int, seed: int) -> dict:
     return res
 
 
+def rollout_records(examples, outs, tok) -> list[dict]:
+    """rollouts.jsonl's records: each response's text, token ids, raw log-probs and their mean (OPR-SC's score)."""
+    records = []
+    for ex, o in zip(examples, outs):
+        ids, lps = o["token_ids"], o["logprobs"]
+        records.append({"task": ex.task, "idx": ex.idx, "prompt": ex.prompt, "response": tok.decode_response(ids),
+                        "token_ids": ids, "logprobs": lps, "mean_logprob": sum(lps) / len(lps) if lps else None,
+                        "num_tokens": len(ids), "finish_reason": o["finish_reason"]})
+    return records
+
+
+def task_summaries(records: list, tasks: list) -> dict:
+    """Per task: rollouts, mean length, how many stopped, mean of the mean log-probs."""
+    out = {}
+    for task in tasks:
+        rs = [r for r in records if r["task"] == task]
+        lps = [r["mean_logprob"] for r in rs if r["mean_logprob"] is not None]
+        out[task] = {"n": len(rs), "mean_tokens": sum(r["num_tokens"] for r in rs) / max(len(rs), 1),
+                     "stopped": sum(r["finish_reason"] == "stop" for r in rs),
+                     "mean_logprob": sum(lps) / len(lps) if lps else None}
+    return out
+
+
+def print_table(summary: dict, engine: str):
+    """The summary per task, and the log-prob check's numbers (a warning when they exceed the tolerance)."""
+    print(f"{'task':<12} {'rollouts':>8} {'mean tokens':>11} {'stopped':>8} {'mean logprob':>12}")
+    for task, t in summary["tasks"].items():
+        if t["n"]:
+            lp = "-" if t["mean_logprob"] is None else f"{t['mean_logprob']:.3f}"
+            print(f"{task:<12} {t['n']:>8} {t['mean_tokens']:>11.1f} {t['stopped']:>8} {lp:>12}")
+    check = summary["logprob_check"]
+    if check is not None:
+        print(f"log-prob check ({check['k']} rollouts, {check['tokens']} tokens, engine {engine} vs trainer): mean "
+              f"|d| {check['mean_abs_dlogp']:.2e}, max |d| {check['max_abs_dlogp']:.2e}, k3 KL {check['k3_kl']:.2e}")
+        if check["warned"]:
+            print(f"rollout.py: WARNING: the {engine} engine's log-probs disagree with the trainer's forward pass "
+                  f"(mean |d| {check['mean_abs_dlogp']:.3g} > {LOGPROB_TOL_MEAN} or max |d| "
+                  f"{check['max_abs_dlogp']:.3g} > {LOGPROB_TOL_MAX} nats); OPR-SC scores built on them are off by "
+                  f"as much", file=sys.stderr)
+
+
 def main(argv=None):
     args = parse_args(argv)
     from kernels import retain_freed_memory
@@ -155,12 +196,7 @@ def main(argv=None):
         return out_path
 
     # 4. rollout records
-    records = []
-    for ex, o in zip(examples, outs):
-        ids, lps = o["token_ids"], o["logprobs"]
-        records.append({"task": ex.task, "idx": ex.idx, "prompt": ex.prompt, "response": tok.decode_response(ids),
-                        "token_ids": ids, "logprobs": lps, "mean_logprob": sum(lps) / len(lps) if lps else None,
-                        "num_tokens": len(ids), "finish_reason": o["finish_reason"]})
+    records = rollout_records(examples, outs, tok)
     # 5. engine vs trainer log-probs
     check = logprob_check(ckpt, prompts, outs, args.check_logprobs, args.seed) if args.check_logprobs > 0 else None
 
@@ -168,31 +204,12 @@ def main(argv=None):
     n_tok = sum(r["num_tokens"] for r in records)
     summary = {"ckpt": str(ckpt), "engine": engine, "temperature": args.temperature,
                "max_new_tokens": args.max_new_tokens, "seed": args.seed, "n": len(records), "tokens": n_tok,
-               "seconds": wall, "workers": workers.world()[1], "tasks": {}, "logprob_check": check}
-    for task in tasks:
-        rs = [r for r in records if r["task"] == task]
-        lps = [r["mean_logprob"] for r in rs if r["mean_logprob"] is not None]
-        summary["tasks"][task] = {"n": len(rs), "mean_tokens": sum(r["num_tokens"] for r in rs) / max(len(rs), 1),
-                                  "stopped": sum(r["finish_reason"] == "stop" for r in rs),
-                                  "mean_logprob": sum(lps) / len(lps) if lps else None}
+               "seconds": wall, "workers": workers.world()[1], "tasks": task_summaries(records, tasks),
+               "logprob_check": check}
     write_jsonl(out_path, records, kind="rollouts")
     write_json(summary_path(out_path), summary, kind="rollout-summary")
 
-    print(f"{'task':<12} {'rollouts':>8} {'mean tokens':>11} {'stopped':>8} {'mean logprob':>12}")
-    for task in tasks:
-        rs = [r for r in records if r["task"] == task]
-        if rs:
-            print(f"{task:<12} {len(rs):>8} {sum(r['num_tokens'] for r in rs) / len(rs):>11.1f} "
-                  f"{sum(r['finish_reason'] == 'stop' for r in rs):>8} "
-                  f"{sum(r['mean_logprob'] for r in rs) / len(rs):>12.3f}")
-    if check is not None:
-        print(f"log-prob check ({check['k']} rollouts, {check['tokens']} tokens, engine {engine} vs trainer): mean "
-              f"|d| {check['mean_abs_dlogp']:.2e}, max |d| {check['max_abs_dlogp']:.2e}, k3 KL {check['k3_kl']:.2e}")
-        if check["warned"]:
-            print(f"rollout.py: WARNING: the {engine} engine's log-probs disagree with the trainer's forward pass "
-                  f"(mean |d| {check['mean_abs_dlogp']:.3g} > {LOGPROB_TOL_MEAN} or max |d| "
-                  f"{check['max_abs_dlogp']:.3g} > {LOGPROB_TOL_MAX} nats); OPR-SC scores built on them are off by "
-                  f"as much", file=sys.stderr)
+    print_table(summary, engine)
     print(f"wrote {len(records)} rollouts to {out_path} ({n_tok} tokens in {wall:.1f}s, "
           f"{n_tok / max(wall, 1e-9):.1f} tok/s, {len(records) / max(wall, 1e-9):.2f} prompts/s)")
     return out_path

@@ -199,12 +199,56 @@ def nll_stats(records: list[dict]) -> dict:
             "token_nll_max": max(-x for r in rs for x in r["logprobs"])}
 
 
+def task_rollouts(path: Path, tasks_flag) -> tuple[list, list]:
+    """The rollouts of --tasks (all in the file without it) and the task order: --tasks's, else the file's."""
+    from data.tasks import parse_tasks
+    records = read_rollouts(path)
+    if not tasks_flag:
+        return records, list(dict.fromkeys(r["task"] for r in records))
+    tasks = parse_tasks(tasks_flag)
+    missing = [t for t in tasks if not any(r["task"] == t for r in records)]
+    if missing:
+        raise InputError(f"{path}: no rollouts for task(s) {', '.join(missing)} given in --tasks")
+    return [r for r in records if r["task"] in tasks], tasks
+
+
+def split_budget(args, available: dict, path: Path) -> tuple[int, dict]:
+    """(the buffer's budget, task -> examples): --task-budgets's own counts, else the budget (--budget, or the rule
+    rho * n) split over the tasks; each capped by the candidates a task has (`available`)."""
+    from data.replay import allocate, buffer_size
+    if args.task_budgets is not None:
+        if any(t not in available for t in args.task_budgets) or len(args.task_budgets) != len(available):
+            raise InputError(f"--task-budgets names {', '.join(args.task_budgets)} but {path} (with --tasks) "
+                             f"holds rollouts of {', '.join(available)}")
+        return sum(args.task_budgets.values()), {t: min(args.task_budgets[t], n) for t, n in available.items()}
+    budget = args.budget if args.budget is not None else buffer_size(
+        RHO if args.rho is None else args.rho, N_NEXT if args.n is None else args.n)
+    return budget, allocate(budget, available)
+
+
+def print_summary(args, budget: int, rows: list, stats: dict, stats_file: Path):
+    """One markdown row per task: candidates, selection, score range and the NLL bound of what was kept."""
+    passed_rule = "score == 100" if args.scorer == "ru" else "score > task median"
+    print(f"scorer={args.scorer} select={args.select} budget={budget}"
+          f"{' (per task)' if args.task_budgets is not None else ''}"
+          f"{f' scoring={args.scoring}' if args.scorer == 'ru' else ''} (passed: {passed_rule})")
+    print("| task | available | over-long | selected | min | median | max | passed | empty | NLL/token selected "
+          "mean | selected max | rejected mean | Spearman RU-SC |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    for t, n, n_long, k, lo, med, hi, passed, empty in rows:
+        st = stats["tasks"][t]
+        print(f"| {t} | {n} | {n_long} | {k} | {fmt(lo)} | {fmt(med)} | {fmt(hi)} | {passed} | {empty} | "
+              f"{fmt(st['selected']['nll_mean'])} | {fmt(st['selected']['nll_max'])} | "
+              f"{fmt(st['rejected']['nll_mean'])} | {fmt(st['spearman_ru_sc'])} |")
+    print(f"Spearman(RU, SC) over all rollouts: {fmt(stats['spearman_ru_sc'])}; buffer stats: {stats_file}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     from data.outputs import check_output, write_json, write_jsonl
     from reporting.stats import spearman
-    from data.replay import allocate, buffer_size, select
-    from data.tasks import parse_tasks
+    from data.replay import select
 
     rollout_path = Path(args.rollouts)
     out_path = check_output(Path(args.out) if args.out else rollout_path.with_name("buffer.jsonl"), "buffer",
@@ -212,15 +256,7 @@ def main(argv=None):
     check_output(stats_path(out_path), "buffer-stats", args.overwrite, "--out's buffer_stats.json")
 
     # 1. rollouts, grouped by task in task order
-    records = read_rollouts(rollout_path)
-    if args.tasks:
-        tasks = parse_tasks(args.tasks)
-        missing = [t for t in tasks if not any(r["task"] == t for r in records)]
-        if missing:
-            raise InputError(f"{rollout_path}: no rollouts for task(s) {', '.join(missing)} given in --tasks")
-        records = [r for r in records if r["task"] in tasks]
-    else:
-        tasks = list(dict.fromkeys(r["task"] for r in records))
+    records, tasks = task_rollouts(rollout_path, args.tasks)
 
     # 2. scores (both, when the gold answers are at hand: step 5 correlates them)
     sc = [sc_score(r) for r in records]
@@ -239,17 +275,7 @@ def main(argv=None):
     by_task = {t: [i for i in ix if fits[i]] for t, ix in by_task.items()}  # the candidates
 
     # 3. budget and its split over the prior tasks (or each task's own count)
-    if args.task_budgets is not None:
-        unknown = [t for t in args.task_budgets if t not in by_task]
-        if unknown or len(args.task_budgets) != len(by_task):
-            raise InputError(f"--task-budgets names {', '.join(args.task_budgets)} but {rollout_path} (with --tasks) "
-                             f"holds rollouts of {', '.join(by_task)}")
-        alloc = {t: min(args.task_budgets[t], len(ix)) for t, ix in by_task.items()}
-        budget = sum(args.task_budgets.values())
-    else:
-        budget = args.budget if args.budget is not None else buffer_size(
-            RHO if args.rho is None else args.rho, N_NEXT if args.n is None else args.n)
-        alloc = allocate(budget, {t: len(ix) for t, ix in by_task.items()})
+    budget, alloc = split_budget(args, {t: len(ix) for t, ix in by_task.items()}, rollout_path)
 
     # 4. selection within each task
     buffer, rows, task_stats, picked = [], [], {}, set()
@@ -283,20 +309,7 @@ def main(argv=None):
     # 6. write (atomic), then report
     write_jsonl(out_path, buffer, kind="buffer")
     write_json(stats_path(out_path), stats, kind="buffer-stats")
-    passed_rule = "score == 100" if args.scorer == "ru" else "score > task median"
-    print(f"scorer={args.scorer} select={args.select} budget={budget}"
-          f"{' (per task)' if args.task_budgets is not None else ''}"
-          f"{f' scoring={args.scoring}' if args.scorer == 'ru' else ''} (passed: {passed_rule})")
-    print("| task | available | over-long | selected | min | median | max | passed | empty | NLL/token selected "
-          "mean | selected max | rejected mean | Spearman RU-SC |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    for t, n, n_long, k, lo, med, hi, passed, empty in rows:
-        st = task_stats[t]
-        print(f"| {t} | {n} | {n_long} | {k} | {fmt(lo)} | {fmt(med)} | {fmt(hi)} | {passed} | {empty} | "
-              f"{fmt(st['selected']['nll_mean'])} | {fmt(st['selected']['nll_max'])} | "
-              f"{fmt(st['rejected']['nll_mean'])} | {fmt(st['spearman_ru_sc'])} |")
-    print(f"Spearman(RU, SC) over all rollouts: {fmt(stats['spearman_ru_sc'])}; buffer stats: {stats_path(out_path)}")
+    print_summary(args, budget, rows, stats, stats_path(out_path))
     print(f"wrote {len(buffer)} replay examples to {out_path}")
     return out_path
 
