@@ -24,7 +24,7 @@ def per_seed(results: dict) -> dict:
         out[m] = {}
         for seed, run in entry["seeds"].items():
             cl = cl_metrics(run["matrix"])
-            out[m][seed] = {"acc": cl["ACC"], "bwt": cl["BWT"]}
+            out[m][seed] = {"acc": cl["acc"], "bwt": cl["bwt"]}
     return out
 
 

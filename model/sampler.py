@@ -9,6 +9,8 @@ function of (seed, i). temperature 0 is greedy. The noise is bounded (u has 32 b
 lies within that bound of the top token's drawn score can win: outside a CUDA graph the sampler draws noise for
 those alone (at T 0.1 a handful), the same tokens bit for bit as the draw over the whole vocabulary.
 """
+import math
+
 import torch
 
 M32 = 0xFFFFFFFF
@@ -59,13 +61,11 @@ G_MAX = -torch.log(-torch.log(torch.tensor((2.0 ** 32 - 0.5) * 2.0 ** -32, dtype
 # looking for them costs more than it saves; below it, a few (both ways give the same tokens)
 CANDIDATE_MAX_T = 0.5
 # A token whose scaled logit lies d below the top token's drawn score wins only if its noise reaches d, i.e. its
-# u >= exp(-exp(-d)): u in the top third of its range at d = 0, in the top 1e-4 at d = 9. U_FLOOR[k + 5] is a hash
-# value below which u is short of exp(-exp(-k)) (a 2-hash margin for the fp64 rounding), so a token at d >= k whose
-# hash is below it cannot win: telling so costs the hash and a compare, not the noise's two fp64 logs.
-# (d >= -G_MAX's lower twin, -3.13, always: the top token's own noise is at least that.)
-_D = torch.arange(-5, 41, dtype=torch.float64)
-U_FLOOR = (torch.exp(-torch.exp(-_D)) * 2.0 ** 32 - 0.5).floor().sub(2).clamp(min=0).long()
-
+# u >= exp(-exp(-d)). At d >= FAR_D = 8 that is u in the top 0.034 % of its range: FAR_FLOOR is a hash value below
+# which u falls short of it (a 2-hash margin for the fp64 rounding), so a token at least FAR_D below whose hash is
+# under it cannot win, and telling so costs its hash and a compare, not the noise's two fp64 logs.
+FAR_D = 8
+FAR_FLOOR = int(math.floor(math.exp(-math.exp(-FAR_D)) * 2.0 ** 32 - 0.5)) - 2
 
 def sample(logits, temperature: float, keys, counters):
     """logits [n, V] -> (token ids [n], raw fp32 log-prob of each [n]); see the module docstring."""
@@ -113,9 +113,9 @@ def _sample_candidates(logits, temperature: float, keys, counters):
 
 def _sample_thresholded(logits, temperature: float, keys, counters, rows: int | None = None):
     """_full_draw's tokens, bit for bit, for high temperatures, where most of the vocabulary lies within G_MAX of the
-    top: every token's hash is computed, but the noise (two fp64 logs) only for the tokens whose hash clears the
-    floor of their distance d below the top token's drawn score (U_FLOOR), at T 1 a few per row. `rows` at a time,
-    as _full_draw."""
+    top: every token's hash is computed, but the noise (two fp64 logs) only for the tokens within FAR_D of the top
+    token's drawn score and the few further ones whose hash clears FAR_FLOOR, at T 1 a few dozen per row. `rows` at
+    a time, as _full_draw."""
     n, vocab = logits.shape
     rows = rows or (n if logits.is_cuda else max(1, (1 << 18) // vocab))
     if n > rows:
@@ -124,13 +124,12 @@ def _sample_thresholded(logits, temperature: float, keys, counters, rows: int | 
     row = _row_hash(keys, counters)
     top = logits.argmax(-1)
     best = logits.gather(-1, top[:, None]).squeeze(-1).double() / temperature + _noise(row, top)
-    d = best.float()[:, None] - logits / temperature  # fp32: off by <= ~1e-5 of the operands' size, hence the margin
-    margin = 1e-2 + 1e-5 * (best.abs().float() + logits.abs().amax(-1) / temperature)
-    k = (d - margin[:, None]).floor_().clamp_(-5, 40).long().add_(5)
+    near = ((best - FAR_D) * temperature).float()
+    near -= near.abs() * 1e-6 + 1e-6  # fp32 rounding of the bound: keep a superset of the exact candidates
     h = hash32_i32(row.to(torch.int32)[:, None] ^ torch.arange(vocab, dtype=torch.int32, device=logits.device))
-    # unsigned h >= floor, as int32s: flipping the sign bit of both keeps their unsigned order
-    floor = (U_FLOOR.to(logits.device) ^ (1 << 31)).to(torch.int32)
-    r, j = ((h ^ _i32(1 << 31)) >= floor[k]).nonzero(as_tuple=True)  # row-major: ids ascending within a row
+    # unsigned h >= FAR_FLOOR, as int32s: flipping the sign bit of both keeps their unsigned order
+    far = (h ^ _i32(1 << 31)) >= _i32(FAR_FLOOR ^ (1 << 31))
+    r, j = (far | (logits >= near[:, None])).nonzero(as_tuple=True)  # row-major: ids ascending within a row
     score = logits[r, j].double() / temperature + _noise(row[r], j)  # the full draw's ops, element for element
     row_max = torch.full((n,), -torch.inf, dtype=score.dtype, device=score.device).scatter_reduce(0, r, score, "amax")
     won = score == row_max[r]
