@@ -423,7 +423,8 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
             c.mean_doc = sum(est) / max(len(est), 1)
             c.sdft = "sdft" in spec.extra  # --objective sdft (sft-kl's teacher pass is not priced)
             if c.sdft:  # the student samples one response per example and epoch on the training ranks (train.py)
-                cap, exs = cfg_run["sdft_max_new_tokens"], [e for t in spec.tasks for e in train_sets[t]]
+                cap = int(spec.extra[spec.extra.index("--sdft-max-new-tokens") + 1])  # the step's own cap
+                exs = [e for t in spec.tasks for e in train_sets[t]]
                 c.prompts = spec.ep * len(exs)
                 c.prompt_tokens = spec.ep * sum(L.prompt(e) for e in exs)
                 c.new_tokens_est = spec.ep * sum(min(cap, L.sft(e) - L.prompt(e)) for e in exs)  # the demo's length

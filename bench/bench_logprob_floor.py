@@ -31,7 +31,10 @@ def worker(args):
     job = json.loads(Path(args.job).read_text())
     sys.path.insert(0, str(args.root))  # the engine under test: args.root's (nothing of the project imported yet)
     from model.checkpoint import load_model
-    from model.native import sample
+    try:
+        from model.native import sample
+    except ImportError:  # a --before checkout from before the rename
+        from model.generate import generate as sample
     model = load_model(job["ckpt"])
     out = {bs: [[o["token_ids"], o["logprobs"]] for o in sample(
         model, job["prompts"], temperature=0.0, max_new_tokens=job["max_new_tokens"], stop_ids=job["stop_ids"],

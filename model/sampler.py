@@ -130,6 +130,8 @@ def _sample_thresholded(logits, temperature: float, keys, counters, rows: int | 
     # unsigned h >= FAR_FLOOR, as int32s: flipping the sign bit of both keeps their unsigned order
     far = (h ^ _i32(1 << 31)) >= _i32(FAR_FLOOR ^ (1 << 31))
     r, j = (far | (logits >= near[:, None])).nonzero(as_tuple=True)  # row-major: ids ascending within a row
+    if r.numel() * 8 > logits.numel():  # flat rows (a logit spread under FAR_D * T): most tokens can win
+        return _full_draw(logits, temperature, keys, counters, rows)
     score = logits[r, j].double() / temperature + _noise(row[r], j)  # the full draw's ops, element for element
     row_max = torch.full((n,), -torch.inf, dtype=score.dtype, device=score.device).scatter_reduce(0, r, score, "amax")
     won = score == row_max[r]

@@ -166,7 +166,7 @@ class Pipeline:
             now = None
         if now is not None and rec.get("pruned"):  # a prune stopped between its record and its delete
             now = {f: h for f, h in now.items() if rec["pruned"].get(f) != h}
-        if now == rec.get("files"):
+        if now is not None and now == rec.get("files"):
             return True
         if key not in self.warned:
             self.warned.add(key)

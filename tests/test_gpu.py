@@ -9,6 +9,7 @@ Every test here is marked `gpu` and skipped without CUDA (the CPU suite collects
     forward and backward, on packed bf16 documents with GQA
   - liger's fused linear cross-entropy equals our chunked one on CUDA, loss and gradients, fp32 and bf16
   - the native sampler's raw log-probs on CUDA equal a teacher-forced forward pass of the sampled tokens
+  - the sampler's int32 hash and its high-temperature draw give the CPU's words and tokens on CUDA
   - FSDP2 on NCCL with every visible GPU (torchrun) equals the one-process fp32 CPU run, step by step
   - vLLM's raw log-probs equal the trainer's model on the same tokens (only where vLLM is installed)
 Tolerances are stated at each assertion, with the reason.
@@ -284,3 +285,18 @@ def test_engine_per_prompt_seeds_do_not_depend_on_the_batch_on_cuda(cuda_models)
     alone = [sample(model, [p], temperature=1.0, max_new_tokens=16, seeds=[s], progress=False)[0]
              for p, s in zip(PROMPTS, seeds)]
     assert [o["token_ids"] for o in together] == [o["token_ids"] for o in alone]
+
+
+def test_the_samplers_hash_and_high_temperature_draw_are_the_cpus_on_cuda():
+    """The int32 hash wraps its products on CUDA as on the CPU (the same words), and the high-temperature draw on
+    CUDA picks the full draw's tokens, which are the CPU's: a prompt's tokens do not depend on the device."""
+    from model.sampler import _full_draw, _sample_thresholded, hash32
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randint(0, 1 << 32, (1 << 20,), generator=g), torch.tensor([0, (1 << 31) - 1, 1 << 31,
+                                                                                      (1 << 32) - 1])])
+    assert torch.equal(hash32(x.cuda()).cpu(), hash32(x))
+    logits = torch.randn(64, 49152, generator=g) * 4
+    keys, counters = torch.randint(0, 1 << 62, (64,), generator=g), torch.randint(0, 512, (64,), generator=g)
+    cpu = _full_draw(logits, 1.0, keys, counters)
+    assert torch.equal(_sample_thresholded(logits.cuda(), 1.0, keys.cuda(), counters.cuda()).cpu(), cpu)
+    assert torch.equal(_full_draw(logits.cuda(), 1.0, keys.cuda(), counters.cuda()).cpu(), cpu)
