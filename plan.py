@@ -364,84 +364,100 @@ class EstimatedTokenizer:
         return len(self.prompt_ids(prompt)) + self._tokens(response) + TEMPLATE_ANSWER
 
 
-def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data_root, model_cfg,
-             profile: Profile, checkpointing: bool = False) -> list[StepCost]:
-    """One StepCost per step of run.py's Pipeline (steps: key -> {kind, deps, spec: a pipeline.specs type}), in its
-    order. checkpointing: the command trains with --activation-checkpointing (run.py: the preset says so and it runs
-    on GPUs)."""
-    from data.replay import gold_draw, replay_counts
-    from data.tasks import get_task
-    from data.trace import filter_overlong, load_task
+class StepCounts:
+    """What each of run.py's steps reads and generates, counted from the data: the examples and token counts of a
+    step's spec (train sets, test sets, buffers drawn or estimated), filled into its StepCost."""
 
-    L = Lengths(tok)
-    max_new = cfg_run["max_new_tokens"]
-    tests = {}
+    def __init__(self, steps: dict, cfg_run: dict, train_sets: dict, tok, data_root):
+        self.steps, self.cfg, self.train_sets, self.tok, self.data_root = steps, cfg_run, train_sets, tok, data_root
+        self.L, self.max_new, self.tests = Lengths(tok), cfg_run["max_new_tokens"], {}
 
-    def test_set(task, limit=None):
+    def test_set(self, task, limit=None):
         """The test examples that fit max_len, the first `limit` of them (evaluate.py: --eval-limit; drift.py:
         --drift-limit, which --eval-limit does not cap)."""
-        if task not in tests:
-            tests[task] = filter_overlong(load_task(data_root, task, "test"), tok.sft_length, cfg_run["max_len"])[0]
-        limit = cfg_run["eval_limit"] if limit is None else limit
-        return tests[task][:limit] if limit else tests[task]
+        from data.trace import filter_overlong, load_task
+        if task not in self.tests:
+            self.tests[task] = filter_overlong(load_task(self.data_root, task, "test"), self.tok.sft_length,
+                                               self.cfg["max_len"])[0]
+        limit = self.cfg["eval_limit"] if limit is None else limit
+        return self.tests[task][:limit] if limit else self.tests[task]
 
-    def generation(c, examples, repeats=1):
+    def generation(self, c: StepCost, examples, repeats=1):
+        from data.tasks import get_task
+        L, max_new = self.L, self.max_new
         c.prompts = repeats * len(examples)  # evaluate.py --repeats: K responses per prompt, one generate call
         c.prompt_tokens = repeats * sum(L.prompt(e) for e in examples)
         c.new_tokens_max = repeats * sum(get_task(e.task).max_new_tokens or max_new for e in examples)  # per-task cap
         # the gold answer (+ end-of-turn) as the expected response length, capped at the budget
         c.new_tokens_est = repeats * sum(min(max_new, L.sft(e) - L.prompt(e)) for e in examples)
 
-    def buffer_lengths(key) -> tuple[list[int], list[int], bool]:
+    def buffer_lengths(self, key) -> tuple[list[int], list[int], bool]:
         """(estimated lengths, upper-bound lengths, exact?) of the examples of the buffer step `key`."""
-        s = steps[key]
+        from data.replay import gold_draw, replay_counts
+        s, L, train_sets = self.steps[key], self.L, self.train_sets
         spec = s["spec"]
         if s["kind"] == "replay":  # gold replay: the draw run.py writes, so exact
             lens = [L.sft(e) for _, e in gold_draw(train_sets, spec.prior, spec.budget, spec.seed)]
             return lens, lens, True
-        prior = steps[s["deps"][0]]["spec"].prior  # score <- rollout of the prior tasks
+        prior = self.steps[s["deps"][0]]["spec"].prior  # score <- rollout of the prior tasks
         counts = replay_counts(spec.budget, {t: len(train_sets[t]) for t in prior})  # one rollout per example
         est, hi = [], []
         for t in prior:
             mean = sum(L.sft(e) for e in train_sets[t]) / len(train_sets[t])
             est += [round(mean)] * counts[t]
-            hi += sorted((L.sft_empty(e) + max_new for e in train_sets[t]), reverse=True)[:counts[t]]
+            hi += sorted((L.sft_empty(e) + self.max_new for e in train_sets[t]), reverse=True)[:counts[t]]
         return est, hi, False
 
-    costs = {}
-    for key, s in steps.items():
+    def train(self, c: StepCost, spec, deps):
+        """The tokens train.py will count: its tasks' examples and the buffer it reads, times the epochs; sdft's
+        student samples one response per example and epoch on the training ranks besides."""
+        L, train_sets = self.L, self.train_sets
+        task_lens = [L.sft(e) for t in spec.tasks for e in train_sets[t]]
+        est, hi = list(task_lens), list(task_lens)
+        for d in deps:
+            if self.steps[d]["kind"] in ("replay", "score"):
+                b_est, b_hi, exact = self.buffer_lengths(d)
+                est, hi, c.exact = est + b_est, hi + b_hi, c.exact and exact
+        c.train_tokens, c.train_tokens_max = spec.ep * sum(est), spec.ep * sum(hi)
+        c.mean_doc = sum(est) / max(len(est), 1)
+        c.sdft = "sdft" in spec.extra  # --objective sdft (sft-kl's teacher pass is not priced)
+        if c.sdft:
+            cap = int(spec.extra[spec.extra.index("--sdft-max-new-tokens") + 1])  # the step's own cap
+            exs = [e for t in spec.tasks for e in train_sets[t]]
+            c.prompts = spec.ep * len(exs)
+            c.prompt_tokens = spec.ep * sum(L.prompt(e) for e in exs)
+            c.new_tokens_est = spec.ep * sum(min(cap, L.sft(e) - L.prompt(e)) for e in exs)  # the demo's length
+            c.new_tokens_max = spec.ep * len(exs) * cap
+
+    def count(self, key: str) -> StepCost:
+        s = self.steps[key]
         spec, kind = s["spec"], s["kind"]
         c = StepCost(key, kind, list(s["deps"]))
         if kind == "train":
-            task_lens = [L.sft(e) for t in spec.tasks for e in train_sets[t]]
-            est, hi = list(task_lens), list(task_lens)
-            for d in s["deps"]:
-                if steps[d]["kind"] in ("replay", "score"):
-                    b_est, b_hi, exact = buffer_lengths(d)
-                    est, hi, c.exact = est + b_est, hi + b_hi, c.exact and exact
-            c.train_tokens, c.train_tokens_max = spec.ep * sum(est), spec.ep * sum(hi)
-            c.mean_doc = sum(est) / max(len(est), 1)
-            c.sdft = "sdft" in spec.extra  # --objective sdft (sft-kl's teacher pass is not priced)
-            if c.sdft:  # the student samples one response per example and epoch on the training ranks (train.py)
-                cap = int(spec.extra[spec.extra.index("--sdft-max-new-tokens") + 1])  # the step's own cap
-                exs = [e for t in spec.tasks for e in train_sets[t]]
-                c.prompts = spec.ep * len(exs)
-                c.prompt_tokens = spec.ep * sum(L.prompt(e) for e in exs)
-                c.new_tokens_est = spec.ep * sum(min(cap, L.sft(e) - L.prompt(e)) for e in exs)  # the demo's length
-                c.new_tokens_max = spec.ep * len(exs) * cap
+            self.train(c, spec, s["deps"])
         elif kind == "rollout":
-            generation(c, [e for t in spec.prior for e in train_sets[t]])
+            self.generation(c, [e for t in spec.prior for e in self.train_sets[t]])
         elif kind == "eval":
-            generation(c, [e for t in spec.tasks for e in test_set(t)], spec.repeats)
+            self.generation(c, [e for t in spec.tasks for e in self.test_set(t)], spec.repeats)
         elif kind == "drift":  # drift.py: sample the first `limit` test prompts of each prior task, then both models
             # teacher-force the samples and the gold answers (priced as prefill in price())
-            generation(c, [e for t in spec.prior for e in test_set(t, limit=spec.limit)])
+            self.generation(c, [e for t in spec.prior for e in self.test_set(t, limit=spec.limit)])
         elif kind == "buffer-nll":  # buffer_nll.py: one teacher-forced forward over the gold buffer
-            b_est, _, _ = buffer_lengths(s["deps"][1])
+            b_est, _, _ = self.buffer_lengths(s["deps"][1])
             c.prompts, c.prompt_tokens = len(b_est), sum(b_est)
-        price(c, model_cfg, profile, checkpointing)
-        costs[key] = c
+        return c
 
+
+def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data_root, model_cfg,
+             profile: Profile, checkpointing: bool = False) -> list[StepCost]:
+    """One StepCost per step of run.py's Pipeline (steps: key -> {kind, deps, spec: a pipeline.specs type}), in its
+    order, counted (StepCounts), priced (price) and given the methods whose chains use it. checkpointing: the
+    command trains with --activation-checkpointing (run.py: the preset says so and it runs on GPUs)."""
+    counts = StepCounts(steps, cfg_run, train_sets, tok, data_root)
+    costs = {}
+    for key in steps:
+        costs[key] = c = counts.count(key)
+        price(c, model_cfg, profile, checkpointing)
     for label, by_seed in runs.items():  # which methods use each step (shared steps: several)
         keys = set()
         todo = [k for chain in by_seed.values() for pair in chain for k in pair]
