@@ -155,6 +155,21 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
         with contextlib.suppress(FileNotFoundError):
             path.stat()  # a symlink loop or a denied directory raises its own error naming the path
         raise InputError(f"{path}: file not found" + (" (it is a directory)" if path.is_dir() else ""))
+    located = _parse_records(path)  # (record number, " (line n)" or "", record)
+    if not located:
+        raise InputError(f"{path}: file holds no records")
+    if convert is not None:
+        located = [(i, where, convert(f"{path}: record {i}{where}", r)) for i, where, r in located]
+    for i, where, r in located:
+        _check_record(f"{path}: record {i}{where}", r, required, types or {}, any_of, nonblank)
+    if locate:
+        return [(f"{path}: record {i}{where}", r) for i, where, r in located]
+    return [r for _, _, r in located]
+
+
+def _parse_records(path: Path) -> list:
+    """(record number, " (line n)" or "", record) of every record of a JSON list, JSON Lines or Parquet file, before
+    any check of what a record holds."""
     located = []  # (record number, " (line n)" or "", record)
     text = None if path.suffix == ".parquet" else read_text(path)
     if text is None:
@@ -180,40 +195,35 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}: malformed JSON in record {len(located)} (line {lineno}, column "
                                  f"{e.colno}): {e.msg}") from None
-    if not located:
-        raise InputError(f"{path}: file holds no records")
-    if convert is not None:
-        located = [(i, where, convert(f"{path}: record {i}{where}", r)) for i, where, r in located]
-    types = types or {}
-    for i, where, r in located:
-        if not isinstance(r, dict):
-            raise InputError(f"{path}: record {i}{where}: expected an object with "
-                             f"{', '.join(map(repr, required))}, got {type(r).__name__}")
-        for field in required:
-            if field not in r:
-                raise InputError(f"{path}: record {i}{where}: missing field {field!r}")
-            want = types.get(field, str)
-            if not isinstance(r[field], want):
-                name = "a string" if want is str else " or ".join(t.__name__ for t in (
-                    want if isinstance(want, tuple) else (want,)))
-                raise InputError(f"{path}: record {i}{where}: field {field!r} must be {name}, "
-                                 f"got {type(r[field]).__name__}")
-        if any_of and not any(isinstance(r.get(f), str) for f in any_of):
-            raise InputError(f"{path}: record {i}{where}: needs a string field {' or '.join(map(repr, any_of))}")
-        for field in nonblank:
-            check_answer(f"{path}: record {i}{where}", field, r.get(field))
-        if isinstance(r.get("prompt"), list) and not (r["prompt"] and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                and _encodable(m["role"] + m["content"]) for m in r["prompt"])):  # a chat prompt's turns
-            raise InputError(f"{path}: record {i}{where}: field 'prompt' must be a string or a non-empty list of "
-                             f"{{role, content}} objects of text")
-        for field, v in r.items():  # JSON's "\ud800" escapes decode to text no tokenizer (nor UTF-8) can take
-            if isinstance(v, str) and not _encodable(v):
-                raise InputError(f"{path}: record {i}{where}: field {field!r} holds an unpaired surrogate "
-                                 f"(\\ud800-\\udfff escape), which is not text; fix or drop the record")
-    if locate:
-        return [(f"{path}: record {i}{where}", r) for i, where, r in located]
-    return [r for _, _, r in located]
+    return located
+
+
+def _check_record(where: str, r, required, types: dict, any_of, nonblank):
+    """One record's fields, as read_records's docstring says: a problem raises InputError naming `where` and the
+    field."""
+    if not isinstance(r, dict):
+        raise InputError(f"{where}: expected an object with {', '.join(map(repr, required))}, got {type(r).__name__}")
+    for field in required:
+        if field not in r:
+            raise InputError(f"{where}: missing field {field!r}")
+        want = types.get(field, str)
+        if not isinstance(r[field], want):
+            name = "a string" if want is str else " or ".join(t.__name__ for t in (
+                want if isinstance(want, tuple) else (want,)))
+            raise InputError(f"{where}: field {field!r} must be {name}, got {type(r[field]).__name__}")
+    if any_of and not any(isinstance(r.get(f), str) for f in any_of):
+        raise InputError(f"{where}: needs a string field {' or '.join(map(repr, any_of))}")
+    for field in nonblank:
+        check_answer(where, field, r.get(field))
+    if isinstance(r.get("prompt"), list) and not (r["prompt"] and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            and _encodable(m["role"] + m["content"]) for m in r["prompt"])):  # a chat prompt's turns
+        raise InputError(f"{where}: field 'prompt' must be a string or a non-empty list of "
+                         f"{{role, content}} objects of text")
+    for field, v in r.items():  # JSON's "\ud800" escapes decode to text no tokenizer (nor UTF-8) can take
+        if isinstance(v, str) and not _encodable(v):
+            raise InputError(f"{where}: field {field!r} holds an unpaired surrogate "
+                             f"(\\ud800-\\udfff escape), which is not text; fix or drop the record")
 
 
 def _parquet_rows(path: Path) -> list:
