@@ -39,45 +39,14 @@ class ModelConfig:
         if mt not in SUPPORTED:
             raise InputError(f"{source}: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
 
-        def need(key):
-            if key not in d or d[key] is None:
-                raise InputError(f"{source}: missing required key {key!r} for model_type {mt!r}")
-            return d[key]
-
+        k = _Keys(d, source, mt)
+        need, count, positive, flag = k.need, k.count, k.positive, k.flag
         if d.get("hidden_act", "silu") != "silu":
             raise InputError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
         if d.get("use_sliding_window"):
             raise InputError(f"{source}: use_sliding_window=true is not supported")
         hidden, heads = need("hidden_size"), need("num_attention_heads")
-        # transformers >= 5 writes rope_parameters {rope_theta, rope_type, ...}; older files rope_theta + rope_scaling.
-        for key in ("rope_parameters", "rope_scaling"):
-            if d.get(key) is not None and not isinstance(d[key], dict):
-                raise InputError(f"{source}: {key} must be an object, got {d[key]!r}")
-        rope = dict(d.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
-        scaling = rope or d.get("rope_scaling") or None
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind == "default":
-                scaling = None
-            elif kind != "llama3":
-                raise InputError(f"{source}: rope scaling type {kind!r} is not supported (only 'llama3')")
-        def count(key, v):  # a wrong type or a size < 1 would fail later as a traceback deep in torch
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InputError(f"{source}: {key} must be a positive integer, got {v!r}")
-            return v
-
-        def positive(key, v):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise InputError(f"{source}: {key} must be a positive number, got {v!r}")
-            return v
-
-        def flag(key):
-            v = d.get(key, False)
-            if not isinstance(v, bool):
-                raise InputError(f"{source}: {key} must be true or false, got {v!r}")
-            return v
-
+        theta, scaling = _rope(d, source)
         hidden, heads = count("hidden_size", hidden), count("num_attention_heads", heads)
         kv_heads = count("num_key_value_heads", d.get("num_key_value_heads") or heads)
         if heads % kv_heads:
@@ -117,3 +86,50 @@ class ModelConfig:
         if embeddings:
             n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return n
+
+
+class _Keys:
+    """A config.json's values, checked as they are read: a missing key, a wrong type or a size < 1 is one line
+    naming the file and the key (later it would fail as a traceback deep in torch)."""
+
+    def __init__(self, d: dict, source: str, model_type: str):
+        self.d, self.source, self.model_type = d, source, model_type
+
+    def need(self, key):
+        if key not in self.d or self.d[key] is None:
+            raise InputError(f"{self.source}: missing required key {key!r} for model_type {self.model_type!r}")
+        return self.d[key]
+
+    def count(self, key, v):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(f"{self.source}: {key} must be a positive integer, got {v!r}")
+        return v
+
+    def positive(self, key, v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise InputError(f"{self.source}: {key} must be a positive number, got {v!r}")
+        return v
+
+    def flag(self, key):
+        v = self.d.get(key, False)
+        if not isinstance(v, bool):
+            raise InputError(f"{self.source}: {key} must be true or false, got {v!r}")
+        return v
+
+
+def _rope(d: dict, source: str):
+    """(rope theta, the llama3 scaling dict or None). transformers >= 5 writes rope_parameters {rope_theta,
+    rope_type, ...}; older files rope_theta + rope_scaling."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise InputError(f"{source}: {key} must be an object, got {d[key]!r}")
+    rope = dict(d.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+    scaling = rope or d.get("rope_scaling") or None
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "default":
+            scaling = None
+        elif kind != "llama3":
+            raise InputError(f"{source}: rope scaling type {kind!r} is not supported (only 'llama3')")
+    return theta, scaling
