@@ -141,7 +141,8 @@ class Settings:
     epochs: object = setting(None, "epochs per stage: one int, or a comma list per task (none: the task table's, or "
                              "a manifest's)", comma_list(int_at_least(1)))
     first_epochs: int | None = setting(None)  # epochs of stage 1 when --epochs is not given (None: as epochs says)
-    activation_checkpointing: bool = setting(True)  # 7-8B at 16,384 tokens per micro-batch: ~29 GB/GPU with, ~125 without
+    # on: a 7-8B model at 16,384 tokens per micro-batch does not fit a GPU without it (plan.py's memory model)
+    activation_checkpointing: bool = setting(True)
     drift_limit: int = setting(drift.LIMIT, "test prompts per prior task for drift.py's per-update KL after every "
                                "stage >= 2 (0 = no drift steps)", int_at_least(0))
     n_train: int = setting(128, "embedded benchmark only: training examples per task it generates (with --data use "
@@ -538,8 +539,9 @@ class Steps:
         _, budget = self.budget_args(prior, next_task, rho)
 
         def build(tmp, dirs):
+            picked = gold_draw(train_sets, prior, budget, seed)
             write_jsonl(tmp / "buffer.jsonl", [{"prompt": e.prompt, "response": e.answer, "task": t, "idx": e.idx,
-                                                "source": "gold"} for t, e in gold_draw(train_sets, prior, budget, seed)])
+                                                "source": "gold"} for t, e in picked])
             return None
         spec = specs.Replay(prior=prior, seed=seed, budget=budget, max_len=cfg["max_len"], max_train=cfg["max_train"],
                             task_fields=step_fields(prior, "data"))

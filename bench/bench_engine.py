@@ -11,8 +11,8 @@ each, greedy or at --temperature (OPR samples at 0.1, SDFT at 1.0; the native en
 engines that draw alike give the same tokens). --fixed instead: the first --batch-size prompts, exactly
 --max-new-tokens tokens each, no stop (the batch-32 row of bench_generate.py). Each engine runs in a process of its
 own (the model loaded, one warm-up on 4 prompts, then the timed call), the engines alternating, median of --repeats:
-this checkout's engine, --before's (e.g. a `git worktree` of an earlier commit: its model.generate.generate or model.native.sample is
-imported from there), HF `generate` (batches of --batch-size prompts sorted by length, left-padded; a batch runs until
+this checkout's engine, --before's (e.g. a `git worktree` of an earlier commit: its model.native.sample, or
+model.generate.generate before the rename, is imported from there), HF `generate` (batches of --batch-size prompts sorted by length, left-padded; a batch runs until
 its last row stops) and, with --vllm, vLLM run by that interpreter (model.vllm_engine's settings on the CPU backend:
 fp32, eager, its threads bound to the same cores). Reports the timed call's time to drain and new tokens/s (sampled
 answers differ in length between engines: compare the rates), the whole process's wall time (start-up, load,
@@ -121,7 +121,7 @@ def worker(args):
 
         def run(ps):
             return sample(model, ps, temperature=job["temperature"], max_new_tokens=n_new, seed=0,
-                            stop_ids=() if job["fixed"] else stop, batch_size=bs, progress=False)
+                          stop_ids=() if job["fixed"] else stop, batch_size=bs, progress=False)
     run(prompts[:4])
     t0 = time.perf_counter()
     outs = run(prompts)

@@ -145,7 +145,7 @@ def main():
         batch = prompts[:bs]
         def run_ours(k=n):
             return sample(ours, batch, temperature=0.0, max_new_tokens=k, stop_ids=(), batch_size=bs,
-                            progress=False)
+                          progress=False)
 
         def run_hf(k=n):
             return hf_generate(hf, batch, k)

@@ -57,7 +57,7 @@ def main():
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = engine.run(prompts, temperature=0.1, max_new_tokens=args.max_new_tokens, stop_ids=tok.stop_ids,
-                               seed=0, progress=False)
+                          seed=0, progress=False)
         if args.device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0

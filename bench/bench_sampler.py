@@ -34,7 +34,7 @@ def pool(model, prompts, stop, temperature, max_new_tokens):
     """fp32 logits [positions, V] at every response position of one rollout of `prompts`."""
     from model.engine import Engine
     outs = Engine(model, max_seqs=len(prompts)).run(prompts, temperature=temperature, stop_ids=stop, seed=0,
-                                                         max_new_tokens=max_new_tokens, progress=False)
+                                                    max_new_tokens=max_new_tokens, progress=False)
     w, rows = model.lm_head.weight, []
     with torch.no_grad():
         for p, o in zip(prompts, outs):

@@ -206,7 +206,7 @@ class Engine:
     # -- generation: the scheduler's batches, run --------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], *, temperature: float = 0.1, max_new_tokens: int | list = 512,
-                 stop_ids=(), seed: int = 0, seeds: list[int] | None = None, progress: bool = True) -> list[dict]:
+            stop_ids=(), seed: int = 0, seeds: list[int] | None = None, progress: bool = True) -> list[dict]:
         """One response per prompt (token id lists), in the input order. See the module docstring.
         max_new_tokens: one cap for all, or one per prompt (tasks of one call may need 4 tokens or 512)."""
         if temperature < 0:

@@ -55,9 +55,8 @@ def _mem_available() -> int:
 
 
 def sample(model: Transformer, prompts: list[list[int]], *, temperature: float = 0.1,
-             max_new_tokens: int | list[int] = 512,
-             stop_ids=(), seed: int = 0, seeds: list[int] | None = None, batch_size: int | None = None,
-             progress: bool = True) -> list[dict]:
+           max_new_tokens: int | list[int] = 512, stop_ids=(), seed: int = 0, seeds: list[int] | None = None,
+           batch_size: int | None = None, progress: bool = True) -> list[dict]:
     """One response per prompt (token id lists), returned in the input order. See the module docstring.
     max_new_tokens: one cap, or one per prompt. seeds: one seed per prompt (then `seed` is unused)."""
     if batch_size is None and prompts:
@@ -65,4 +64,4 @@ def sample(model: Transformer, prompts: list[list[int]], *, temperature: float =
         batch_size = default_batch_size(model, max(len(p) + c for p, c in zip(prompts, caps)))
     engine = Engine(model, max_seqs=max(1, min(batch_size or 1, len(prompts))))
     return engine.run(prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                           seed=seed, seeds=seeds, progress=progress)
+                      seed=seed, seeds=seeds, progress=progress)

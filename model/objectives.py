@@ -134,7 +134,7 @@ def sample_responses(model, prompts: list[list[int]], seeds: list[int], temperat
         unit.set_reshard_after_forward(False, recurse=False)  # the root's own setting already is False
     try:
         return sample(model, prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                        seeds=seeds, batch_size=batch_size, progress=False)
+                      seeds=seeds, batch_size=batch_size, progress=False)
     finally:
         for unit in units[:-1]:  # the blocks
             unit.set_reshard_after_forward(dist.get_world_size() > 1, recurse=False)

@@ -7,7 +7,8 @@ softmax(logits / T), and a prompt's draws depend on its own key only, never on i
 size, the schedule or the device. Keys: `seeds[i]` when given (train.py's SDFT: one per example and step), else a
 function of (seed, i). temperature 0 is greedy. The noise is bounded (u has 32 bits), so only tokens whose scaled logit
 lies within that bound of the top token's drawn score can win: outside a CUDA graph the sampler draws noise for
-those alone (at T 0.1 a handful), the same tokens bit for bit as the draw over the whole vocabulary.
+those alone (at T 0.1 a handful; at high T, where most tokens lie within it, for those near the top and the few
+whose hash is large enough), the same tokens bit for bit as the draw over the whole vocabulary.
 """
 import math
 
@@ -67,6 +68,7 @@ CANDIDATE_MAX_T = 0.5
 FAR_D = 8
 FAR_FLOOR = int(math.floor(math.exp(-math.exp(-FAR_D)) * 2.0 ** 32 - 0.5)) - 2
 
+
 def sample(logits, temperature: float, keys, counters):
     """logits [n, V] -> (token ids [n], raw fp32 log-prob of each [n]); see the module docstring."""
     logits = logits.float()
@@ -82,60 +84,75 @@ def sample(logits, temperature: float, keys, counters):
     return tokens, logprobs
 
 
-def _full_draw(logits, temperature: float, keys, counters, rows: int | None = None):
-    """argmax(logits / T + gumbel) over the whole vocabulary, `rows` rows at a time: the draw makes ~20 fp64/int64
-    temporaries of its input's size, which for a whole batch miss the CPU's caches (and are fresh pages each call)."""
+def _chunk(logits) -> int:
+    """Rows per piece of a whole-vocabulary draw: its ~20 temporaries of the input's size miss the CPU's caches (and
+    are fresh pages each call) for a whole batch; on a GPU all rows at once."""
     n, vocab = logits.shape
-    rows = rows or (n if logits.is_cuda else max(1, (1 << 18) // vocab))
+    return n if logits.is_cuda else max(1, (1 << 18) // vocab)
+
+
+def _full_draw(logits, temperature: float, keys, counters, rows: int | None = None):
+    """argmax(logits / T + gumbel) over the whole vocabulary, `rows` rows at a time (_chunk)."""
+    n, vocab = logits.shape
+    rows = rows or _chunk(logits)
     return torch.cat([(logits[i:i + rows].double() / temperature
                        + gumbel(keys[i:i + rows], counters[i:i + rows], vocab)).argmax(-1) for i in range(0, n, rows)])
+
+
+def _top_score(logits, temperature: float, row):
+    """Each row's top token's drawn score, logit / T + noise, in fp64 as the full draw computes it."""
+    top = logits.argmax(-1)
+    return logits.gather(-1, top[:, None]).squeeze(-1).double() / temperature + _noise(row, top)
+
+
+def _logit_floor(best, d: float, temperature: float):
+    """The fp32 logit above which a token lies within d of `best` once scaled, lowered by fp32's rounding so that
+    the tokens above it are a superset of the exact ones."""
+    floor = ((best - d) * temperature).float()
+    return floor - (floor.abs() * 1e-6 + 1e-6)
+
+
+def _argmax_among(logits, temperature: float, row, r, j):
+    """_full_draw's tokens when only the (row r, id j) pairs can win (row-major, ids ascending within a row): their
+    scores by the full draw's ops, element for element, and argmax's rule among equal maxima, the first id."""
+    n, vocab = logits.shape
+    score = logits[r, j].double() / temperature + _noise(row[r], j)
+    row_max = torch.full((n,), -torch.inf, dtype=score.dtype, device=score.device).scatter_reduce(0, r, score, "amax")
+    won = score == row_max[r]
+    return torch.full((n,), vocab, device=r.device).scatter_reduce(0, r[won], j[won], "amin")
 
 
 def _sample_candidates(logits, temperature: float, keys, counters):
     """_full_draw's tokens, bit for bit, with noise drawn only for the tokens that can win: those whose scaled logit
     plus G_MAX reaches the top logit's drawn score: at T 0.1 a handful (the noise's range, ~26, is 2.6 logits there).
     Its shapes depend on the data: not under a CUDA graph's capture or torch.compile."""
-    n, vocab = logits.shape
     row = _row_hash(keys, counters)
-    top = logits.argmax(-1)
-    best = logits.gather(-1, top[:, None]).squeeze(-1).double() / temperature + _noise(row, top)
-    floor = ((best - G_MAX) * temperature).float()
-    floor -= floor.abs() * 1e-6 + 1e-6  # fp32 rounding of the bound: keep a superset of the exact candidates
-    r, j = (logits >= floor[:, None]).nonzero(as_tuple=True)  # row-major: ids ascending within a row
+    floor = _logit_floor(_top_score(logits, temperature, row), G_MAX, temperature)
+    r, j = (logits >= floor[:, None]).nonzero(as_tuple=True)
     if r.numel() * 8 > logits.numel():  # a flat distribution: most tokens can win
         return _full_draw(logits, temperature, keys, counters)
-    score = logits[r, j].double() / temperature + _noise(row[r], j)  # the full draw's ops, element for element
-    row_max = torch.full((n,), -torch.inf, dtype=score.dtype, device=score.device).scatter_reduce(0, r, score, "amax")
-    won = score == row_max[r]
-    # argmax's rule among equal maxima: the first id
-    return torch.full((n,), vocab, device=r.device).scatter_reduce(0, r[won], j[won], "amin")
+    return _argmax_among(logits, temperature, row, r, j)
 
 
 def _sample_thresholded(logits, temperature: float, keys, counters, rows: int | None = None):
     """_full_draw's tokens, bit for bit, for high temperatures, where most of the vocabulary lies within G_MAX of the
     top: every token's hash is computed, but the noise (two fp64 logs) only for the tokens within FAR_D of the top
     token's drawn score and the few further ones whose hash clears FAR_FLOOR, at T 1 a few dozen per row. `rows` at
-    a time, as _full_draw."""
+    a time (_chunk)."""
     n, vocab = logits.shape
-    rows = rows or (n if logits.is_cuda else max(1, (1 << 18) // vocab))
+    rows = rows or _chunk(logits)
     if n > rows:
         return torch.cat([_sample_thresholded(logits[i:i + rows], temperature, keys[i:i + rows],
                                               counters[i:i + rows], rows) for i in range(0, n, rows)])
     row = _row_hash(keys, counters)
-    top = logits.argmax(-1)
-    best = logits.gather(-1, top[:, None]).squeeze(-1).double() / temperature + _noise(row, top)
-    near = ((best - FAR_D) * temperature).float()
-    near -= near.abs() * 1e-6 + 1e-6  # fp32 rounding of the bound: keep a superset of the exact candidates
+    near = _logit_floor(_top_score(logits, temperature, row), FAR_D, temperature)
     h = hash32_i32(row.to(torch.int32)[:, None] ^ torch.arange(vocab, dtype=torch.int32, device=logits.device))
     # unsigned h >= FAR_FLOOR, as int32s: flipping the sign bit of both keeps their unsigned order
     far = (h ^ _i32(1 << 31)) >= _i32(FAR_FLOOR ^ (1 << 31))
-    r, j = (far | (logits >= near[:, None])).nonzero(as_tuple=True)  # row-major: ids ascending within a row
+    r, j = (far | (logits >= near[:, None])).nonzero(as_tuple=True)
     if r.numel() * 8 > logits.numel():  # flat rows (a logit spread under FAR_D * T): most tokens can win
         return _full_draw(logits, temperature, keys, counters, rows)
-    score = logits[r, j].double() / temperature + _noise(row[r], j)  # the full draw's ops, element for element
-    row_max = torch.full((n,), -torch.inf, dtype=score.dtype, device=score.device).scatter_reduce(0, r, score, "amax")
-    won = score == row_max[r]
-    return torch.full((n,), vocab, device=r.device).scatter_reduce(0, r[won], j[won], "amin")
+    return _argmax_among(logits, temperature, row, r, j)
 
 
 def row_keys(n: int, seed: int, seeds=None) -> list[int]:

@@ -68,7 +68,7 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, ma
             return vllm_engine.sample(ckpt_dir, [prompts[i] for i in mine], seed=seed, tp=tp, **kw)
         from model.native import sample
         return sample(model if model is not None else load_native(ckpt_dir), [prompts[i] for i in mine],
-                               batch_size=batch_size, **kw)
+                      batch_size=batch_size, **kw)
     return workers.sharded(run, [len(p) + c for p, c in zip(prompts, caps)])
 
 

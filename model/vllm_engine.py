@@ -123,7 +123,7 @@ def engine_env(env: dict):
 
 
 def sample(ckpt_dir, prompts: list[list[int]], *, temperature: float, max_new_tokens, stop_ids, seed: int,
-             seeds: list[int] | None = None, tp: int = 1, progress: bool = True) -> list[dict]:
+           seeds: list[int] | None = None, tp: int = 1, progress: bool = True) -> list[dict]:
     """One response per prompt (token id lists) in input order: {"token_ids", "logprobs", "finish_reason"}.
     max_new_tokens: one cap, or one per prompt (LLM.generate takes one SamplingParams per prompt). seeds: one per
     prompt (model.sampler.row_keys: the native engine's keys), default (seed, i)."""

@@ -2,17 +2,16 @@
 builds them, pipeline.steps hashes their fields into the step's key, and plan.py prices the step from the same
 fields, so a setting the planner reads is one the key holds.
 
+The step's kind is Pipeline.add's first argument, named as the class is (BufferNll: "buffer-nll").
 Every spec but BufferNll holds `task_fields`: the settings of its tasks that it depends on (data.manifest.STEP_FIELDS;
 a manifest's, or TRACE's own). `gen`: the generation settings shared by rollout and evaluation (engine, temperature,
 max_new_tokens, max_len).
 """
 from dataclasses import asdict, dataclass
-from typing import ClassVar
 
 
 @dataclass(frozen=True)
 class Train:
-    kind: ClassVar[str] = "train"
     tasks: list          # the tasks whose train splits it trains on (mtl: all so far)
     seed: int
     lr: float
@@ -29,7 +28,6 @@ class Train:
 
 @dataclass(frozen=True)
 class Eval:
-    kind: ClassVar[str] = "eval"
     tasks: list
     seed: int
     gen: dict
@@ -42,7 +40,6 @@ class Eval:
 
 @dataclass(frozen=True)
 class Rollout:
-    kind: ClassVar[str] = "rollout"
     prior: list          # the tasks whose training prompts it answers
     seed: int
     gen: dict
@@ -52,7 +49,6 @@ class Rollout:
 
 @dataclass(frozen=True)
 class Score:
-    kind: ClassVar[str] = "score"
     scorer: str          # ru: the task metric, sc: mean log-prob
     mode: str            # top, low, random
     budget: dict         # data.replay.replay_budget
@@ -65,7 +61,6 @@ class Score:
 
 @dataclass(frozen=True)
 class Replay:
-    kind: ClassVar[str] = "replay"
     prior: list
     seed: int
     budget: dict
@@ -76,7 +71,6 @@ class Replay:
 
 @dataclass(frozen=True)
 class Drift:
-    kind: ClassVar[str] = "drift"
     prior: list          # the tasks whose test prompts it probes
     seed: int
     limit: int           # test prompts per prior task
@@ -89,7 +83,6 @@ class Drift:
 
 @dataclass(frozen=True)
 class BufferNll:
-    kind: ClassVar[str] = "buffer-nll"
     max_len: int
 
 

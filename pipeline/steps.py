@@ -95,8 +95,8 @@ class Pipeline:
     def add(self, kind: str, name: str, spec, deps: list[str], build, reads=()) -> str:
         """Register a step; `build(tmp_dir, dep_dirs) -> argv` writes its inputs and returns the command that
         fills tmp_dir (or None when build itself produced the output). `spec` holds every setting that changes the
-        step's numbers (a pipeline.specs type), `deps` the steps whose outputs it reads, `reads` the other files and directories it reads
-        (their content goes into the key). Returns the step key (identical inputs -> identical keys -> run once)."""
+        step's numbers (a pipeline.specs type), `deps` the steps whose outputs it reads, `reads` the other files and
+        directories it reads (their content goes into the key). Returns the step key (identical inputs -> identical keys -> run once)."""
         key = f"{name}-{stable_hash([kind, fields_of(spec), deps, self.numerics, self.digests.of(reads)])}"
         self.steps.setdefault(key, dict(kind=kind, deps=deps, build=build, spec=spec))
         return key

@@ -131,14 +131,14 @@ def test_per_prompt_seeds_do_not_depend_on_the_batch(model):
 
     def run(idx, batch_size):
         return [o["token_ids"] for o in native.sample(model, [PROMPTS[i] for i in idx], temperature=1.0,
-                                                 max_new_tokens=10, stop_ids={stop}, seeds=[seeds[i] for i in idx],
+                                                      max_new_tokens=10, stop_ids={stop}, seeds=[seeds[i] for i in idx],
                                                  batch_size=batch_size, progress=False)]
     together = run(range(6), 6)
     assert [run([i], 1)[0] for i in range(6)] == together
     assert run(range(5, -1, -1), 3)[::-1] == together
     assert run([0, 2, 4], 2) == [together[i] for i in (0, 2, 4)]
     other = native.sample(model, PROMPTS, temperature=1.0, max_new_tokens=10, stop_ids={stop}, seeds=seeds[:5] + [13],
-                     progress=False)
+                          progress=False)
     assert [o["token_ids"] for o in other][:5] == together[:5] and other[5]["token_ids"] != together[5]
     with pytest.raises(ValueError, match="2 seeds for 6 prompts"):
         native.sample(model, PROMPTS, seeds=[1, 2], progress=False)
@@ -147,7 +147,7 @@ def test_per_prompt_seeds_do_not_depend_on_the_batch(model):
 def test_seed_reproduces_and_differs(model):
     def run(seed, batch_size=2):
         return [o["token_ids"] for o in native.sample(model, PROMPTS, temperature=1.0, max_new_tokens=10, seed=seed,
-                                                 batch_size=batch_size, progress=False)]
+                                                      batch_size=batch_size, progress=False)]
     assert run(0) == run(0) == run(0, batch_size=5)
     assert run(0) != run(1)
 
@@ -223,7 +223,7 @@ def test_slot_bookkeeping_survives_thousands_of_admissions(tmp_path):
     prompts = [[rng.randrange(23) for _ in range(rng.randint(1, 6))] for _ in range(1500)]
     stops = {3, 7, 11}  # with 23 tokens, responses end after ~1-8 tokens
     outs = native.sample(m, prompts, temperature=1.0, max_new_tokens=8, stop_ids=stops, seed=4, batch_size=5,
-                    progress=False)
+                         progress=False)
     lengths = [len(o["token_ids"]) for o in outs]
     assert min(lengths) == 1 and max(lengths) == 8 and sum(lengths) > 3000
     keys = row_keys(len(prompts), 4)
@@ -292,9 +292,9 @@ def test_the_cpu_engine_packs_frozen_weights_only(model):
 @pytest.mark.parametrize("vocab", [50, 4099, 49152])
 def test_candidate_draw_is_the_full_draw_bit_for_bit(vocab):
     """sample() draws noise only for the tokens that can still win (model.sampler._sample_candidates at low T,
-    _sample_thresholded's hash floors at high T) and the full draw a few rows at a time (_full_draw): all pick argmax(logits / T + gumbel) over the whole vocabulary, computed
-    in one piece, on every row -- ties included (argmax's first id), rows whose winner is not the top logit, peaked
-    and flat rows, T from 0.05 to 2. Fails when the bound on the noise (G_MAX) is too small or the tie rule differs."""
+    _sample_thresholded's distance and hash floor at high T) and the full draw a few rows at a time (_full_draw):
+    all pick argmax(logits / T + gumbel) over the whole vocabulary, computed in one piece, on every row -- ties
+    included (argmax's first id), rows whose winner is not the top logit, peaked and flat rows, T from 0.05 to 2. Fails when the bound on the noise (G_MAX) is too small or the tie rule differs."""
     g = torch.Generator().manual_seed(vocab)
     n, not_top = 48, 0
     for scale in (0.3, 3.0, 12.0):

@@ -262,7 +262,7 @@ def test_engine_cuda_graphs_give_the_eager_steps_tokens(setup, dtype):
         eng = Engine(model, max_seqs=6, graphs=graphs)
         for call in range(2):
             runs[graphs, call] = eng.run(prompts, temperature=1.0, max_new_tokens=100, stop_ids={7, 11}, seed=1,
-                                              progress=False)
+                                         progress=False)
         assert len(eng._graphs) > 1 if graphs else not eng._graphs
     ref = runs[False, 0]
     for key, outs in runs.items():

@@ -69,7 +69,7 @@ def teacher_forced_logprobs(model, prompt, response):
 
 def greedy(model, prompts, n=12, batch_size=8, stop_ids=()):
     return native_sample(model, prompts, temperature=0.0, max_new_tokens=n, stop_ids=stop_ids,
-                           batch_size=batch_size, progress=False)
+                         batch_size=batch_size, progress=False)
 
 
 # --- native engine ------------------------------------------------------------------------------------------------
@@ -79,7 +79,7 @@ def test_native_logprobs_equal_teacher_forced_forward(model, temperature):
     # a stop id that row 0 hits early makes rows of one batch finish at different steps (KVCache.keep path)
     stop = greedy(model, PROMPTS[:1])[0]["token_ids"][2]
     outs = native_sample(model, PROMPTS, temperature=temperature, max_new_tokens=12, stop_ids={stop}, seed=3,
-                           batch_size=4, progress=False)
+                         batch_size=4, progress=False)
     for p, o in zip(PROMPTS, outs):
         assert len(o["token_ids"]) == len(o["logprobs"]) >= 1
         ref = teacher_forced_logprobs(model, p, o["token_ids"])
@@ -104,7 +104,7 @@ def test_native_greedy_batched_equals_one_by_one(model):
 def test_native_seed_reproduces_and_differs(model):
     def run(seed, batch_size=2):
         return [o["token_ids"] for o in native_sample(model, PROMPTS, temperature=1.0, max_new_tokens=10,
-                                                        seed=seed, batch_size=batch_size, progress=False)]
+                                                      seed=seed, batch_size=batch_size, progress=False)]
     assert run(0) == run(0)
     assert run(0) != run(1)
 
@@ -113,12 +113,12 @@ def test_native_per_prompt_seeds_do_not_depend_on_the_batch(model):
     """seeds= (train.py's SDFT): a prompt's response is a function of its own seed, whatever prompts share its batch
     or whichever rank samples it; rows that stop early drop out of the batch without shifting the others' draws."""
     stop = native_sample(model, PROMPTS[:1], temperature=1.0, max_new_tokens=10, seeds=[7],
-                           progress=False)[0]["token_ids"][3]
+                         progress=False)[0]["token_ids"][3]
 
     def run(prompts, seeds, batch_size=4):
         return [o["token_ids"] for o in native_sample(model, prompts, temperature=1.0, max_new_tokens=10,
-                                                        stop_ids={stop}, seeds=seeds, batch_size=batch_size,
-                                                        progress=False)]
+                                                      stop_ids={stop}, seeds=seeds, batch_size=batch_size,
+                                                      progress=False)]
     together = run(PROMPTS, [7, 8, 9, 10])
     assert len(together[0]) == 4  # row 0 stops first: the KVCache.keep path runs
     assert [run([p], [s])[0] for p, s in zip(PROMPTS, [7, 8, 9, 10])] == together
