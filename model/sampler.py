@@ -24,17 +24,28 @@ def _i32(c: int) -> int:
 
 def hash32_i32(x):
     """lowbias32 (C. Wellons' integer hash) on int32 tensors holding 32-bit words (two's complement): products wrap
-    mod 2^32 as the hash wants, and shifts are made logical by a mask. Half the bytes and ops of int64 arithmetic."""
-    x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * _i32(0x7FEB352D)
-    x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * _i32(0x846CA68B)
-    return x ^ ((x >> 16) & 0xFFFF)
+    mod 2^32 as the hash wants, and shifts are made logical by a mask. Half the bytes and ops of int64 arithmetic.
+    `x` is left as it is: one new tensor and one scratch, every other op in place (on the CPU a fresh tensor per op
+    costs more in its pages' first touch than the op itself)."""
+    s = x >> 16
+    s &= 0xFFFF
+    x = x ^ s
+    x *= _i32(0x7FEB352D)
+    torch.bitwise_right_shift(x, 15, out=s)
+    s &= 0x1FFFF
+    x ^= s
+    x *= _i32(0x846CA68B)
+    torch.bitwise_right_shift(x, 16, out=s)
+    s &= 0xFFFF
+    x ^= s
+    return x
 
 
 def hash32(x):
     """lowbias32, a bijection of [0, 2^32), on int64 tensors of values in that range."""
-    return hash32_i32(x.to(torch.int32)).long() & M32
+    h = hash32_i32(x.to(torch.int32)).long()
+    h &= M32
+    return h
 
 
 def _row_hash(keys, counters):
@@ -45,8 +56,10 @@ def _row_hash(keys, counters):
 
 def _noise(row, ids):
     """The Gumbel noise (fp64) of vocabulary ids under row hashes `row` (broadcast together)."""
-    u = (hash32(row ^ ids).double() + 0.5) * 2.0 ** -32  # in (0, 1)
-    return -torch.log(-torch.log(u))
+    u = hash32(row ^ ids).double()
+    u += 0.5
+    u *= 2.0 ** -32  # in (0, 1)
+    return u.log_().neg_().log_().neg_()  # -log(-log(u)), in place
 
 
 def gumbel(keys, counters, vocab: int):
@@ -85,18 +98,18 @@ def sample(logits, temperature: float, keys, counters):
 
 
 def _chunk(logits) -> int:
-    """Rows per piece of a whole-vocabulary draw: its ~20 temporaries of the input's size miss the CPU's caches (and
-    are fresh pages each call) for a whole batch; on a GPU all rows at once."""
+    """Rows per piece of a whole-vocabulary draw: on the CPU ~8 MB of int32 per temporary (whole batches' hash buffers
+    are dozens of MB of fresh pages each call, first-touched at more cost than the ops); on a GPU all rows at once."""
     n, vocab = logits.shape
-    return n if logits.is_cuda else max(1, (1 << 18) // vocab)
+    return n if logits.is_cuda else max(1, (1 << 21) // vocab)
 
 
 def _full_draw(logits, temperature: float, keys, counters, rows: int | None = None):
     """argmax(logits / T + gumbel) over the whole vocabulary, `rows` rows at a time (_chunk)."""
     n, vocab = logits.shape
     rows = rows or _chunk(logits)
-    return torch.cat([(logits[i:i + rows].double() / temperature
-                       + gumbel(keys[i:i + rows], counters[i:i + rows], vocab)).argmax(-1) for i in range(0, n, rows)])
+    return torch.cat([gumbel(keys[i:i + rows], counters[i:i + rows], vocab).add_(logits[i:i + rows].double() / temperature)
+                      .argmax(-1) for i in range(0, n, rows)])
 
 
 def _top_score(logits, temperature: float, row):
@@ -147,9 +160,10 @@ def _sample_thresholded(logits, temperature: float, keys, counters, rows: int | 
     row = _row_hash(keys, counters)
     near = _logit_floor(_top_score(logits, temperature, row), FAR_D, temperature)
     h = hash32_i32(row.to(torch.int32)[:, None] ^ torch.arange(vocab, dtype=torch.int32, device=logits.device))
-    # unsigned h >= FAR_FLOOR, as int32s: flipping the sign bit of both keeps their unsigned order
-    far = (h ^ _i32(1 << 31)) >= _i32(FAR_FLOOR ^ (1 << 31))
-    r, j = (far | (logits >= near[:, None])).nonzero(as_tuple=True)
+    h ^= _i32(1 << 31)  # unsigned h >= FAR_FLOOR, as int32s: flipping the sign bit of both keeps their unsigned order
+    can_win = h >= _i32(FAR_FLOOR ^ (1 << 31))
+    can_win |= logits >= near[:, None]
+    r, j = can_win.nonzero(as_tuple=True)
     if r.numel() * 8 > logits.numel():  # flat rows (a logit spread under FAR_D * T): most tokens can win
         return _full_draw(logits, temperature, keys, counters, rows)
     return _argmax_among(logits, temperature, row, r, j)
