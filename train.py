@@ -43,7 +43,6 @@ import importlib.util
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,18 +54,20 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from data.errors import InputError, UserError
-from data.jsonl import dumps_strict, jsonl_lines, read_records
-from data.outputs import check_output, claim_dir
-from data.manifest import as_prompt_record
-from data.packing import pack, plan_steps, tokenize_sft
+from data.errors import UserError
+from data.jsonl import dumps_strict
+from data.mixture import tokenize_mixture
+from data.outputs import check_output
+from data.packing import pack, plan_steps
 import kernels
 from kernels import attention, cross_entropy
-from model.checkpoint import load_config, load_into, remove_dir, replace_dir, save_checkpoint
+from model.checkpoint import load_config, load_into, remove_dir, save_checkpoint
 from model.hub import resolve_model
 from model.objectives import fsdp_units, objective, on_policy_batches, sample_responses, sample_seed
 from model.tokenizer import ChatTokenizer
 from model.transformer import Transformer
+from pipeline.train_state import (final_with_same_settings, resume, save_state, saved_settings,
+                                  state_settings)
 from reporting import tensorboard, wandb_run
 
 # ---- defaults: the paper's hyperparameters (7-8B models, 8xH100) ------------------------------------------
@@ -144,6 +145,20 @@ def parse_args(argv=None):
                         "'Compiled blocks')")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="compute dtype: auto = bf16 on CUDA (fp32 master weights), fp32 on CPU")
+    add_objective_flags(p)
+    p.add_argument("--peak-tflops", type=float_in(0, lo_open=True), help="device peak for the MFU estimate (default: H100 bf16 dense "
+                                                     "on CUDA, a measured fp32 matmul on CPU)")
+    p.add_argument("--max-steps", type=int_at_least(1), help="stop after this many optimizer steps (for smoke tests)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.wandb and importlib.util.find_spec("wandb") is None:  # before any work, not after the model is built
+        p.error("--wandb: needs the wandb package; pip install wandb")
+    return args
+
+
+def add_objective_flags(p):
+    """--objective and the flags of sft-kl and sdft (each objective reads only its own: the others' are left out of a
+    training state's settings, pipeline.train_state.OBJECTIVE_PREFIXES)."""
     p.add_argument("--objective", choices=["sft", "sft-kl", "sdft"], default=OBJECTIVE,
                    help="what a step minimises; see above (default: %(default)s)")
     p.add_argument("--sft-kl-beta", type=float_in(0), default=SFT_KL_BETA, help="sft-kl: KL weight (default: %(default)s)")
@@ -167,43 +182,6 @@ def parse_args(argv=None):
     p.add_argument("--sdft-template", default=SDFT_TEMPLATE,
                    help="sdft: the teacher's user turn, with {prompt} and {demo} (the gold answer); "
                         "default: the official code's")
-    p.add_argument("--peak-tflops", type=float_in(0, lo_open=True), help="device peak for the MFU estimate (default: H100 bf16 dense "
-                                                     "on CUDA, a measured fp32 matmul on CPU)")
-    p.add_argument("--max-steps", type=int_at_least(1), help="stop after this many optimizer steps (for smoke tests)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    if args.wandb and importlib.util.find_spec("wandb") is None:  # before any work, not after the model is built
-        p.error("--wandb: needs the wandb package; pip install wandb")
-    return args
-
-
-# flags that do not change the weights a run ends with; every other flag is part of the resume check, so a new flag
-# is checked unless it is listed here
-NOT_PLAN_ARGS = ("out", "resume", "quiet", "debug", "overwrite", "save_every", "peak_tflops", "activation_checkpointing",
-                 "tensorboard", "wandb")
-# ... nor the weights of a training state at a given step: the schedule spans the whole plan whatever --max-steps is
-NOT_STATE_ARGS = NOT_PLAN_ARGS + ("max_steps",)
-OBJECTIVE_PREFIXES = {"sft": (), "sft-kl": ("sft_kl_",), "sdft": ("sdft_",)}
-
-
-def state_settings(args) -> dict:
-    """The flags a resumable training state depends on: all of them but NOT_STATE_ARGS and the other objectives'
-    flags (which the run never reads), as JSON values."""
-    others = tuple(p for o, ps in OBJECTIVE_PREFIXES.items() if o != args.objective for p in ps)
-    return {k: json.loads(json.dumps(v)) for k, v in vars(args).items()
-            if k not in NOT_STATE_ARGS and not k.startswith(others)}
-
-
-def final_with_same_settings(out: Path, args) -> bool:
-    """--resume found a final checkpoint at OUT: True when it was trained with these settings (nothing to do);
-    a UserError naming the first differing flag otherwise (resuming cannot turn it into another run)."""
-    done = json.loads((out / "train_summary.json").read_text()).get("args", {})
-    for k, v in vars(args).items():
-        if k not in NOT_PLAN_ARGS and json.loads(json.dumps(v)) != done.get(k):
-            raise UserError(f"{out} is already a final checkpoint, trained with --{k.replace('_', '-')} "
-                            f"{done.get(k)!r} (now {v!r}); --resume only continues an unfinished run: drop --resume "
-                            f"to retrain it, or choose another --out")
-    return True
 
 
 def setup_distributed():
@@ -220,22 +198,6 @@ def setup_distributed():
         dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
-
-
-def load_mixture(paths: list[str]) -> list[dict]:
-    """The records of every file in `paths` as {"prompt", "response", "replay"}: JSON, JSON Lines or Parquet files of
-    {prompt, response} or {prompt, answer} records, or of any format a task manifest reads (chat messages,
-    instruction/input/output, prompt/completion: data.manifest.as_prompt_record)."""
-    records = []
-    for path in paths:
-        # a list prompt: a chat prompt's turns (data/manifest.py). "answer" is a gold answer: never blank; a
-        # "response" may be a model's (a replay buffer's), which can be empty
-        for r in read_records(path, required=("prompt",), any_of=("response", "answer"),
-                              types={"prompt": (str, list)}, nonblank=("answer",), convert=as_prompt_record):
-            response = r["response"] if isinstance(r.get("response"), str) else r["answer"]
-            # a record with a "source" (score.py's buffers, run.py's gold replay) is replay: its loss is logged apart
-            records.append({"prompt": r["prompt"], "response": response, "replay": "source" in r})
-    return records
 
 
 def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False, shard=None, compile=False):
@@ -312,59 +274,6 @@ def measured_peak_flops(device, dtype) -> float:
     return 8 * 2 * 1024**3 / (time.perf_counter() - t)
 
 
-def save_state(model, opt, sched, step, workdir: Path, rank: int, plan_id: str, teacher=None, settings=None):
-    """Resumable training state (sharded model + optimizer via torch.distributed.checkpoint, schedule, position,
-    and an EMA teacher's weights when there is one), written to a temporary directory and renamed, so a crash never
-    leaves a half-written state."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    tmp, final = workdir / "state.tmp", workdir / "state"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    if teacher is not None:
-        state["teacher"] = get_model_state_dict(teacher)
-    dcp.save(state, checkpoint_id=str(tmp))
-    if rank == 0:
-        torch.save({"step": step, "sched": sched.state_dict(), "plan": plan_id, "settings": settings},
-                   tmp / "progress.pt")
-        replace_dir(tmp, final)
-    dist.barrier()
-
-
-def load_state(model, opt, sched, workdir: Path, plan_id: str, teacher=None, settings=None) -> int:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                         set_state_dict)
-
-    state = workdir / "state"
-    if not (state / "progress.pt").exists():
-        return 0
-    progress = torch.load(state / "progress.pt", weights_only=False)
-    if progress.get("plan") != plan_id:
-        saved = progress.get("settings") or {}
-        diff = next((k for k in sorted(set(saved) | set(settings or {})) if saved.get(k) != (settings or {}).get(k)),
-                    None)
-        what = (f"--{diff.replace('_', '-')} was {saved.get(diff)!r}, now {(settings or {}).get(diff)!r}" if diff
-                else "the flags match but the data's content or length filter differ" if saved
-                else "it predates the per-flag check")
-        raise UserError(f"{state} was saved for a different run ({what}); refusing to --resume from it: drop "
-                        f"--resume to start over, or choose another --out")
-    msd, osd = get_state_dict(model, opt)
-    sd = {"model": msd, "optim": osd}
-    if teacher is not None:
-        sd["teacher"] = get_model_state_dict(teacher)
-    dcp.load(sd, checkpoint_id=str(state))
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-    if teacher is not None:
-        set_model_state_dict(teacher, sd["teacher"])
-    sched.load_state_dict(progress["sched"])
-    return progress["step"]
-
-
 def main(argv=None):
     args = parse_args(argv)
     kernels.retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
@@ -431,14 +340,6 @@ class Stage:
         return self.teacher if self.ema_rate is not None else None
 
 
-def saved_settings(workdir: Path) -> dict:
-    """The flags a resumable training state in workdir was saved with ({} when there is none)."""
-    try:
-        return torch.load(workdir / "state" / "progress.pt", weights_only=False).get("settings") or {}
-    except Exception:  # no state, or an unreadable one (load_state says so, when --resume reads it)
-        return {}
-
-
 def device_defaults(args, device, rank: int, world: int, compute_dtype, saved: dict):
     """--compile and --micro-tokens when not given: compiled blocks on a GPU (bf16), eager on the CPU; on a GPU the most
     tokens per micro-batch that fit MEMORY_SHARE of its memory (or what is free, if less), by plan.py's memory model
@@ -493,18 +394,13 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     workdir = out.with_name(out.name + ".partial")  # training state and logs until the checkpoint is final
     device_defaults(args, device, rank, world, compute_dtype, saved_settings(workdir) if args.resume else {})
     log_path = workdir / "train_log.jsonl"
-    if args.resume and not (workdir / "state").exists() and (out / "train_summary.json").is_file():
-        if final_with_same_settings(out, args):
-            if rank == 0:
-                print(f"train.py: {out} is already the final checkpoint of these settings; nothing to resume",
-                      flush=True)
-            return None
-    check_output(out, "checkpoint", args.overwrite)  # replace only an earlier checkpoint of train.py
-    check_output(workdir, "train-state", args.overwrite, flag="--out (its .partial directory)")
+    if already_final(args, rank, out, workdir):
+        return None
 
     # 1. data: every rank tokenizes the same mixture and plans the same steps
     tok = ChatTokenizer.from_dir(args.model)
-    examples, dropped, prompt_ids, teacher_ids = tokenize_mixture(args, tok)
+    examples, dropped, prompt_ids, teacher_ids = tokenize_mixture(
+        args.data.split(","), tok, args.max_len, args.sdft_template if args.objective == "sdft" else None)
     lengths = [len(e.ids) for e in examples]
     # log the loss per source (sdft trains on the student's own responses, not on the records' answers)
     has_replay = args.objective != "sdft" and 0 < sum(e.replay for e in examples) < len(examples)
@@ -530,23 +426,44 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
 
     peak = (args.peak_tflops * 1e12) if args.peak_tflops else measured_peak_flops(device, compute_dtype)
     flops_per_token = model_flops_per_token(model.cfg, sum(lengths) / len(lengths))
+    stage = Stage(args=args, rank=rank, world=world, device=device, compute_dtype=compute_dtype, out=out,
+                  workdir=workdir, log_path=log_path, examples=examples, dropped=dropped, lengths=lengths,
+                  prompt_ids=prompt_ids, teacher_ids=teacher_ids, stop_ids=tok.stop_ids, has_replay=has_replay,
+                  loss_fn=objective(args, model, teacher, has_replay, device),
+                  steps=steps, settings=settings, plan_id=plan_id, model=model, teacher=teacher, ema_rate=ema_rate,
+                  opt=opt, sched=sched, start=start, peak=peak, flops_per_token=flops_per_token)
     if rank == 0:
-        print(f"train.py: {len(examples)} examples ({dropped} longer than {args.max_len} dropped), {sum(lengths)} "
-              f"tokens, {len(steps)} steps of <= {args.global_batch} sequences on {world} rank(s) "
-              f"({'FSDP2' if fsdp_units(model) else 'unsharded: one CPU rank, fp32'}), {device.type}, "
-              f"{str(compute_dtype).removeprefix('torch.')}{', compiled blocks' if args.compile else ''}, "
-              f"{args.micro_tokens} tokens per micro-batch, objective {args.objective}"
-              + (f" (teacher {args.sdft_teacher}, KL {args.sdft_kl})" if args.objective == "sdft" else ""), flush=True)
-        print(f"train.py: kernels: attention {attention.describe()}; cross-entropy {cross_entropy.get_backend()}",
-              flush=True)
-    return Stage(args=args, rank=rank, world=world, device=device, compute_dtype=compute_dtype, out=out,
-                 workdir=workdir, log_path=log_path, examples=examples, dropped=dropped, lengths=lengths,
-                 prompt_ids=prompt_ids, teacher_ids=teacher_ids, stop_ids=tok.stop_ids, has_replay=has_replay,
-                 loss_fn=objective(args, model, teacher, has_replay, device),
-                 steps=steps, settings=settings, plan_id=plan_id, model=model, teacher=teacher, ema_rate=ema_rate,
-                 opt=opt, sched=sched, start=start, peak=peak, flops_per_token=flops_per_token,
-                 tb=tensorboard.writer(Path(args.tensorboard), start + 1) if args.tensorboard and rank == 0 else None,
-                 wb=wandb_run.start(Path(args.wandb), vars(args)) if args.wandb and rank == 0 else None)
+        print_stage(stage)
+        stage.tb = tensorboard.writer(Path(args.tensorboard), start + 1) if args.tensorboard else None
+        stage.wb = wandb_run.start(Path(args.wandb), vars(args)) if args.wandb else None
+    return stage
+
+
+def already_final(args, rank: int, out: Path, workdir: Path) -> bool:
+    """True when --resume finds OUT already the final checkpoint of these settings (said on rank 0: nothing to do);
+    otherwise OUT and its .partial directory are checked as outputs (only train.py's own are replaced)."""
+    if args.resume and not (workdir / "state").exists() and (out / "train_summary.json").is_file():
+        if final_with_same_settings(out, args):
+            if rank == 0:
+                print(f"train.py: {out} is already the final checkpoint of these settings; nothing to resume",
+                      flush=True)
+            return True
+    check_output(out, "checkpoint", args.overwrite)  # replace only an earlier checkpoint of train.py
+    check_output(workdir, "train-state", args.overwrite, flag="--out (its .partial directory)")
+    return False
+
+
+def print_stage(s: Stage):
+    """The stage's one-line summary (data, steps, sharding, device, dtype, objective) and its kernels."""
+    args, lengths = s.args, s.lengths
+    print(f"train.py: {len(s.examples)} examples ({s.dropped} longer than {args.max_len} dropped), {sum(lengths)} "
+          f"tokens, {len(s.steps)} steps of <= {args.global_batch} sequences on {s.world} rank(s) "
+          f"({'FSDP2' if fsdp_units(s.model) else 'unsharded: one CPU rank, fp32'}), {s.device.type}, "
+          f"{str(s.compute_dtype).removeprefix('torch.')}{', compiled blocks' if args.compile else ''}, "
+          f"{args.micro_tokens} tokens per micro-batch, objective {args.objective}"
+          + (f" (teacher {args.sdft_teacher}, KL {args.sdft_kl})" if args.objective == "sdft" else ""), flush=True)
+    print(f"train.py: kernels: attention {attention.describe()}; cross-entropy {cross_entropy.get_backend()}",
+          flush=True)
 
 
 def resolve_inputs(args, rank: int):
@@ -565,26 +482,6 @@ def resolve_inputs(args, rank: int):
         args.model = str(resolve_model(args.model))
 
 
-def tokenize_mixture(args, tok):
-    """Step 1: the mixture's examples (longer than --max-len dropped and counted) -> (examples, dropped, and for
-    sdft the student's prompts x and the teacher's x with the demonstration in context, else None, None)."""
-    records = load_mixture(args.data.split(","))
-    examples, dropped = tokenize_sft(records, tok, args.max_len)
-    if not examples:
-        raise InputError(f"no example of {args.data} fits --max-len {args.max_len}")
-    if args.objective != "sdft":
-        return examples, dropped, None, None
-    kept = [r for r in records if tok.sft_length(r["prompt"], r["response"]) <= args.max_len]
-    try:
-        teacher_ids = [tok.prompt_ids(args.sdft_template.format(prompt=r["prompt"], demo=r["response"]))
-                       for r in kept]
-    except (KeyError, IndexError, ValueError) as e:
-        raise UserError(f"--sdft-template must use only {{prompt}} and {{demo}} (double other braces): {e!r}")
-    if "{prompt}" not in args.sdft_template or "{demo}" not in args.sdft_template:
-        raise UserError("--sdft-template must contain both {prompt} and {demo}")
-    return examples, dropped, [tok.prompt_ids(r["prompt"]) for r in kept], teacher_ids
-
-
 def build_models(args, device, compute_dtype):
     """Step 2: the model, and the teacher of sft-kl / sdft: a copy of the initial weights (an EMA from there on, or
     frozen); sdft's "student" teacher is the training model itself. -> (model, teacher or None, EMA rate or None)."""
@@ -598,25 +495,6 @@ def build_models(args, device, compute_dtype):
     elif args.objective == "sdft" and args.sdft_teacher == "ema":
         ema_rate = args.sdft_alpha
     return model, teacher, ema_rate
-
-
-def resume(args, rank, model, opt, sched, workdir: Path, plan_id: str, ema_teacher, settings, total_steps) -> int:
-    """The first step to run: 0, or with --resume where the saved state in workdir stopped (loaded into model,
-    optimizer, schedule and EMA teacher); the log is cut to match."""
-    start = 0
-    if rank == 0:
-        claim_dir(workdir, "train-state")
-    dist.barrier()
-    if args.resume:
-        start = load_state(model, opt, sched, workdir, plan_id, ema_teacher, settings)
-        if start and rank == 0:
-            print(f"train.py: resumed at step {start} of {total_steps} from {workdir / 'state'}", flush=True)
-    if rank == 0:  # keep the log consistent with the state we resume from
-        log_path = workdir / "train_log.jsonl"
-        kept = [l for l in (jsonl_lines(log_path.read_text()) if log_path.exists() and start else [])
-                if l.endswith("}") and json.loads(l)["step"] <= start]  # a kill can cut the last line short
-        log_path.write_text("".join(l + "\n" for l in kept))
-    return start
 
 
 def model_flops_per_token(cfg, mean_doc: float) -> float:

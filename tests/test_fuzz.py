@@ -26,6 +26,7 @@ import rollout
 import run
 import score
 import train
+from data.mixture import load_mixture
 from pipeline.cli import Parser, user_message
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,7 +178,7 @@ def mutated_text(rng: random.Random, kind: str) -> bytes:
 
 
 def read_train(path):
-    return train.load_mixture([str(path)])
+    return load_mixture([str(path)])
 
 
 def read_trace(path):

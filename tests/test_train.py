@@ -9,7 +9,6 @@ tiny-tensor ops with 2 threads on a busy 2-core machine are many times slower th
 """
 import json
 import math
-import re
 import signal
 import subprocess
 import sys
@@ -27,7 +26,6 @@ from data.packing import collate, pack, plan_steps, tokenize_sft  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.objectives import nll  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
-from data.errors import InputError  # noqa: E402
 import train as train_script  # noqa: E402
 from tiny import (MAX_LEN, N_STEPS, REPO, assert_close_rel, assert_same_weights, foreign_dir, foreign_file,  # noqa: E402
                   free_port, kill_once_state_is_saved, log, tiny_train, train, train_cmd, train_env, weights)
@@ -298,15 +296,6 @@ def test_resume_refuses_any_flag_that_changes_the_weights(train_ckpt, tmp_path):
     assert not out.exists() and progress.exists()
 
 
-def test_state_settings_are_every_flag_but_the_listed_ones():
-    args = train_script.parse_args(["--objective", "sft-kl"])
-    got = train_script.state_settings(args)
-    assert "weight_decay" in got and "sft_kl_beta" in got and "sdft_alpha" not in got and "max_steps" not in got
-    assert got["lr_schedule"] == "cosine"  # the schedule changes the weights: a state of another one is refused
-    assert set(got) | set(train_script.NOT_STATE_ARGS) | {k for k in vars(args) if k.startswith("sdft_")} \
-        == set(vars(args))
-
-
 def test_overlong_examples_are_dropped_and_reported(train_ckpt, ref):
     tok = ChatTokenizer.from_dir(train_ckpt)
     records = [json.loads(line) for line in (train_ckpt / "data.jsonl").read_text().splitlines()]
@@ -360,44 +349,6 @@ def test_chat_and_alpaca_files_train_to_the_weights_of_their_prompt_response_fil
         a, b = weights(out), weights(ref)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
         assert [x["loss"] for x in log(out)] == [x["loss"] for x in log(ref)], name
-
-
-def test_mixture_records_of_every_format_are_their_prompt_response_equivalents(tmp_path):
-    """load_mixture: chat (one user turn: a string prompt; a system turn or earlier turns: the message list),
-    instruction/input/output (instruction, a blank line, the input), prompt/completion, each as the prompt/response
-    record it stands for; a "source" still marks replay; a bad record is one line naming file, record and field."""
-    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    write_jsonl(tmp_path / "chat.jsonl", [chat("the cat", "sat"), {"messages": turns + [
-        {"role": "assistant", "content": "ok"}], "source": "buffer"}])
-    (tmp_path / "alpaca.json").write_text(json.dumps([{"instruction": "the cat", "input": "on a mat", "output": "sat"},
-                                                      {"instruction": "a dog", "output": "ran"}]))
-    write_jsonl(tmp_path / "completion.jsonl", [{"prompt": "red", "completion": "blue"}])
-    write_jsonl(tmp_path / "own.jsonl", [{"prompt": "the cat", "response": "sat"},
-                                        {"prompt": turns, "response": "ok", "source": "buffer"},
-                                        {"prompt": "the cat\n\non a mat", "answer": "sat"},
-                                        {"prompt": "a dog", "response": "ran"}, {"prompt": "red", "response": "blue"}])
-    got = train_script.load_mixture([str(tmp_path / f) for f in ("chat.jsonl", "alpaca.json", "completion.jsonl")])
-    assert got == train_script.load_mixture([str(tmp_path / "own.jsonl")])
-    assert [r["replay"] for r in got] == [False, True, False, False, False]
-    bad = tmp_path / "bad.jsonl"
-    write_jsonl(bad, [chat("the cat", "sat"), {"messages": turns}])
-    with pytest.raises(InputError, match=re.escape(f"{bad}: record 1 (line 2): field 'messages': the last message "
-                                                   f"must be the assistant's answer")):
-        train_script.load_mixture([str(bad)])
-    write_jsonl(bad, [chat("the cat", " ")])
-    with pytest.raises(InputError, match=re.escape(f"{bad}: record 0 (line 1): field 'messages[1].content' is only "
-                                                   f"whitespace")):
-        train_script.load_mixture([str(bad)])
-
-
-def test_mixture_reads_parquet(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-    rows = [chat("the cat", "sat"), {"instruction": "a dog", "input": "", "output": "ran"}]
-    pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "a.parquet")
-    pq.write_table(pa.Table.from_pylist(rows[1:]), tmp_path / "b.parquet")
-    assert train_script.load_mixture([str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]) == [
-        {"prompt": "the cat", "response": "sat", "replay": False}, {"prompt": "a dog", "response": "ran", "replay": False}]
 
 
 @pytest.mark.parametrize("how", ["nan_weight", "huge_lr"])

@@ -1,0 +1,126 @@
+"""train.py's resumable training state: what a state is keyed by (the flags that change the weights), writing it
+whole or not at all, loading it only into the run it was saved for, and --resume's checks (one line naming the flag
+that differs).
+
+A state is OUT.partial/state/: the sharded model and optimizer through torch.distributed.checkpoint, an EMA teacher's
+weights when there is one, and progress.pt (step, schedule, the plan id and the settings it was saved with).
+"""
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from data.errors import UserError
+from data.jsonl import jsonl_lines
+from data.outputs import claim_dir
+from model.checkpoint import replace_dir
+
+# flags that do not change the weights a run ends with; every other flag is part of the resume check, so a new flag
+# is checked unless it is listed here
+NOT_PLAN_ARGS = ("out", "resume", "quiet", "debug", "overwrite", "save_every", "peak_tflops", "activation_checkpointing",
+                 "tensorboard", "wandb")
+# ... nor the weights of a training state at a given step: the schedule spans the whole plan whatever --max-steps is
+NOT_STATE_ARGS = NOT_PLAN_ARGS + ("max_steps",)
+OBJECTIVE_PREFIXES = {"sft": (), "sft-kl": ("sft_kl_",), "sdft": ("sdft_",)}
+
+
+def state_settings(args) -> dict:
+    """The flags a resumable training state depends on: all of them but NOT_STATE_ARGS and the other objectives'
+    flags (which the run never reads), as JSON values."""
+    others = tuple(p for o, ps in OBJECTIVE_PREFIXES.items() if o != args.objective for p in ps)
+    return {k: json.loads(json.dumps(v)) for k, v in vars(args).items()
+            if k not in NOT_STATE_ARGS and not k.startswith(others)}
+
+
+def final_with_same_settings(out: Path, args) -> bool:
+    """--resume found a final checkpoint at OUT: True when it was trained with these settings (nothing to do);
+    a UserError naming the first differing flag otherwise (resuming cannot turn it into another run)."""
+    done = json.loads((out / "train_summary.json").read_text()).get("args", {})
+    for k, v in vars(args).items():
+        if k not in NOT_PLAN_ARGS and json.loads(json.dumps(v)) != done.get(k):
+            raise UserError(f"{out} is already a final checkpoint, trained with --{k.replace('_', '-')} "
+                            f"{done.get(k)!r} (now {v!r}); --resume only continues an unfinished run: drop --resume "
+                            f"to retrain it, or choose another --out")
+    return True
+
+
+def saved_settings(workdir: Path) -> dict:
+    """The flags a resumable training state in workdir was saved with ({} when there is none)."""
+    try:
+        return torch.load(workdir / "state" / "progress.pt", weights_only=False).get("settings") or {}
+    except Exception:  # no state, or an unreadable one (load_state says so, when --resume reads it)
+        return {}
+
+
+def save_state(model, opt, sched, step, workdir: Path, rank: int, plan_id: str, teacher=None, settings=None):
+    """Resumable training state (sharded model + optimizer via torch.distributed.checkpoint, schedule, position,
+    and an EMA teacher's weights when there is one), written to a temporary directory and renamed, so a crash never
+    leaves a half-written state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    tmp, final = workdir / "state.tmp", workdir / "state"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    if teacher is not None:
+        state["teacher"] = get_model_state_dict(teacher)
+    dcp.save(state, checkpoint_id=str(tmp))
+    if rank == 0:
+        torch.save({"step": step, "sched": sched.state_dict(), "plan": plan_id, "settings": settings},
+                   tmp / "progress.pt")
+        replace_dir(tmp, final)
+    dist.barrier()
+
+
+def load_state(model, opt, sched, workdir: Path, plan_id: str, teacher=None, settings=None) -> int:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+
+    state = workdir / "state"
+    if not (state / "progress.pt").exists():
+        return 0
+    progress = torch.load(state / "progress.pt", weights_only=False)
+    if progress.get("plan") != plan_id:
+        saved = progress.get("settings") or {}
+        diff = next((k for k in sorted(set(saved) | set(settings or {})) if saved.get(k) != (settings or {}).get(k)),
+                    None)
+        what = (f"--{diff.replace('_', '-')} was {saved.get(diff)!r}, now {(settings or {}).get(diff)!r}" if diff
+                else "the flags match but the data's content or length filter differ" if saved
+                else "it predates the per-flag check")
+        raise UserError(f"{state} was saved for a different run ({what}); refusing to --resume from it: drop "
+                        f"--resume to start over, or choose another --out")
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    if teacher is not None:
+        sd["teacher"] = get_model_state_dict(teacher)
+    dcp.load(sd, checkpoint_id=str(state))
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    if teacher is not None:
+        set_model_state_dict(teacher, sd["teacher"])
+    sched.load_state_dict(progress["sched"])
+    return progress["step"]
+
+
+def resume(args, rank, model, opt, sched, workdir: Path, plan_id: str, ema_teacher, settings, total_steps) -> int:
+    """The first step to run: 0, or with --resume where the saved state in workdir stopped (loaded into model,
+    optimizer, schedule and EMA teacher); the log is cut to match."""
+    start = 0
+    if rank == 0:
+        claim_dir(workdir, "train-state")
+    dist.barrier()
+    if args.resume:
+        start = load_state(model, opt, sched, workdir, plan_id, ema_teacher, settings)
+        if start and rank == 0:
+            print(f"train.py: resumed at step {start} of {total_steps} from {workdir / 'state'}", flush=True)
+    if rank == 0:  # keep the log consistent with the state we resume from
+        log_path = workdir / "train_log.jsonl"
+        kept = [l for l in (jsonl_lines(log_path.read_text()) if log_path.exists() and start else [])
+                if l.endswith("}") and json.loads(l)["step"] <= start]  # a kill can cut the last line short
+        log_path.write_text("".join(l + "\n" for l in kept))
+    return start
