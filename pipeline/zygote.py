@@ -33,8 +33,8 @@ SCRIPTS = ("train", "evaluate", "rollout", "score", "drift", "buffer_nll")
 # imports it (nn.Embedding's normal_ runs through torch's Python reference kernels), so every model-loading step
 # would pay for it; rouge_score: every step that scores a ROUGE task (BENCHMARKS.md, "The default `python run.py`")
 PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "tqdm", "model.checkpoint", "model.native",
-           "model.sampling", "model.logprobs", "model.tokenizer", "data.metrics", "data.trace", "data.replay",
-           "kernels.attention", "kernels.cross_entropy", "torch.distributed.fsdp", "torch._dynamo",
+           "model.sampling", "model.logprobs", "model.tokenizer", "data.metrics", "data.conventions", "data.trace",
+           "data.replay", "kernels.attention", "kernels.cross_entropy", "torch.distributed.fsdp", "torch._dynamo",
            "rouge_score.rouge_scorer", "sacrebleu.tokenizers.tokenizer_13a", *SCRIPTS)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15

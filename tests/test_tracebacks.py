@@ -259,7 +259,8 @@ def test_ctrl_c_during_the_imports_is_one_line_and_130(env, tmp_path):
 def test_sari_reads_a_chat_prompt(tmp_path):
     """A manifest task scored by SARI whose prompt is a list of turns (a system prompt, chat records): its source is
     the user turns' text under every convention (it was a TypeError traceback at scoring time)."""
-    from data.metrics import paper_sari, sari_metric, trace_sari
+    from data.conventions import paper_sari, trace_sari
+    from data.metrics import sari_metric
     text = "Vereinfache.\n\nParagraph:\nDie Katze sass auf der Matte ."
     turns = [{"role": "system", "content": "Du vereinfachst."}, {"role": "user", "content": text}]
     for fn in (sari_metric, trace_sari, paper_sari):
