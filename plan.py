@@ -30,27 +30,15 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from data.errors import UserError
 from pipeline.cli import Parser, float_in, int_at_least, main_cli
 from pipeline import keep
-
-# ---- defaults: the throughput profile (BENCHMARKS.md "Anchors"; nothing here was measured on a GPU) --------------
-PEAK_TFLOPS = 989.0      # H100 SXM, bf16 dense
-TRAIN_MFU = 0.36         # within torchtitan's published range for Llama-3.1-8B, FSDP2 bf16 on 8xH100 ("Anchors")
-GEN_TOK_S = 4000.0       # generated tokens/s per GPU (vLLM, 7-8B bf16, large batches): an assumption, not an anchor
-PREFILL_FACTOR = 3.0     # prompt tokens cost a forward only: prefill tok/s = 3 x train tok/s (same MFU, 2N vs 6N)
-STEP_OVERHEAD_S = 120.0  # per GPU step: process start, loading the checkpoint (and saving one) or the engine start-up
-GPUS = 8
-GPU_MEMORY_GB = 80.0     # H100 80 GB
-MEMORY_SHARE = 0.9       # of a GPU's memory that train.py's --micro-tokens rule plans for (the rest: the CUDA
-                         # context, NCCL's buffers, the allocator's fragmentation)
-PAPER_GPU_HOURS = 32.0   # the paper: one model's 8 stages
-TP_SIZES = (1, 2, 4, 8)  # run.py's default --tp: the smallest of these whose share of the weights fits a GPU
-WEIGHT_SHARE = 0.5       # of a GPU's memory the weights may take in a generation worker (the rest: KV cache, graphs)
-# -------------------------------------------------------------------------------------------------------------------
+from pipeline.costs import (GEN_TOK_S, GPUS, MEMORY_SHARE, PEAK_TFLOPS, PREFILL_FACTOR, STEP_OVERHEAD_S, TRAIN_MFU,
+                            Profile, StepCost, memory_per_gpu, micro_tokens_that_fit, needs_checkpointing, price,
+                            recomputes, train_tok_s)
+from pipeline.layout import GPU_MEMORY_GB, Layout, generation_layout
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -67,250 +55,6 @@ def add_arguments(p: argparse.ArgumentParser):
     g.add_argument("--plan-mfu", type=float_in(0, 1, lo_open=True), default=TRAIN_MFU, help="training MFU (default: %(default)s)")
     g.add_argument("--plan-peak-tflops", type=float_in(0, lo_open=True), default=PEAK_TFLOPS,
                    help="peak TFLOP/s per GPU (default: %(default)s, H100 bf16 dense)")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a generating step (rollout, evaluation, drift) uses the node: `dp` data-parallel workers of `tp` GPUs
-    each (vLLM's tensor parallelism inside a worker), every worker sampling its share of the step's prompts, out of
-    the `gpus` the step holds. `why`: how tp was chosen, printed with the plan."""
-    gpus: int
-    tp: int
-    dp: int
-    why: str = ""
-
-    def __str__(self):
-        return f"DP {self.dp} x TP {self.tp} on {self.gpus} GPU{'s' if self.gpus != 1 else ''}"
-
-
-@dataclass
-class Profile:
-    train_tok_s: float | None = None  # None: from MFU x peak / FLOPs per token
-    gen_tok_s: float = GEN_TOK_S
-    gpus: int = GPUS
-    overhead_s: float = STEP_OVERHEAD_S
-    mfu: float = TRAIN_MFU
-    peak_tflops: float = PEAK_TFLOPS
-    micro_tokens: int = 16384  # train.py --micro-tokens: activations, and whether checkpointing is needed
-    layout: Layout | None = None  # None: every GPU a worker of TP 1
-
-    def __post_init__(self):
-        if self.layout is None:
-            self.layout = Layout(self.gpus, 1, self.gpus, "every GPU a worker")
-        if self.layout.gpus != self.gpus or self.layout.dp * self.layout.tp > self.gpus:
-            raise ValueError(f"layout {self.layout} does not fit the profile's {self.gpus} GPUs")
-
-    @classmethod
-    def from_args(cls, args, micro_tokens: int, layout: Layout) -> "Profile":
-        return cls(args.plan_train_tok_s, args.plan_gen_tok_s, layout.gpus, args.plan_overhead_s, args.plan_mfu,
-                   args.plan_peak_tflops, micro_tokens, layout)
-
-
-# ---------------------------------------------------------------------------------------------- generation layout
-
-def heads_refusal(cfg, tp: int) -> str | None:
-    """Why vLLM cannot split cfg's attention over tp GPUs, or None. vLLM's rule, from its source: ModelConfig.
-    verify_with_parallel_config (vllm/config/model.py) refuses num_attention_heads % tp != 0 ("Total number of
-    attention heads (28) must be divisible by tensor parallel size (8)", vllm issue 11797: Qwen2-7B on 8 GPUs);
-    QKVParallelLinear (vllm/model_executor/layers/linear.py) splits the key-value heads with
-    divide(num_key_value_heads, tp) when tp < num_key_value_heads and else replicates them with
-    divide(tp, num_key_value_heads), where divide() asserts an exact division."""
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    if heads % tp:
-        return f"{heads} attention heads do not divide by {tp}"
-    if (kv % tp if tp < kv else tp % kv):
-        return f"{kv} key-value heads {'do not divide by' if tp < kv else 'do not divide'} {tp}"
-    return None
-
-
-def tp_choices(cfg, gpus: int) -> list[int]:
-    """Every --tp run.py accepts for vLLM on `gpus` GPUs: the divisors of gpus that the heads take."""
-    return [t for t in range(1, gpus + 1) if gpus % t == 0 and heads_refusal(cfg, t) is None]
-
-
-def default_tp(cfg, gpus: int) -> tuple[int, str]:
-    """(run.py's --tp when not given on vLLM, why): the smallest of TP_SIZES that divides gpus, that the heads take,
-    and whose share of the bf16 weights fits WEIGHT_SHARE of a GPU: the most workers (DP = gpus / TP), each holding
-    the model with room for its KV cache. (Qwen2.5-7B on 8 H100s: TP 1, 8 workers; the paper ran TP 4.)"""
-    weights_gb = 2 * cfg.num_params(embeddings=True) / 1e9
-    allowed = [t for t in TP_SIZES if t in tp_choices(cfg, gpus)]
-    fits = [t for t in allowed if weights_gb / t <= WEIGHT_SHARE * GPU_MEMORY_GB]
-    if not fits:
-        return allowed[-1], (f"default: the largest TP the heads and GPUs allow ({weights_gb:.0f} GB of weights "
-                             f"fit no smaller one)")
-    return fits[0], f"default: the smallest TP that holds {weights_gb:.0f} GB of weights with room for the KV cache"
-
-
-def or_list(values) -> str:
-    values = [str(v) for v in values]
-    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
-
-
-def check_tp(cfg, name: str, gpus: int, tp: int, engine: str, gpus_flag: str = "--gpus"):
-    """A --tp the run cannot launch, refused in one line: one that does not divide the GPUs into workers, that the
-    model's heads cannot take (heads_refusal), or above 1 on an engine without tensor parallelism."""
-    problems = [f"{'more than' if tp > gpus else 'does not divide'} {gpus_flag} {gpus} (TP GPUs per generation "
-                f"worker)"] if gpus % tp else []
-    heads = heads_refusal(cfg, tp)
-    if heads:
-        problems.append(f"{name}'s {heads}")
-    if problems:
-        raise UserError(f"--tp {tp}: {'; '.join(problems)}; use {or_list(tp_choices(cfg, gpus))}")
-    if tp > 1 and engine != "vllm":
-        raise UserError(f"--tp {tp}: the {engine} engine has no tensor parallelism (each of its workers holds the "
-                        f"whole model; --engine auto picks vLLM only where CUDA and vLLM are): pass --engine vllm, "
-                        f"or --tp 1")
-
-
-def generation_layout(gpus: int, tp: int | None = None, cfg=None, name: str = "", engine: str = "vllm",
-                      gpus_flag: str = "--gpus", cpu_workers: int = 1) -> Layout:
-    """The layout run.py launches and the planner prices, from --gpus (gpus_flag: the flag that gave it) and --tp
-    (None: the default) for the model of cfg (`name` names it in a refusal): DP = gpus / TP workers. A CPU run
-    (gpus 0) has cpu_workers workers (run.py --gen-workers), each with its share of the step's threads."""
-    if not gpus:
-        if tp not in (None, 1):
-            raise UserError(f"--tp {tp}: a CPU run (--gpus 0) has no tensor parallelism: --tp must be 1 (or absent)")
-        return Layout(0, 1, cpu_workers, "the CPU")
-    if cpu_workers != 1:
-        raise UserError(f"--gen-workers {cpu_workers}: on GPUs the workers are {gpus_flag} / --tp; drop --gen-workers")
-    if tp is not None:
-        check_tp(cfg, name, gpus, tp, engine, gpus_flag)
-        return Layout(gpus, tp, gpus // tp, f"--tp {tp}")
-    if engine != "vllm":
-        return Layout(gpus, 1, gpus, f"the {engine} engine: no tensor parallelism, a worker per GPU")
-    tp, why = default_tp(cfg, gpus)
-    return Layout(gpus, tp, gpus // tp, why)
-
-
-# ---------------------------------------------------------------------------------------------- arithmetic
-
-def flops_per_token(cfg, mean_doc: float) -> float:
-    """Training FLOPs per token, train.py's MFU count: 6 x (non-embedding parameters) + 6 V H (lm_head) + causal
-    attention 6 L Hq D x mean document length."""
-    return (6 * cfg.num_params(embeddings=False) + 6 * cfg.vocab_size * cfg.hidden_size
-            + 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * mean_doc)
-
-
-def train_tok_s(cfg, mean_doc: float, profile: Profile) -> float:
-    if profile.train_tok_s:
-        return profile.train_tok_s
-    return profile.mfu * profile.peak_tflops * 1e12 / flops_per_token(cfg, mean_doc)
-
-
-def activation_bytes_per_token_layer(cfg) -> int:
-    """Bytes autograd keeps per token and block in bf16 training with a flash-type attention kernel (no [T, T]
-    scores; tests/test_plan.py counts them on a real block): each RMSNorm its fp32 input (4 H), fp32 1/rms (4),
-    the bf16 normalised input of the weight multiply (2 H) and its output (2 H, the next projections' input); RoPE only the shared cos/sin; the attention kernel
-    the rotated q and k, v, its output (also o_proj's input) and an fp32 log-sum-exp per head; the MLP the gate
-    and up outputs, silu(gate) and their product (down_proj's input): 4 x I."""
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    norms = 2 * (4 * H + 4 + 2 * H + 2 * H)
-    attn = 2 * (q + 2 * kv) + 2 * q + 4 * cfg.num_attention_heads
-    mlp = 2 * 4 * I
-    return norms + attn + mlp
-
-
-def memory_per_gpu(cfg, gpus: int, micro_tokens: int) -> dict:
-    """Bytes per GPU of train.py's FSDP2 bf16 training (see the module docstring). Keys: each component, and
-    'total' / 'total_checkpointed' (with --activation-checkpointing)."""
-    P = cfg.num_params(embeddings=True)
-    V, H, L = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
-    root = V * H * (1 if cfg.tie_word_embeddings else 2) + H  # embeddings (+ lm_head) + final norm
-    block = (P - root) / L
-    act_layer = activation_bytes_per_token_layer(cfg) * micro_tokens
-    chunk_rows = max(1, 128 * 2**20 // (4 * V))  # kernels/cross_entropy.py's chunk (liger's is similar)
-    m = {
-        "master weights fp32 (sharded)": 4 * P / gpus,
-        "gradients fp32 (sharded)": 4 * P / gpus,
-        "AdamW moments fp32 (sharded)": 8 * P / gpus,
-        "bf16 root unit, all-gathered": 2 * root,
-        "bf16 blocks in flight (2) + their grads": 2 * 2 * block * 2,
-        "loss: fp32 lm_head grad + logits chunk": 4 * V * H + 4 * chunk_rows * V,
-        "activations": L * act_layer + 2 * H * micro_tokens,
-        "activations, checkpointed": L * 2 * H * micro_tokens + act_layer + 2 * H * micro_tokens,
-    }
-    fixed = sum(v for k, v in m.items() if not k.startswith("activations"))
-    m["total"] = fixed + m["activations"]
-    m["total_checkpointed"] = fixed + m["activations, checkpointed"]
-    return m
-
-
-def micro_tokens_that_fit(cfg, gpus: int, budget_bytes: float, checkpointing: bool) -> int:
-    """train.py's --micro-tokens when not given on a GPU (and plan.py's): the most tokens per micro-batch, in
-    multiples of 1024, whose memory_per_gpu total (with or without activation checkpointing) stays within
-    budget_bytes; 0 when not even 1024 fit."""
-    key = "total_checkpointed" if checkpointing else "total"
-    fixed, per_1024 = memory_per_gpu(cfg, gpus, 0)[key], memory_per_gpu(cfg, gpus, 1024)[key]
-    per_1024 -= fixed  # memory is affine in the micro-batch's tokens
-    return max(0, int((budget_bytes - fixed) // per_1024)) * 1024
-
-
-@dataclass
-class StepCost:
-    key: str
-    kind: str
-    deps: list
-    train_tokens: int = 0        # what train.py will count (estimate when `exact` is False)
-    train_tokens_max: int = 0
-    exact: bool = True
-    mean_doc: float = 0.0
-    sdft: bool = False
-    prompts: int = 0
-    prompt_tokens: int = 0
-    new_tokens_max: int = 0
-    new_tokens_est: int = 0
-    gpu_hours: float = 0.0
-    gpu_hours_max: float = 0.0
-    wall_hours: float = 0.0      # the node's hours for the step (estimate): GPU-hours over the GPUs it holds
-    methods: list = field(default_factory=list)
-
-
-def needs_checkpointing(cfg, profile: Profile) -> bool:
-    """True when train.py's memory without activation checkpointing exceeds GPU_MEMORY_GB."""
-    return memory_per_gpu(cfg, profile.gpus, profile.micro_tokens)["total"] > GPU_MEMORY_GB * 1e9
-
-
-def recomputes(cfg, profile: Profile, checkpointing: bool) -> bool:
-    """Training pays activation checkpointing's second forward: the command turns it on, or only it fits."""
-    return checkpointing or needs_checkpointing(cfg, profile)
-
-
-def generation_hours(profile: Profile, gpu_seconds: float) -> tuple[float, float]:
-    """(wall hours, GPU-hours) of a generating step whose work takes gpu_seconds on one GPU: the layout's DP x TP
-    GPUs share it (each worker its share of the prompts, all at once; a GPU's tok/s taken as the same at any TP),
-    after the per-step start-up that every worker pays at once; the node's GPUs are held for the wall time, also
-    those the layout leaves idle."""
-    wall = (profile.overhead_s + gpu_seconds / (profile.layout.dp * profile.layout.tp)) / 3600
-    return wall, wall * profile.gpus
-
-
-def price(c: StepCost, cfg, profile: Profile, checkpointing: bool = False):
-    """Fill in c.gpu_hours (estimate), c.gpu_hours_max (upper bound) and c.wall_hours. Training with activation
-    checkpointing (`checkpointing`: the command turns it on; or it only fits with it) pays a second forward
-    (x 4/3); SDFT's teacher forward another 1/3, and its student's sampling its prompts' prefill and its new tokens
-    at the generation rate (train.py samples on the training GPUs). Generation steps run on profile.layout
-    (generation_hours)."""
-    over = profile.overhead_s * profile.gpus / 3600
-    tps = train_tok_s(cfg, c.mean_doc or 512, profile)
-    if c.kind in ("eval", "rollout", "drift"):
-        prefill = c.prompt_tokens / (PREFILL_FACTOR * tps)
-        if c.kind == "drift":  # + two models teacher-forced on the samples and on the gold answers
-            prefill += 4 * (c.prompt_tokens + c.new_tokens_est) / (PREFILL_FACTOR * tps)
-        c.wall_hours, c.gpu_hours = generation_hours(profile, c.new_tokens_est / profile.gen_tok_s + prefill)
-        c.gpu_hours_max = generation_hours(profile, c.new_tokens_max / profile.gen_tok_s + prefill)[1]
-        return
-    if c.kind == "train":
-        f = 1 + c.sdft / 3  # (a train tok/s given by the user gets no recomputation factor)
-        if not profile.train_tok_s:
-            f += recomputes(cfg, profile, checkpointing) / 3
-        # sdft's sampling: every rank its share of the step's prompts, at the generation rate of a GPU
-        sample = c.prompt_tokens / (PREFILL_FACTOR * tps) if c.sdft else 0.0
-        c.gpu_hours = over + (f * c.train_tokens / tps + sample + c.new_tokens_est / profile.gen_tok_s) / 3600
-        c.gpu_hours_max = over + (f * c.train_tokens_max / tps + sample + c.new_tokens_max / profile.gen_tok_s) / 3600
-    elif c.kind == "buffer-nll":
-        c.gpu_hours = c.gpu_hours_max = over + c.prompt_tokens / (PREFILL_FACTOR * tps) / 3600
-    c.wall_hours = c.gpu_hours / profile.gpus  # priced as work that every GPU of the node shares
 
 
 # ---------------------------------------------------------------------------------------------- run.py's plan
@@ -606,6 +350,7 @@ def format_disk(costs, model_cfg, gpus: bool, policy: str = "all", kept: tuple |
 
 
 # ---------------------------------------------------------------------------------------------- the paper's grid
+PAPER_GPU_HOURS = 32.0   # the paper: one model's 8 stages
 # Per-task sizes for the paper's grid when the TRACE files are not at hand (Qwen2.5 chat template: ~29 tokens of
 # system prompt and headers around the prompt, ~2 after the answer). n_train after the over-long filter (2,048),
 # mean prompt tokens (templated), mean answer tokens, test examples. ASSUMPTIONS, except where `--trace` finds the

@@ -81,6 +81,7 @@ from data.errors import InputError, UserError
 from pipeline.cli import (ENGINE_HELP, Parser, comma_list, float_in, int_at_least, main_cli,
                           use_manifest_from_argv)
 from pipeline import config, keep, specs
+from pipeline.layout import TP_SIZES, WEIGHT_SHARE, Layout, generation_layout
 from pipeline.settings import add_flags, apply, setting
 from pipeline.steps import Pipeline
 from reporting import tensorboard
@@ -223,8 +224,8 @@ def parse_args(argv=None):
                         "data-parallel workers of --tp GPUs each (torchrun's ranks), each sampling its share of a "
                         "step's prompts. It must divide --gpus, and the model's attention heads and its key-value "
                         "heads must divide by it (vLLM's rule; key-value heads may instead divide it). "
-                        f"Default: the smallest of {', '.join(map(str, plan.TP_SIZES))} that does so and holds the "
-                        f"weights in {plan.WEIGHT_SHARE:g} of a GPU's memory; 1 with the native engine and on the CPU")
+                        f"Default: the smallest of {', '.join(map(str, TP_SIZES))} that does so and holds the "
+                        f"weights in {WEIGHT_SHARE:g} of a GPU's memory; 1 with the native engine and on the CPU")
     p.add_argument("--save-every", type=int_at_least(0), default=train.SAVE_EVERY,
                    help="optimizer steps between a training stage's resumable states: a stopped run.py resumes a "
                         "stage from its last one, bit-identically (0 = restart the stage) (default: %(default)s)")
@@ -611,7 +612,7 @@ class Inputs:
     tok: ChatTokenizer        # the base's (a dry run of a directory without one: plan.EstimatedTokenizer)
     train_sizes: dict         # task -> training subsample size before the over-long filter (the budget rule's n)
     train_sets: dict          # task -> the training examples that fit max_len
-    layout: "plan.Layout"     # how the generating steps use the GPUs (plan.generation_layout)
+    layout: Layout            # how the generating steps use the GPUs (pipeline.layout.generation_layout)
 
 
 def load_inputs(args, preset: str, cfg: dict, methods: list) -> Inputs:
@@ -621,12 +622,12 @@ def load_inputs(args, preset: str, cfg: dict, methods: list) -> Inputs:
     from model.base import ensure_base
     from model.checkpoint import load_config
     from model.hub import resolve_model
-    layout = None if args.gpus else plan.generation_layout(0, args.tp, cpu_workers=args.gen_workers)  # before a base
+    layout = None if args.gpus else generation_layout(0, args.tp, cpu_workers=args.gen_workers)  # before a base
     # a directory, or a model id found in the local Hugging Face cache
     base = resolve_model(args.model).resolve() if args.model else ensure_base(preset)
     if layout is None:  # on GPUs the model's heads and size decide it
-        layout = plan.generation_layout(args.gpus, args.tp, load_config(base), base.name, engine_of(args),
-                                        cpu_workers=args.gen_workers)
+        layout = generation_layout(args.gpus, args.tp, load_config(base), base.name, engine_of(args),
+                                   cpu_workers=args.gen_workers)
         check_gpus(args.gpus, args.dry_run)
     if args.data or args.task_spec:
         data_root = Path(args.data or Path(args.task_spec).parent).resolve()

@@ -81,7 +81,7 @@ GLOBAL_BATCH = 128       # sequences per optimizer step
 MAX_LEN = 2048           # longer examples are dropped
 EPOCHS = 5               # per stage; TRACE order uses [5, 3, 7, 5, 3, 5, 5, 7]
 MICRO_TOKENS = 16384     # tokens per packed micro-batch (per rank) on the CPU; on a GPU: the most that fit its memory
-                         # (plan.micro_tokens_that_fit: 90 % of it, with or without --activation-checkpointing)
+                         # (pipeline.costs.micro_tokens_that_fit: 90 % of it, with/without --activation-checkpointing)
 SAVE_EVERY = 50          # optimizer steps between resumable training states (0: never)
 OBJECTIVE = "sft"        # sft | sft-kl | sdft (see the docstring)
 # sft-kl: NLL + beta * KL to an EMA teacher on the gold tokens
@@ -361,7 +361,7 @@ def device_defaults(args, device, rank: int, world: int, compute_dtype, saved: d
     if saved.get("micro_tokens"):  # a resumed run packs as it did, whatever is free now
         args.micro_tokens = saved["micro_tokens"]
         return
-    from plan import MEMORY_SHARE, micro_tokens_that_fit
+    from pipeline.costs import MEMORY_SHARE, micro_tokens_that_fit
     free, total = torch.cuda.mem_get_info(device)
     budget = min(free, MEMORY_SHARE * total)
     cfg = load_config(args.model)

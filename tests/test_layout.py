@@ -1,4 +1,4 @@
-"""The generation layout (run.py --tp, plan.generation_layout): DP = GPUs / TP workers of TP GPUs each.
+"""The generation layout (run.py --tp, pipeline.layout.generation_layout): DP = GPUs / TP workers of TP GPUs each.
 
 The default TP is valid for the shipped model configs (bench/configs) on 8 GPUs and the smallest that holds the
 weights, so every GPU generates; a
@@ -6,7 +6,6 @@ TP that vLLM's head rule, the GPU count or the engine cannot take is refused in 
 written; the planner's generation hours follow the layout; and run.py --dry-run prices a run from a model's
 config.json alone.
 """
-import json
 import os
 import shutil
 import subprocess
@@ -18,6 +17,8 @@ import pytest
 
 import plan
 from model.checkpoint import load_config
+from pipeline.costs import GEN_TOK_S, PREFILL_FACTOR, STEP_OVERHEAD_S, Profile, StepCost, price, train_tok_s
+from pipeline.layout import GPU_MEMORY_GB, TP_SIZES, WEIGHT_SHARE, Layout, generation_layout, heads_refusal
 from model.config import ModelConfig
 from data.errors import UserError
 
@@ -60,7 +61,7 @@ def run_py(tmp_path, model, *extra):
 ])
 def test_heads_rule_is_vllms(heads, kv, tp, ok):
     cfg = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv)
-    assert (plan.heads_refusal(cfg, tp) is None) == ok
+    assert (heads_refusal(cfg, tp) is None) == ok
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.iterdir()))
@@ -68,47 +69,47 @@ def test_default_layout_on_8_gpus_is_valid_and_uses_every_gpu(name):
     """Every GPU generates (DP x TP = 8), at the smallest TP the heads take that holds the weights in WEIGHT_SHARE of
     a GPU."""
     cfg = load_config(CONFIGS / name)
-    layout = plan.generation_layout(8, None, cfg, name)
-    assert layout.tp in plan.TP_SIZES and layout.dp * layout.tp == 8
-    assert plan.heads_refusal(cfg, layout.tp) is None
+    layout = generation_layout(8, None, cfg, name)
+    assert layout.tp in TP_SIZES and layout.dp * layout.tp == 8
+    assert heads_refusal(cfg, layout.tp) is None
     weights_gb = 2 * cfg.num_params(embeddings=True) / 1e9
-    assert weights_gb / layout.tp <= plan.WEIGHT_SHARE * plan.GPU_MEMORY_GB
-    assert all(plan.heads_refusal(cfg, t) is not None or weights_gb / t > plan.WEIGHT_SHARE * plan.GPU_MEMORY_GB
-               for t in plan.TP_SIZES if t < layout.tp)
+    assert weights_gb / layout.tp <= WEIGHT_SHARE * GPU_MEMORY_GB
+    assert all(heads_refusal(cfg, t) is not None or weights_gb / t > WEIGHT_SHARE * GPU_MEMORY_GB
+               for t in TP_SIZES if t < layout.tp)
 
 
 def test_qwen7b_defaults_to_a_worker_per_gpu(qwen7b):
     """vllm issue 11797: Qwen2.5-7B's 28 heads refuse TP 8; its 15 GB of bf16 weights fit one H100, so 8 workers of
     TP 1 (the paper ran TP 4: --tp 4 gives 2 workers)."""
-    layout = plan.generation_layout(8, None, qwen7b, "q")
+    layout = generation_layout(8, None, qwen7b, "q")
     assert str(layout) == "DP 8 x TP 1 on 8 GPUs" and "smallest TP" in layout.why
-    assert str(plan.generation_layout(8, 4, qwen7b, "q")) == "DP 2 x TP 4 on 8 GPUs"
-    assert str(plan.generation_layout(4, 2, qwen7b, "q")) == "DP 2 x TP 2 on 4 GPUs"
+    assert str(generation_layout(8, 4, qwen7b, "q")) == "DP 2 x TP 4 on 8 GPUs"
+    assert str(generation_layout(4, 2, qwen7b, "q")) == "DP 2 x TP 2 on 4 GPUs"
 
 
 def test_a_model_too_big_for_one_gpu_gets_the_tp_that_holds_it():
     """A 70B-class config (140 GB of bf16 weights): TP 4 is the smallest that leaves half of each 80 GB GPU free."""
     cfg = ModelConfig(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128)
-    layout = plan.generation_layout(8, None, cfg, "big")
+    layout = generation_layout(8, None, cfg, "big")
     assert (layout.dp, layout.tp) == (2, 4)
 
 
 def test_cpu_and_native_layouts(qwen7b):
     """A CPU run has --gen-workers workers at --tp 1 (its step keys pass --tp 1, as before the flag); the native
     engine has no tensor parallelism: a worker per GPU."""
-    assert plan.generation_layout(0) == plan.Layout(0, 1, 1, "the CPU")
-    assert plan.generation_layout(0, 1, cpu_workers=2) == plan.Layout(0, 1, 2, "the CPU")
-    native = plan.generation_layout(8, None, qwen7b, "q", engine="native")
+    assert generation_layout(0) == Layout(0, 1, 1, "the CPU")
+    assert generation_layout(0, 1, cpu_workers=2) == Layout(0, 1, 2, "the CPU")
+    native = generation_layout(8, None, qwen7b, "q", engine="native")
     assert (native.dp, native.tp) == (8, 1)
     with pytest.raises(UserError, match=r"^--tp 2: a CPU run \(--gpus 0\)"):
-        plan.generation_layout(0, 2)
+        generation_layout(0, 2)
     with pytest.raises(UserError, match="^--tp 4: the native engine has no tensor parallelism"):
-        plan.generation_layout(8, 4, qwen7b, "q", engine="native")
+        generation_layout(8, 4, qwen7b, "q", engine="native")
     with pytest.raises(UserError, match=r"^--tp 4: does not divide --gpus 6 .*; use 1 or 2$"):
-        plan.generation_layout(6, 4, qwen7b, "q")
+        generation_layout(6, 4, qwen7b, "q")
     with pytest.raises(UserError, match=r"^--gen-workers 2: on GPUs the workers are --gpus / --tp"):
-        plan.generation_layout(8, None, qwen7b, "q", cpu_workers=2)
+        generation_layout(8, None, qwen7b, "q", cpu_workers=2)
 
 
 def test_help_states_the_default_rule(capsys):
@@ -142,10 +143,10 @@ def test_a_tp_the_run_cannot_launch_is_refused_in_one_line(tmp_path, config_only
 
 
 # ---- the planner follows the layout -------------------------------------------------------------------------------
-def rollout_cost(cfg, layout: plan.Layout, overhead_s: float = 120.0) -> plan.StepCost:
-    c = plan.StepCost("s1-rollout", "rollout", [], prompts=10**4, prompt_tokens=10**7, new_tokens_est=10**8,
+def rollout_cost(cfg, layout: Layout, overhead_s: float = 120.0) -> StepCost:
+    c = StepCost("s1-rollout", "rollout", [], prompts=10**4, prompt_tokens=10**7, new_tokens_est=10**8,
                       new_tokens_max=5 * 10**8)
-    plan.price(c, cfg, plan.Profile(gpus=layout.gpus, overhead_s=overhead_s, layout=layout))
+    price(c, cfg, Profile(gpus=layout.gpus, overhead_s=overhead_s, layout=layout))
     return c
 
 
@@ -156,23 +157,23 @@ def test_generation_hours_follow_the_layout(qwen7b):
     of DP 2 for the same wall time as DP 1 (what run.py launches today: one worker). With every GPU generating, the price is the one the planner gave before
     layouts: start-up on every GPU + the work's GPU-seconds."""
     start = 120.0 / 3600
-    dp = {n: rollout_cost(qwen7b, plan.Layout(4 * n, 4, n)) for n in (1, 2, 4)}
+    dp = {n: rollout_cost(qwen7b, Layout(4 * n, 4, n)) for n in (1, 2, 4)}
     work = {n: c.wall_hours - start for n, c in dp.items()}
     assert work[1] > 1 and work[2] == pytest.approx(work[1] / 2) and work[4] == pytest.approx(work[1] / 4)
     gpu_work = {n: c.gpu_hours - 4 * n * start for n, c in dp.items()}
     assert gpu_work[2] == pytest.approx(gpu_work[1]) and gpu_work[4] == pytest.approx(gpu_work[1])
     assert all(c.gpu_hours == pytest.approx(c.wall_hours * 4 * n) for n, c in dp.items())
 
-    idle = rollout_cost(qwen7b, plan.Layout(8, 4, 1))
+    idle = rollout_cost(qwen7b, Layout(8, 4, 1))
     assert idle.wall_hours == pytest.approx(dp[1].wall_hours)
     assert idle.gpu_hours == pytest.approx(2 * dp[1].gpu_hours)
     assert idle.gpu_hours - 8 * start == pytest.approx(2 * (dp[2].gpu_hours - 8 * start))
 
-    tps = plan.train_tok_s(qwen7b, 512, plan.Profile())
-    before = 8 * start + (10**8 / plan.GEN_TOK_S + 10**7 / (plan.PREFILL_FACTOR * tps)) / 3600
-    for layout in (plan.Layout(8, 1, 8), plan.Layout(8, 4, 2)):
+    tps = train_tok_s(qwen7b, 512, Profile())
+    before = 8 * start + (10**8 / GEN_TOK_S + 10**7 / (PREFILL_FACTOR * tps)) / 3600
+    for layout in (Layout(8, 1, 8), Layout(8, 4, 2)):
         assert rollout_cost(qwen7b, layout).gpu_hours == pytest.approx(before)
-    assert rollout_cost(qwen7b, plan.Layout(8, 4, 2)).gpu_hours_max > before
+    assert rollout_cost(qwen7b, Layout(8, 4, 2)).gpu_hours_max > before
 
 
 def test_dry_run_from_config_json_alone_prices_the_layout(tmp_path, config_only):
@@ -202,4 +203,4 @@ def test_dry_run_from_config_json_alone_prices_the_layout(tmp_path, config_only)
     generating = [(a, b) for a, b in zip(on8, on4) if a["kind"] in ("eval", "rollout", "drift")]
     assert {a["kind"] for a, _ in generating} == {"eval", "rollout", "drift"}
     for a, b in generating:  # (printed to 0.01)
-        assert a["gpu_hours"] == pytest.approx(b["gpu_hours"] + 4 * plan.STEP_OVERHEAD_S / 3600, abs=0.021)
+        assert a["gpu_hours"] == pytest.approx(b["gpu_hours"] + 4 * STEP_OVERHEAD_S / 3600, abs=0.021)

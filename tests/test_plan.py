@@ -1,5 +1,5 @@
 """plan.py and run.py --dry-run: the plan lists exactly the steps a real run executes, with the trainer's own token
-counts, and writes nothing; the activation-memory model counts what autograd really keeps in a block.
+counts, and writes nothing (the cost model's own tests: tests/test_costs.py).
 
 One small real run (2 tasks x 8 examples, sft + replay + opr-ru, the setup of tests/test_run.py) is compared step by
 step with the dry run of the same command: the same step keys and kinds; every train step's planned tokens equal
@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import plan
+from pipeline.costs import PREFILL_FACTOR, Profile, StepCost, price, train_tok_s
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ["C-STANCE", "Py150"]
@@ -131,91 +131,18 @@ def test_sdft_training_prices_its_students_samples(env):
     for s in sdft:
         assert s["prompts"] == 2 * 8 and s["new_tokens_max"] == 5 * s["prompts"] >= s["new_tokens_est"] > 0
         assert s["prompt_tokens"] > s["prompts"]
-    c = plan.StepCost("s", "train", [], train_tokens=10**6, train_tokens_max=10**6, mean_doc=300, sdft=True)
-    profile = plan.Profile(overhead_s=0)
+    c = StepCost("s", "train", [], train_tokens=10**6, train_tokens_max=10**6, mean_doc=300, sdft=True)
+    profile = Profile(overhead_s=0)
     from model.checkpoint import load_config
     cfg = load_config(REPO / "bench" / "configs" / "qwen2.5-0.5b")
-    plan.price(c, cfg, profile)
+    price(c, cfg, profile)
     base = c.gpu_hours
     c.prompt_tokens, c.new_tokens_est, c.new_tokens_max = 3 * 10**5, 10**6, 2 * 10**6
-    plan.price(c, cfg, profile)
-    tps = plan.train_tok_s(cfg, 300, profile)
-    assert c.gpu_hours - base == pytest.approx((3 * 10**5 / (plan.PREFILL_FACTOR * tps) + 10**6 / profile.gen_tok_s)
+    price(c, cfg, profile)
+    tps = train_tok_s(cfg, 300, profile)
+    assert c.gpu_hours - base == pytest.approx((3 * 10**5 / (PREFILL_FACTOR * tps) + 10**6 / profile.gen_tok_s)
                                                / 3600)
     assert c.gpu_hours_max - c.gpu_hours == pytest.approx(10**6 / profile.gen_tok_s / 3600)
-
-
-def test_activation_checkpointing_is_priced_when_the_command_turns_it_on():
-    """Qwen2.5-0.5B fits 80 GB without recomputation, but the paper preset passes --activation-checkpointing on GPUs
-    anyway: its training then costs 4/3 of the tokens' time (the per-step overhead aside)."""
-    from model.checkpoint import load_config
-    cfg = load_config(REPO / "bench" / "configs" / "qwen2.5-0.5b")
-    profile = plan.Profile(overhead_s=0)
-    assert not plan.needs_checkpointing(cfg, profile)
-    hours = []
-    for on in (False, True):
-        c = plan.StepCost("s1-train-FOMC", "train", [], train_tokens=10**9, train_tokens_max=10**9, mean_doc=300)
-        plan.price(c, cfg, profile, checkpointing=on)
-        hours.append(c.gpu_hours)
-    assert hours[1] == pytest.approx(hours[0] * 4 / 3)
-
-
-def test_activation_model_counts_what_autograd_keeps_in_a_block():
-    """Run one real block in bf16 with a flash-type attention stand-in (it saves what flash-attn saves: q, k, v,
-    output, fp32 log-sum-exp) and sum the bytes of every tensor saved for backward: equal to the formula."""
-    from kernels import attention
-    from model.config import ModelConfig
-    from model.transformer import Transformer, rope_cos_sin, rope_inv_freq
-    import model.transformer as mt
-
-    class FlashLike(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, cu, max_len):
-            with torch.no_grad():
-                attention.set_backend("sdpa")
-                out = attention.varlen_attention(q, k, v, cu, max_len)
-            lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out
-
-    cfg = ModelConfig.from_hf(dict(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=160,
-                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-    torch.manual_seed(0)
-    model = Transformer(cfg).to(torch.bfloat16)
-    lengths = [40, 24, 64]
-    T = sum(lengths)
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
-    x = model.model.embed_tokens(torch.randint(0, 512, (1, T))).detach().requires_grad_()
-    cos, sin = rope_cos_sin(rope_inv_freq(cfg, "cpu"), pos, x.dtype)
-    known = {t.untyped_storage().data_ptr() for t in [*model.parameters(), x, cos, sin]}
-    saved = {}
-
-    def keep(t):
-        if t.untyped_storage().data_ptr() not in known:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    orig = mt.varlen_attention
-    mt.varlen_attention = lambda q, k, v, cu, m: FlashLike.apply(q, k, v, cu, m)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            model.model.layers[0](x, cos, sin, cu, max(lengths))
-    finally:
-        mt.varlen_attention = orig
-    assert sum(saved.values()) == plan.activation_bytes_per_token_layer(cfg) * T
-
-
-def test_memory_model_for_qwen25_7b_on_8_gpus():
-    """Hand-checked: 7.615 B parameters -> 16 bytes each of sharded fp32 state (weights, grads, two AdamW moments)
-    over 8 GPUs = 15.2 GB; without checkpointing 16,384 tokens of activations do not fit 80 GB, with it they do."""
-    from model.checkpoint import load_config
-    cfg = load_config(REPO / "bench" / "configs" / "qwen2.5-7b")
-    assert cfg.num_params() == 7_615_487_488  # the published 7.61 B
-    m = plan.memory_per_gpu(cfg, 8, 16384)
-    state = sum(v for k, v in m.items() if "sharded" in k)
-    assert state == pytest.approx(16 * 7_615_487_488 / 8)
-    assert m["total"] > 80e9 > m["total_checkpointed"]
 
 
 # --- plan.py's failures: one line naming the flag or path, exit 2, like every script ----------------------------------
@@ -251,49 +178,3 @@ def test_run_dry_run_checks_the_planner_flags(env, tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "--plan-gpus" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()
-
-
-def test_micro_tokens_rule_is_the_most_that_fit_and_train_py_uses_it(monkeypatch):
-    """plan.micro_tokens_that_fit: the largest multiple of 1024 whose modelled memory fits the budget, with and
-    without activation checkpointing; train.py takes it on a GPU when --micro-tokens is not given (free memory faked),
-    16384 on the CPU, and refuses a budget below --max-len in one line."""
-    import argparse
-    import train
-    from model.checkpoint import load_config
-    cfg = load_config(Path(plan.__file__).parent / "bench" / "configs" / "qwen2.5-7b")
-    budget = 72e9
-    for ac, key in ((False, "total"), (True, "total_checkpointed")):
-        mt = plan.micro_tokens_that_fit(cfg, 8, budget, ac)
-        assert mt % 1024 == 0 and mt > 0
-        assert plan.memory_per_gpu(cfg, 8, mt)[key] <= budget < plan.memory_per_gpu(cfg, 8, mt + 1024)[key]
-    assert plan.micro_tokens_that_fit(cfg, 8, budget, True) > plan.micro_tokens_that_fit(cfg, 8, budget, False)
-    assert plan.micro_tokens_that_fit(cfg, 1, budget, False) == 0  # 7B's states alone need > 72 GB on one GPU
-
-    def args(**kw):
-        return argparse.Namespace(**{**dict(compile=None, micro_tokens=None, model=str(
-            Path(plan.__file__).parent / "bench" / "configs" / "qwen2.5-7b"), activation_checkpointing=True,
-            max_len=2048, resume=False), **kw})
-
-    a = args()
-    train.device_defaults(a, torch.device("cpu"), 0, 1, torch.float32, {})
-    assert (a.compile, a.micro_tokens) == (False, train.MICRO_TOKENS)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79e9, 80e9))
-    from kernels import attention
-    monkeypatch.setattr(attention, "_BACKEND", "torch_varlen")  # what a GPU picks (compiles whole)
-    a = args()
-    train.device_defaults(a, torch.device("cuda"), 0, 8, torch.bfloat16, {})
-    assert a.compile is True and a.micro_tokens == plan.micro_tokens_that_fit(cfg, 8, 0.9 * 80e9, True)
-    a = args(compile=None, micro_tokens=4096)
-    train.device_defaults(a, torch.device("cuda"), 0, 8, torch.float32, {})  # fp32 on CUDA: the SDPA loop
-    assert a.compile is False
-    with pytest.raises(train.UserError, match="--compile on CUDA needs --dtype bf16"):
-        train.device_defaults(args(compile=True), torch.device("cuda"), 0, 8, torch.float32, {})
-    a = args(resume=True)  # a resumed run keeps the budget its state was saved with
-    train.device_defaults(a, torch.device("cuda"), 0, 8, torch.bfloat16, {"micro_tokens": 8192})
-    assert a.micro_tokens == 8192
-    a = args(micro_tokens=4096, compile=False)  # given: kept
-    train.device_defaults(a, torch.device("cuda"), 0, 8, torch.bfloat16, {})
-    assert (a.compile, a.micro_tokens) == (False, 4096)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20e9, 80e9))  # another process holds 60 GB
-    with pytest.raises(train.UserError, match="fit 20.0 GB per GPU on 8 GPU.*--max-len 2048"):
-        train.device_defaults(args(), torch.device("cuda"), 0, 8, torch.bfloat16, {})

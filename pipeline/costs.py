@@ -1,0 +1,188 @@
+"""The cost model of a step: its GPU-hours from its token counts, and train.py's FSDP2 memory per GPU.
+
+A throughput profile (Profile: the defaults below, or the planner's --plan-* flags) prices a StepCost (price):
+  train    tokens / train tok/s per GPU (+ a fixed start/load/save overhead per step on every GPU); the default
+           train tok/s is MFU x peak / FLOPs per token, with train.py's own FLOPs count (6 N + 6 V H + attention at
+           the mixture's mean document length), SDFT x 4/3 (the teacher's extra forward), activation checkpointing
+           x 4/3 (its second forward)
+  generate new tokens / gen tok/s per GPU + prompt tokens / prefill tok/s per GPU, spread over the generating GPUs
+           of the profile's layout (pipeline.layout; + the overhead per step); the node's GPUs are held for the
+           step's wall time
+FSDP2 memory per GPU, as train.py holds it (memory_per_gpu): fp32 master weights, fp32 gradients and AdamW's two
+fp32 moments, all sharded; the bf16 compute copies all-gathered per unit (the root unit -- embeddings, final norm,
+lm_head -- for the whole step, two blocks at a time: current + prefetch) with their bf16 gradients before the
+reduce-scatter; the loss kernel's fp32 [V, H] weight-gradient accumulator and one chunk of logits; activations at
+the micro-batch's tokens with and without activation checkpointing (the tensors autograd keeps per token and layer,
+listed in activation_bytes_per_token_layer). train.py sizes its micro-batches by it (micro_tokens_that_fit).
+"""
+from dataclasses import dataclass, field
+
+from pipeline.layout import GPU_MEMORY_GB, Layout
+
+# ---- defaults: the throughput profile (BENCHMARKS.md "Anchors"; nothing here was measured on a GPU) --------------
+PEAK_TFLOPS = 989.0      # H100 SXM, bf16 dense
+TRAIN_MFU = 0.36         # within torchtitan's published range for Llama-3.1-8B, FSDP2 bf16 on 8xH100 ("Anchors")
+GEN_TOK_S = 4000.0       # generated tokens/s per GPU (vLLM, 7-8B bf16, large batches): an assumption, not an anchor
+PREFILL_FACTOR = 3.0     # prompt tokens cost a forward only: prefill tok/s = 3 x train tok/s (same MFU, 2N vs 6N)
+STEP_OVERHEAD_S = 120.0  # per GPU step: process start, loading the checkpoint (and saving one) or the engine start-up
+GPUS = 8
+MEMORY_SHARE = 0.9       # of a GPU's memory that train.py's --micro-tokens rule plans for (the rest: the CUDA
+                         # context, NCCL's buffers, the allocator's fragmentation)
+# -------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Profile:
+    """The throughput of a node: train and generation tok/s per GPU, the overhead of a step, the GPUs and the
+    layout its generating steps run on, train.py's tokens per micro-batch."""
+    train_tok_s: float | None = None  # None: from MFU x peak / FLOPs per token
+    gen_tok_s: float = GEN_TOK_S
+    gpus: int = GPUS
+    overhead_s: float = STEP_OVERHEAD_S
+    mfu: float = TRAIN_MFU
+    peak_tflops: float = PEAK_TFLOPS
+    micro_tokens: int = 16384  # train.py --micro-tokens: activations, and whether checkpointing is needed
+    layout: Layout | None = None  # None: every GPU a worker of TP 1
+
+    def __post_init__(self):
+        if self.layout is None:
+            self.layout = Layout(self.gpus, 1, self.gpus, "every GPU a worker")
+        if self.layout.gpus != self.gpus or self.layout.dp * self.layout.tp > self.gpus:
+            raise ValueError(f"layout {self.layout} does not fit the profile's {self.gpus} GPUs")
+
+    @classmethod
+    def from_args(cls, args, micro_tokens: int, layout: Layout) -> "Profile":
+        """From the planner's --plan-* flags (plan.add_arguments)."""
+        return cls(args.plan_train_tok_s, args.plan_gen_tok_s, layout.gpus, args.plan_overhead_s, args.plan_mfu,
+                   args.plan_peak_tflops, micro_tokens, layout)
+
+
+def flops_per_token(cfg, mean_doc: float) -> float:
+    """Training FLOPs per token, train.py's MFU count: 6 x (non-embedding parameters) + 6 V H (lm_head) + causal
+    attention 6 L Hq D x mean document length."""
+    return (6 * cfg.num_params(embeddings=False) + 6 * cfg.vocab_size * cfg.hidden_size
+            + 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * mean_doc)
+
+
+def train_tok_s(cfg, mean_doc: float, profile: Profile) -> float:
+    """Training tokens/s per GPU: the profile's own, else MFU x peak over flops_per_token."""
+    if profile.train_tok_s:
+        return profile.train_tok_s
+    return profile.mfu * profile.peak_tflops * 1e12 / flops_per_token(cfg, mean_doc)
+
+
+def activation_bytes_per_token_layer(cfg) -> int:
+    """Bytes autograd keeps per token and block in bf16 training with a flash-type attention kernel (no [T, T]
+    scores; tests/test_plan.py counts them on a real block): each RMSNorm its fp32 input (4 H), fp32 1/rms (4),
+    the bf16 normalised input of the weight multiply (2 H) and its output (2 H, the next projections' input); RoPE only the shared cos/sin; the attention kernel
+    the rotated q and k, v, its output (also o_proj's input) and an fp32 log-sum-exp per head; the MLP the gate
+    and up outputs, silu(gate) and their product (down_proj's input): 4 x I."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    norms = 2 * (4 * H + 4 + 2 * H + 2 * H)
+    attn = 2 * (q + 2 * kv) + 2 * q + 4 * cfg.num_attention_heads
+    mlp = 2 * 4 * I
+    return norms + attn + mlp
+
+
+def memory_per_gpu(cfg, gpus: int, micro_tokens: int) -> dict:
+    """Bytes per GPU of train.py's FSDP2 bf16 training (see the module docstring). Keys: each component, and
+    'total' / 'total_checkpointed' (with --activation-checkpointing)."""
+    P = cfg.num_params(embeddings=True)
+    V, H, L = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
+    root = V * H * (1 if cfg.tie_word_embeddings else 2) + H  # embeddings (+ lm_head) + final norm
+    block = (P - root) / L
+    act_layer = activation_bytes_per_token_layer(cfg) * micro_tokens
+    chunk_rows = max(1, 128 * 2**20 // (4 * V))  # kernels/cross_entropy.py's chunk (liger's is similar)
+    m = {
+        "master weights fp32 (sharded)": 4 * P / gpus,
+        "gradients fp32 (sharded)": 4 * P / gpus,
+        "AdamW moments fp32 (sharded)": 8 * P / gpus,
+        "bf16 root unit, all-gathered": 2 * root,
+        "bf16 blocks in flight (2) + their grads": 2 * 2 * block * 2,
+        "loss: fp32 lm_head grad + logits chunk": 4 * V * H + 4 * chunk_rows * V,
+        "activations": L * act_layer + 2 * H * micro_tokens,
+        "activations, checkpointed": L * 2 * H * micro_tokens + act_layer + 2 * H * micro_tokens,
+    }
+    fixed = sum(v for k, v in m.items() if not k.startswith("activations"))
+    m["total"] = fixed + m["activations"]
+    m["total_checkpointed"] = fixed + m["activations, checkpointed"]
+    return m
+
+
+def micro_tokens_that_fit(cfg, gpus: int, budget_bytes: float, checkpointing: bool) -> int:
+    """train.py's --micro-tokens when not given on a GPU (and plan.py's): the most tokens per micro-batch, in
+    multiples of 1024, whose memory_per_gpu total (with or without activation checkpointing) stays within
+    budget_bytes; 0 when not even 1024 fit."""
+    key = "total_checkpointed" if checkpointing else "total"
+    fixed, per_1024 = memory_per_gpu(cfg, gpus, 0)[key], memory_per_gpu(cfg, gpus, 1024)[key]
+    per_1024 -= fixed  # memory is affine in the micro-batch's tokens
+    return max(0, int((budget_bytes - fixed) // per_1024)) * 1024
+
+
+@dataclass
+class StepCost:
+    """One step's counts (filled by the planner) and its price (filled by price())."""
+    key: str
+    kind: str
+    deps: list
+    train_tokens: int = 0        # what train.py will count (estimate when `exact` is False)
+    train_tokens_max: int = 0
+    exact: bool = True
+    mean_doc: float = 0.0
+    sdft: bool = False
+    prompts: int = 0
+    prompt_tokens: int = 0
+    new_tokens_max: int = 0
+    new_tokens_est: int = 0
+    gpu_hours: float = 0.0
+    gpu_hours_max: float = 0.0
+    wall_hours: float = 0.0      # the node's hours for the step (estimate): GPU-hours over the GPUs it holds
+    methods: list = field(default_factory=list)
+
+
+def needs_checkpointing(cfg, profile: Profile) -> bool:
+    """True when train.py's memory without activation checkpointing exceeds GPU_MEMORY_GB."""
+    return memory_per_gpu(cfg, profile.gpus, profile.micro_tokens)["total"] > GPU_MEMORY_GB * 1e9
+
+
+def recomputes(cfg, profile: Profile, checkpointing: bool) -> bool:
+    """Training pays activation checkpointing's second forward: the command turns it on, or only it fits."""
+    return checkpointing or needs_checkpointing(cfg, profile)
+
+
+def generation_hours(profile: Profile, gpu_seconds: float) -> tuple[float, float]:
+    """(wall hours, GPU-hours) of a generating step whose work takes gpu_seconds on one GPU: the layout's DP x TP
+    GPUs share it (each worker its share of the prompts, all at once; a GPU's tok/s taken as the same at any TP),
+    after the per-step start-up that every worker pays at once; the node's GPUs are held for the wall time, also
+    those the layout leaves idle."""
+    wall = (profile.overhead_s + gpu_seconds / (profile.layout.dp * profile.layout.tp)) / 3600
+    return wall, wall * profile.gpus
+
+
+def price(c: StepCost, cfg, profile: Profile, checkpointing: bool = False):
+    """Fill in c.gpu_hours (estimate), c.gpu_hours_max (upper bound) and c.wall_hours. Training with activation
+    checkpointing (`checkpointing`: the command turns it on; or it only fits with it) pays a second forward
+    (x 4/3); SDFT's teacher forward another 1/3, and its student's sampling its prompts' prefill and its new tokens
+    at the generation rate (train.py samples on the training GPUs). Generation steps run on profile.layout
+    (generation_hours)."""
+    over = profile.overhead_s * profile.gpus / 3600
+    tps = train_tok_s(cfg, c.mean_doc or 512, profile)
+    if c.kind in ("eval", "rollout", "drift"):
+        prefill = c.prompt_tokens / (PREFILL_FACTOR * tps)
+        if c.kind == "drift":  # + two models teacher-forced on the samples and on the gold answers
+            prefill += 4 * (c.prompt_tokens + c.new_tokens_est) / (PREFILL_FACTOR * tps)
+        c.wall_hours, c.gpu_hours = generation_hours(profile, c.new_tokens_est / profile.gen_tok_s + prefill)
+        c.gpu_hours_max = generation_hours(profile, c.new_tokens_max / profile.gen_tok_s + prefill)[1]
+        return
+    if c.kind == "train":
+        f = 1 + c.sdft / 3  # (a train tok/s given by the user gets no recomputation factor)
+        if not profile.train_tok_s:
+            f += recomputes(cfg, profile, checkpointing) / 3
+        # sdft's sampling: every rank its share of the step's prompts, at the generation rate of a GPU
+        sample = c.prompt_tokens / (PREFILL_FACTOR * tps) if c.sdft else 0.0
+        c.gpu_hours = over + (f * c.train_tokens / tps + sample + c.new_tokens_est / profile.gen_tok_s) / 3600
+        c.gpu_hours_max = over + (f * c.train_tokens_max / tps + sample + c.new_tokens_max / profile.gen_tok_s) / 3600
+    elif c.kind == "buffer-nll":
+        c.gpu_hours = c.gpu_hours_max = over + c.prompt_tokens / (PREFILL_FACTOR * tps) / 3600
+    c.wall_hours = c.gpu_hours / profile.gpus  # priced as work that every GPU of the node shares
