@@ -28,16 +28,15 @@ listed in activation_bytes_per_token_layer).
 """
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 from data.errors import UserError
 from pipeline.cli import Parser, float_in, int_at_least, main_cli
 from pipeline import keep
-from pipeline.costs import (GEN_TOK_S, GPUS, MEMORY_SHARE, PEAK_TFLOPS, PREFILL_FACTOR, STEP_OVERHEAD_S, TRAIN_MFU,
-                            Profile, StepCost, memory_per_gpu, micro_tokens_that_fit, needs_checkpointing, price,
-                            recomputes, train_tok_s)
+from pipeline.costs import (CHARS_PER_TOKEN, GEN_TOK_S, GPUS, MEMORY_SHARE, PEAK_TFLOPS, PREFILL_FACTOR,
+                            STEP_OVERHEAD_S, TEMPLATE_ANSWER, TEMPLATE_PROMPT, TRAIN_MFU, Profile, StepCost,
+                            memory_per_gpu, micro_tokens_that_fit, needs_checkpointing, price, recomputes, train_tok_s)
 from pipeline.layout import GPU_MEMORY_GB, Layout, generation_layout
 
 
@@ -89,23 +88,6 @@ class Lengths:
 def prompt_key(prompt) -> str:
     """A prompt as a dict key: a manifest's chat prompt is a list of messages (data/manifest.py)."""
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
-
-
-class EstimatedTokenizer:
-    """Token counts for a model directory without a tokenizer (run.py --dry-run from config.json alone): the paper
-    grid's assumptions, CHARS_PER_TOKEN characters per token plus TEMPLATE_PROMPT tokens of chat template around a
-    prompt and TEMPLATE_ANSWER after an answer. Lengths only: what it "encodes" has the right length and no ids."""
-
-    @staticmethod
-    def _tokens(text: str) -> int:
-        return math.ceil(len(text) / CHARS_PER_TOKEN)
-
-    def prompt_ids(self, prompt) -> range:
-        turns = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
-        return range(TEMPLATE_PROMPT + sum(self._tokens(t) for t in turns))
-
-    def sft_length(self, prompt, response: str) -> int:
-        return len(self.prompt_ids(prompt)) + self._tokens(response) + TEMPLATE_ANSWER
 
 
 class StepCounts:
@@ -351,13 +333,11 @@ def format_disk(costs, model_cfg, gpus: bool, policy: str = "all", kept: tuple |
 
 # ---------------------------------------------------------------------------------------------- the paper's grid
 PAPER_GPU_HOURS = 32.0   # the paper: one model's 8 stages
-# Per-task sizes for the paper's grid when the TRACE files are not at hand (Qwen2.5 chat template: ~29 tokens of
-# system prompt and headers around the prompt, ~2 after the answer). n_train after the over-long filter (2,048),
-# mean prompt tokens (templated), mean answer tokens, test examples. ASSUMPTIONS, except where `--trace` finds the
-# task's files (FOMC and NumGLUE-cm/-ds in ../shared/trace): then counts and lengths come from them, at
-# CHARS_PER_TOKEN (no Qwen tokenizer here).
-CHARS_PER_TOKEN = 4.0
-TEMPLATE_PROMPT, TEMPLATE_ANSWER = 29, 2
+# Per-task sizes for the paper's grid when the TRACE files are not at hand (Qwen2.5 chat template: TEMPLATE_PROMPT
+# tokens of system prompt and headers around the prompt, TEMPLATE_ANSWER after the answer). n_train after the
+# over-long filter (2,048), mean prompt tokens (templated), mean answer tokens, test examples. ASSUMPTIONS, except
+# where `--trace` finds the task's files (FOMC and NumGLUE-cm/-ds in ../shared/trace): then counts and lengths come
+# from them, at CHARS_PER_TOKEN (no Qwen tokenizer here).
 PAPER_TASKS = {  # task: (n_train kept, mean prompt tokens, mean answer tokens, n_test)
     "C-STANCE": (5000, 150, 1, 2000),      # Chinese stance texts, a letter answer
     "FOMC": (5000, 112, 1, 496),           # from shared/trace's files: mean chars / CHARS_PER_TOKEN + template

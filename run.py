@@ -55,9 +55,7 @@ CPU model a seed's table moves about as far as another seed moves it (the CPU mo
 import argparse
 import faulthandler
 import importlib.util
-import json
 import os
-import re
 import signal
 import sys
 import time
@@ -70,24 +68,21 @@ import rollout
 import train
 
 from data import metrics
-from data.jsonl import read_records
-from data.outputs import check_output, claim_dir, write_json, write_jsonl, write_text_atomic
-from data.manifest import check_scorer, held_out, manifest_path, scorer_files, step_fields
-from data.replay import gold_draw, replay_budget
-from data.tasks import get_task, parse_tasks, task_names
-from data.trace import filter_overlong, load_task, task_file
-from model.tokenizer import ChatTokenizer
-from data.errors import InputError, UserError
+from data.outputs import check_output, claim_dir, write_json, write_text_atomic
+from data.tasks import task_names
+from data.errors import UserError
 from pipeline.cli import (ENGINE_HELP, Parser, comma_list, float_in, int_at_least, main_cli,
                           use_manifest_from_argv)
-from pipeline import config, keep, specs
-from pipeline.layout import TP_SIZES, WEIGHT_SHARE, Layout, generation_layout
+from pipeline import config, keep
+from pipeline.builders import PRUNABLE, STEP_OUTPUTS, Steps
+from pipeline.inputs import Inputs, load_inputs
+from pipeline.layout import TP_SIZES, WEIGHT_SHARE
 from pipeline.settings import add_flags, apply, setting
 from pipeline.steps import Pipeline
+from pipeline.watch import train_labels, train_status
 from reporting import tensorboard
 from reporting.collect import Evals, collect, write_partial
 
-HERE = Path(__file__).resolve().parent
 METHODS = ("sft", "replay", "opr-ru", "opr-sc", "opr-low", "opr-random", "mtl", "sdft", "sft-kl")
 # the OPR methods' buffers: which score ranks the rollouts (ru: the task metric, sc: mean log-prob) and what of the
 # ranking the buffer keeps (the top, the lowest, a random subset)
@@ -198,69 +193,11 @@ SEED_NOISE = {
 
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("settings (class Settings; default: each preset's value, or the one value of all three)")
-    add_flags(g, Settings, PRESETS)
-    p.add_argument("--seeds", default="0", type=comma_list(int_at_least(0), unique=True),
-                   help="comma-separated seeds; results are averaged (default: 0)")
-    p.add_argument("--tasks", type=task_names, help="comma-separated task order (default: all tasks in TRACE order, "
-                                                    "or the manifest's)")
-    p.add_argument("--base", choices=["tiny", "smollm2"], help="named base model (default: tiny)")
-    p.add_argument("--model", help="base checkpoint directory (HF layout), or a model id (Org/Name) in the local "
-                                   "Hugging Face cache; selects the paper preset")
-    p.add_argument("--data", help="TRACE root <root>/<Task>/{train,eval,test}.json, or any root with a task manifest "
-                                  "tasks.json (default: the embedded benchmark)")
-    p.add_argument("--task-spec", help="task manifest file: your own ordered tasks, each with its directory, metric, "
-                                       "epochs and optional max_new_tokens, temperature, system prompt, labels "
-                                       "(default: <data>/tasks.json when present; README, 'Your own tasks')")
-    p.add_argument("--gpus", type=int_at_least(0), default=0,
-                   help="GPUs per node for train.py (torchrun) and vLLM; this node must see that many CUDA devices "
-                        "(--dry-run excepted) (default: 0, CPU)")
-    p.add_argument("--launcher", help="command prefix that starts train.py on several nodes, e.g. "
-                                      "'srun -N2 torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d "
-                                      "--rdzv-endpoint HOST:29400' (default: torchrun on this node when --gpus > 1)")
-    p.add_argument("--engine", default="auto", choices=["auto", "native", "vllm"], help=ENGINE_HELP)
-    p.add_argument("--tp", type=int_at_least(1),
-                   help="vLLM tensor-parallel size of the generating steps (rollout, evaluate, drift): --gpus / --tp "
-                        "data-parallel workers of --tp GPUs each (torchrun's ranks), each sampling its share of a "
-                        "step's prompts. It must divide --gpus, and the model's attention heads and its key-value "
-                        "heads must divide by it (vLLM's rule; key-value heads may instead divide it). "
-                        f"Default: the smallest of {', '.join(map(str, TP_SIZES))} that does so and holds the "
-                        f"weights in {WEIGHT_SHARE:g} of a GPU's memory; 1 with the native engine and on the CPU")
-    p.add_argument("--save-every", type=int_at_least(0), default=train.SAVE_EVERY,
-                   help="optimizer steps between a training stage's resumable states: a stopped run.py resumes a "
-                        "stage from its last one, bit-identically (0 = restart the stage) (default: %(default)s)")
-    p.add_argument("--keep-checkpoints", choices=list(keep.POLICIES), default="all",
-                   help="which stage checkpoints stay in steps/: all; last = per method and seed the newest stage's "
-                        "and any that a step still to run reads, pruned as the run goes; final = all while the run "
-                        "runs, then each method and seed's final one. A pruned checkpoint is trained again when a new "
-                        "step needs it (pipeline/keep.py) (default: %(default)s)")
-    p.add_argument("--wandb", action="store_true",
-                   help="also log each training stage's steps to Weights & Biases, one run per stage under RUN/wandb/ "
-                        "(offline with WANDB_MODE=offline, then wandb sync; project $WANDB_PROJECT, default opr); "
-                        "needs pip install wandb")
-    p.add_argument("--gen-workers", type=int_at_least(1), default=1,
-                   help="CPU runs: data-parallel workers per generating step (torchrun's ranks), each with --threads "
-                        "threads, so a generating step takes N x --threads cores (the default --jobs counts them); "
-                        "the same tokens as one worker. On GPUs the workers are --gpus / --tp")
-    p.add_argument("--jobs", type=int_at_least(1),
-                   help="steps run in parallel on CPU (default: cores // threads; always 1 with GPUs); never changes "
-                        "results")
-    p.add_argument("--threads", type=int_at_least(1),
-                   help=f"CPU threads per step (default: $OMP_NUM_THREADS if set, else {THREADS}); part of every "
-                        f"step's key, since it changes float results")
-    p.add_argument("--portable", action="store_true",
-                   help="run every CPU step with ATen's AVX2 kernels and MKL's reproducible branch (kernels.CPU_PINS): "
-                        "the same results on every x86-64 CPU with AVX2, Intel or AMD, at ~1.5x the wall time; "
-                        "without it a step's results depend on the CPU model (part of its key)")
-    p.add_argument("--out", help="run directory (default: runs/<preset>); an earlier run directory is resumed, "
-                                 "any other non-empty directory is refused")
-    p.add_argument("--overwrite", action="store_true", help="use --out even if it holds files run.py did not write")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--dry-run", action="store_true", help="print the plan: every step, its tokens, GPU-hours per "
-                                                          "method, FSDP2 memory per GPU (plan.py); run and write nothing")
-    p.add_argument("--config", metavar="FILE", help="an experiment file (YAML or TOML) of these flags by name; flags "
-                                                    "on the command line override it. Each run writes its own to "
-                                                    "RUN_DIR/config.yaml (pipeline/config.py)")
+    add_flags(p.add_argument_group("settings (class Settings; default: each preset's value, or the one value of all "
+                                   "three)"), Settings, PRESETS)
+    add_input_flags(p.add_argument_group("the base model, the tasks and the seeds"))
+    add_machine_flags(p.add_argument_group("the machine: GPUs, generation engine and workers, CPU threads"))
+    add_run_flags(p.add_argument_group("the run directory"))
     plan.add_arguments(p)
     argv = config.expand(p, argv)
     use_manifest_from_argv(argv)  # the manifest's task names are what --tasks checks against
@@ -269,20 +206,91 @@ def parse_args(argv=None):
     return args
 
 
+def add_input_flags(g):
+    g.add_argument("--seeds", default="0", type=comma_list(int_at_least(0), unique=True),
+                   help="comma-separated seeds; results are averaged (default: 0)")
+    g.add_argument("--tasks", type=task_names, help="comma-separated task order (default: all tasks in TRACE order, "
+                                                    "or the manifest's)")
+    g.add_argument("--base", choices=["tiny", "smollm2"], help="named base model (default: tiny)")
+    g.add_argument("--model", help="base checkpoint directory (HF layout), or a model id (Org/Name) in the local "
+                                   "Hugging Face cache; selects the paper preset")
+    g.add_argument("--data", help="TRACE root <root>/<Task>/{train,eval,test}.json, or any root with a task manifest "
+                                  "tasks.json (default: the embedded benchmark)")
+    g.add_argument("--task-spec", help="task manifest file: your own ordered tasks, each with its directory, metric, "
+                                       "epochs and optional max_new_tokens, temperature, system prompt, labels "
+                                       "(default: <data>/tasks.json when present; README, 'Your own tasks')")
+
+
+def add_machine_flags(g):
+    g.add_argument("--gpus", type=int_at_least(0), default=0,
+                   help="GPUs per node for train.py (torchrun) and vLLM; this node must see that many CUDA devices "
+                        "(--dry-run excepted) (default: 0, CPU)")
+    g.add_argument("--launcher", help="command prefix that starts train.py on several nodes, e.g. "
+                                      "'srun -N2 torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d "
+                                      "--rdzv-endpoint HOST:29400' (default: torchrun on this node when --gpus > 1)")
+    g.add_argument("--engine", default="auto", choices=["auto", "native", "vllm"], help=ENGINE_HELP)
+    g.add_argument("--tp", type=int_at_least(1),
+                   help="vLLM tensor-parallel size of the generating steps (rollout, evaluate, drift): --gpus / --tp "
+                        "data-parallel workers of --tp GPUs each (torchrun's ranks), each sampling its share of a "
+                        "step's prompts. It must divide --gpus, and the model's attention heads and its key-value "
+                        "heads must divide by it (vLLM's rule; key-value heads may instead divide it). "
+                        f"Default: the smallest of {', '.join(map(str, TP_SIZES))} that does so and holds the "
+                        f"weights in {WEIGHT_SHARE:g} of a GPU's memory; 1 with the native engine and on the CPU")
+    g.add_argument("--gen-workers", type=int_at_least(1), default=1,
+                   help="CPU runs: data-parallel workers per generating step (torchrun's ranks), each with --threads "
+                        "threads, so a generating step takes N x --threads cores (the default --jobs counts them); "
+                        "the same tokens as one worker. On GPUs the workers are --gpus / --tp")
+    g.add_argument("--jobs", type=int_at_least(1),
+                   help="steps run in parallel on CPU (default: cores // threads; always 1 with GPUs); never changes "
+                        "results")
+    g.add_argument("--threads", type=int_at_least(1),
+                   help=f"CPU threads per step (default: $OMP_NUM_THREADS if set, else {THREADS}); part of every "
+                        f"step's key, since it changes float results")
+    g.add_argument("--portable", action="store_true",
+                   help="run every CPU step with ATen's AVX2 kernels and MKL's reproducible branch (kernels.CPU_PINS): "
+                        "the same results on every x86-64 CPU with AVX2, Intel or AMD, at ~1.5x the wall time; "
+                        "without it a step's results depend on the CPU model (part of its key)")
+
+
+def add_run_flags(g):
+    g.add_argument("--out", help="run directory (default: runs/<preset>); an earlier run directory is resumed, "
+                                 "any other non-empty directory is refused")
+    g.add_argument("--overwrite", action="store_true", help="use --out even if it holds files run.py did not write")
+    g.add_argument("--save-every", type=int_at_least(0), default=train.SAVE_EVERY,
+                   help="optimizer steps between a training stage's resumable states: a stopped run.py resumes a "
+                        "stage from its last one, bit-identically (0 = restart the stage) (default: %(default)s)")
+    g.add_argument("--keep-checkpoints", choices=list(keep.POLICIES), default="all",
+                   help="which stage checkpoints stay in steps/: all; last = per method and seed the newest stage's "
+                        "and any that a step still to run reads, pruned as the run goes; final = all while the run "
+                        "runs, then each method and seed's final one. A pruned checkpoint is trained again when a new "
+                        "step needs it (pipeline/keep.py) (default: %(default)s)")
+    g.add_argument("--wandb", action="store_true",
+                   help="also log each training stage's steps to Weights & Biases, one run per stage under RUN/wandb/ "
+                        "(offline with WANDB_MODE=offline, then wandb sync; project $WANDB_PROJECT, default opr); "
+                        "needs pip install wandb")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--dry-run", action="store_true", help="print the plan: every step, its tokens, GPU-hours per "
+                                                          "method, FSDP2 memory per GPU (plan.py); run and write nothing")
+    g.add_argument("--config", metavar="FILE", help="an experiment file (YAML or TOML) of these flags by name; flags "
+                                                    "on the command line override it. Each run writes its own to "
+                                                    "RUN_DIR/config.yaml (pipeline/config.py)")
+
+
 def main(argv=None):
     args = parse_args(argv)
     if hasattr(signal, "SIGUSR1"):  # kill -USR1 PID: every thread's stack to stderr, then on (see the docstring)
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     preset, cfg, methods, rhos, seeds = configure(args)
     run_dir = check_output(Path(args.out or f"runs/{preset}").resolve(), "run", args.overwrite)
-    inputs = load_inputs(args, preset, cfg, methods)  # built once before anything runs in parallel, and checked
-    pipe, engine_name = make_pipeline(args, run_dir)
+    engine_name = engine_of(args)
+    inputs = load_inputs(args, preset, cfg, methods, engine_name)  # built once before anything runs in parallel
+    pipe = make_pipeline(args, run_dir, engine_name)
     if not args.dry_run:  # the steps' engine, before any runs: a missing vLLM is one line, not a failed step
         from model.sampling import resolve_engine
         resolve_engine(engine_name)
         if args.wandb and importlib.util.find_spec("wandb") is None:  # likewise W&B, not a failed train step
             raise UserError("--wandb: needs the wandb package; pip install wandb")
-    steps = Steps(pipe, cfg, inputs, args, engine_name)
+    steps = Steps(pipe, cfg, inputs, args, engine_name, drift.TEMPERATURE)
 
     # plan every (rho, method, seed) chain, then the mechanism probes on each
     row0 = {seed: steps.evaluate(None, 0, inputs.tasks, seed) for seed in seeds}  # the base on every task
@@ -306,7 +314,19 @@ def main(argv=None):
     write_text_atomic(run_dir / "config.yaml", config.dump(args.settings, sys.argv[1:] if argv is None else argv))
     write_index(pipe, runs, row0, run_dir / "index.md")
     t0 = time.time()
+    results, pruned = execute(pipe, args, runs, row0, probes, inputs.tasks, run_dir,
+                              meta=lambda: run_meta(args, preset, cfg, rhos, inputs, pipe, engine_name))
+    print_report(results, run_dir)
+    if pruned:
+        print(pruned)
+    write_timing(pipe, run_dir)
+    print(f"run.py: done in {time.time() - t0:.0f}s; report: {run_dir / 'report.md'}")
 
+
+def execute(pipe: Pipeline, args, runs: dict, row0: dict, probes: dict, tasks: list, run_dir: Path, meta):
+    """Runs every step not done yet -> (results.json's content, written to run_dir, with meta() as its meta once the
+    steps ran; what --keep-checkpoints pruned, a line for the terminal, or None with "all"). After each committed
+    step: the partial results (results.json marked "partial", TensorBoard) and the checkpoints the policy lets go."""
     chains = [[t for t, _ in chain] for by_seed in runs.values() for chain in by_seed.values()]
     pipe.readers_first = args.keep_checkpoints == "last"  # a checkpoint's readers run soon, so it can go soon
     evals = Evals(pipe)  # each evaluation read once, by the partial results and the final ones
@@ -316,7 +336,7 @@ def main(argv=None):
         def watch(key, done):  # after each committed step: the scores so far, and the checkpoints the policy lets go
             kind = pipe.steps[key]["kind"] if key else None
             if kind in (None, "eval", "drift", "score", "buffer-nll"):
-                part = collect(pipe, runs, row0, inputs.tasks, {"partial": True}, probes, done=done, evals=evals)
+                part = collect(pipe, runs, row0, tasks, {"partial": True}, probes, done=done, evals=evals)
                 board.update(tensorboard.results_scalars(part))
                 if kind == "eval":
                     write_partial(part, run_dir)
@@ -325,25 +345,21 @@ def main(argv=None):
         watch(None, pipe.committed())  # what an earlier run committed
         labels = train_labels(runs)
         pipe.execute(on_commit=watch, status=lambda keys: train_status(pipe, labels, keys))
-
-        meta = run_meta(args, preset, cfg, rhos, inputs, pipe, engine_name)
-        results = collect(pipe, runs, row0, inputs.tasks, meta, probes, evals=evals)
+        results = collect(pipe, runs, row0, tasks, meta(), probes, evals=evals)
         write_json(run_dir / "results.json", results)
         board.update(tensorboard.results_scalars(results))
     finally:
         board.close()
     pruned.extend(keep.prune(pipe, args.keep_checkpoints, chains, set(pipe.steps)))  # final: the run is complete
-    print_report(results, run_dir)
-    if args.keep_checkpoints != "all":
-        on_disk = sum(not pipe.pruned(k) for k in dict.fromkeys(k for chain in chains for k in chain))
-        print(f"run.py: --keep-checkpoints {args.keep_checkpoints}: {len(pruned)} stage checkpoint(s) pruned by this "
-              f"run, {on_disk} on disk (manifest.json marks a pruned step's weights \"pruned\"; a step that needs "
-              f"them again trains them again)")
-    write_timing(pipe, run_dir)
-    print(f"run.py: done in {time.time() - t0:.0f}s; report: {run_dir / 'report.md'}")
+    if args.keep_checkpoints == "all":
+        return results, None
+    on_disk = sum(not pipe.pruned(k) for k in dict.fromkeys(k for chain in chains for k in chain))
+    return results, (f"run.py: --keep-checkpoints {args.keep_checkpoints}: {len(pruned)} stage checkpoint(s) pruned "
+                     f"by this run, {on_disk} on disk (manifest.json marks a pruned step's weights \"pruned\"; a step "
+                     f"that needs them again trains them again)")
 
 
-def plan_chain(steps: "Steps", method: str, seed: int, rho: float) -> list:
+def plan_chain(steps: Steps, method: str, seed: int, rho: float) -> list:
     """One method's chain on one seed, the module docstring's stage loop: [(train_key, eval_key)] for stages 1..N.
     Stage i trains task i on the last stage's checkpoint with the buffer built after it (mtl: the base on tasks 1..i
     jointly) and is evaluated on tasks 1..i+1; then the buffer for stage i+1: replay draws gold examples of tasks
@@ -380,7 +396,7 @@ def objective_flags(method: str, cfg: dict) -> list:
                      str(cfg["sdft_max_new_tokens"])]}.get(method, [])
 
 
-def plan_probes(steps: "Steps", runs: dict) -> dict:
+def plan_probes(steps: Steps, runs: dict) -> dict:
     """The paper's mechanism, measured on every chain: the per-update KL(pi_i || pi_i-1) on the prior tasks' held-out
     prompts after every stage i >= 2 (drift.py; none when cfg's drift_limit is 0), and each replay buffer's per-token
     NLL under the checkpoint that built it (score.py records it for OPR buffers; buffer_nll.py computes it for gold
@@ -401,179 +417,6 @@ def plan_probes(steps: "Steps", runs: dict) -> dict:
                     elif pipe.steps[dep]["kind"] == "replay":
                         found["buffers"].append((i, steps.gold_nll(prev, dep, i)))
     return probes
-
-
-class Steps:
-    """The step builders: each adds one step to the pipeline, keyed by what changes its numbers (its settings, the
-    keys of the steps it reads, the files it reads), with the command that runs it, and returns its key. A step
-    planned twice (e.g. stage 1 of every method) is one step."""
-
-    def __init__(self, pipe: Pipeline, cfg: dict, inputs: "Inputs", args, engine_name: str):
-        self.pipe, self.cfg, self.inputs = pipe, cfg, inputs
-        gpus = args.gpus
-        # the base checkpoint: every chain starts from it, and gold replay uses its tokenizer
-        self.base_files = [inputs.base]
-        self.engine = ["--engine", engine_name, "--tp", str(inputs.layout.tp)]  # (1 on the CPU: keys as before)
-        self.py = [sys.executable]
-        self.save_every = args.save_every  # train steps: resumable states, kept across a stop (Pipeline.run_step)
-        self.wandb = args.wandb
-        # generating steps: one process, or torchrun's ranks as data-parallel workers (model/workers.py) on this node.
-        # The layout is not in their keys: the workers give the tokens one process gives (tests/test_workers.py)
-        dp = inputs.layout.dp
-        self.gen_py = self.py if dp == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                               f"--nproc_per_node={dp}"]
-        self.trainer = args.launcher.split() if args.launcher else self.py if gpus <= 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
-        self.gen = ["--temperature", str(cfg["temperature"]), "--max-new-tokens", str(cfg["max_new_tokens"]),
-                    "--quiet"]
-        self.spec_flag = ["--task-spec", str(inputs.task_spec)] if args.task_spec else []
-        self.common_data = ["--data", str(inputs.data_root), "--max-len", str(cfg["max_len"]), *self.spec_flag]
-        # what generation depends on (keys eval/rollout steps): not the method list or rho, so adding a method or a
-        # rho to a run re-uses the evaluations and rollouts of the checkpoints it shares
-        self.gen_spec = dict(engine=self.engine, **{k: cfg[k] for k in ("temperature", "max_new_tokens", "max_len")})
-        # on GPUs: recomputing blocks in backward saves memory and leaves the numbers as they are
-        # (tests/test_train.py): not part of the key
-        self.ac = ["--activation-checkpointing"] if cfg["activation_checkpointing"] and gpus else []
-
-    def files(self, split, task_list):
-        return [task_file(self.inputs.data_root, t, split) for t in task_list]
-
-    @staticmethod
-    def scorers(task_list):  # a user's own scorer is read like a data file by the steps that score with it
-        return [f for t in task_list for f in scorer_files(get_task(t))]
-
-    def train(self, prev, stage, task_list, buffer_key, seed, extra=(), n_epochs=None):
-        """train.py on the checkpoint of `prev` (None: the base) with the train splits of `task_list` and the buffer
-        of `buffer_key` (None: no replay); extra: train.py flags (the objective)."""
-        cfg, train_sets, base = self.cfg, self.inputs.train_sets, self.inputs.base
-        name = f"s{stage}-train-{task_list[-1] if len(task_list) == 1 else 'joint'}"
-        spec = specs.Train(tasks=task_list, seed=seed, lr=cfg["lr"], gb=cfg["global_batch"], extra=list(extra),
-                           ep=n_epochs or self.inputs.epochs[task_list[-1]], max_len=cfg["max_len"],
-                           mt=cfg["micro_tokens"], max_train=cfg["max_train"], warmup=cfg["warmup"],
-                           lr_schedule=cfg["lr_schedule"], task_fields=step_fields(task_list, "data"))
-
-        def build(tmp, dirs):
-            records = [{"prompt": e.prompt, "response": e.answer, "task": e.task, "idx": e.idx}
-                       for t in task_list for e in train_sets[t]]
-            buffer = dirs[buffer_key] / "buffer.jsonl" if buffer_key else None
-            if buffer and buffer.stat().st_size:  # (empty: score.py found no rollout short enough to train on)
-                records += read_records(buffer, required=("prompt", "response"), types={"prompt": (str, list)})
-            write_jsonl(tmp / "mixture.jsonl", records)
-            model = dirs[prev] / "ckpt" if prev else base
-            return self.trainer + [
-                str(HERE / "train.py"), "--model", str(model), "--data", str(tmp / "mixture.jsonl"),
-                "--out", str(tmp / "ckpt"), "--epochs", str(spec.ep), "--lr", str(cfg["lr"]),
-                "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
-                "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", str(self.save_every), "--resume",
-                "--warmup", str(cfg["warmup"]), "--lr-schedule", cfg["lr_schedule"], "--quiet", *extra, *self.ac,
-                "--tensorboard", str(self.pipe.run_dir / "tb" / "train" / tmp.name.removesuffix(".tmp")),
-                *(["--wandb", str(self.pipe.run_dir / "wandb" / tmp.name.removesuffix(".tmp"))] if self.wandb else [])]
-        return self.pipe.add("train", name, spec, [d for d in (prev, buffer_key) if d], build,
-                             reads=self.files("train", task_list) + ([] if prev else self.base_files))
-
-    def evaluate(self, train_key, stage, task_list, seed):
-        """Row `stage` of the matrix: the checkpoint of `train_key` (None: the base model, row 0) on `task_list`."""
-        cfg, base = self.cfg, self.inputs.base
-
-        def build(tmp, dirs):
-            limit = ["--limit", str(cfg["eval_limit"])] if cfg["eval_limit"] else []
-            ckpt = dirs[train_key] / "ckpt" if train_key else base
-            return self.gen_py + [str(HERE / "evaluate.py"), "--ckpt", str(ckpt), *self.common_data,
-                              "--tasks", ",".join(task_list), "--out", str(tmp / "eval"), "--seed", str(seed),
-                              "--repeats", str(cfg["eval_repeats"]), "--scoring", cfg["scoring"], *self.gen,
-                              *self.engine, *limit]
-        spec = specs.Eval(tasks=task_list, seed=seed, gen=self.gen_spec, repeats=cfg["eval_repeats"],
-                          scoring=cfg["scoring"], rules=metrics.RULES, limit=cfg["eval_limit"],
-                          task_fields=step_fields(task_list, "eval"))
-        return self.pipe.add("eval", f"s{stage}-eval", spec,
-                             [train_key] if train_key else [], build,
-                             reads=self.files("test", task_list) + self.scorers(task_list)
-                             + ([] if train_key else self.base_files))
-
-    def budget_args(self, prior, next_task, rho):
-        """(score.py flags, the budget) of the replay buffer built after the stage that trained prior[-1]."""
-        cfg = self.cfg
-        budget = replay_budget(cfg["replay_budget"], rho, prior, self.inputs.train_sizes, next_task)
-        if (budget["total"] if "total" in budget else sum(budget["per_task"].values())) == 0:
-            raise UserError(f"--rho {rho}: the replay buffer after stage {len(prior)} would hold 0 examples "
-                            f"({cfg['replay_budget']} budget, round(rho x training examples)); the replay methods "
-                            f"would train as sft does: raise --rho or the training set size")
-        if "per_task" in budget:
-            return ["--task-budgets", ",".join(f"{t}={k}" for t, k in budget["per_task"].items())], budget
-        return ["--budget", str(budget["total"])], budget
-
-    def rollout(self, train_key, stage, prior, seed):
-        """rollout.py: the checkpoint of `train_key` answers the training prompts of tasks `prior`."""
-        cfg = self.cfg
-
-        def build(tmp, dirs):
-            return self.gen_py + [str(HERE / "rollout.py"), "--ckpt", str(dirs[train_key] / "ckpt"), *self.common_data,
-                              "--tasks", ",".join(prior), "--out", str(tmp / "rollouts.jsonl"), "--seed", str(seed),
-                              "--max-train", str(cfg["max_train"]), *self.gen, *self.engine]
-        spec = specs.Rollout(prior=prior, seed=seed, gen=self.gen_spec, max_train=cfg["max_train"],
-                             task_fields=step_fields(prior, "rollout"))
-        return self.pipe.add("rollout", f"s{stage}-rollout", spec, [train_key], build,
-                             reads=self.files("train", prior))
-
-    def score(self, rollout_key, stage, prior, scorer, mode, seed, next_task, rho):
-        """score.py: the OPR buffer of the rollouts of `rollout_key`, the top (or lowest, or a random subset) of the
-        budget by `scorer` (ru: the task metric, sc: mean log-prob)."""
-        cfg, data_root, base = self.cfg, self.inputs.data_root, self.inputs.base
-        flags, budget = self.budget_args(prior, next_task, rho)
-        scoring = ["--scoring", cfg["scoring"]]  # ru's metric (sc: only the RU-SC correlation in the stats)
-        draw = f"{seed}:{stage}"  # ties among equal scores drawn anew at every stage, as gold replay draws its examples
-
-        def build(tmp, dirs):  # --max-len and --tokenizer: only what train.py can train on
-            return self.py + [str(HERE / "score.py"), "--rollouts", str(dirs[rollout_key] / "rollouts.jsonl"),
-                              "--data", str(data_root), "--scorer", scorer, "--select", mode, *flags, *scoring,
-                              "--max-len", str(cfg["max_len"]), "--tokenizer", str(base),
-                              "--tasks", ",".join(prior), "--seed", draw, "--out", str(tmp / "buffer.jsonl"),
-                              *self.spec_flag]
-        spec = specs.Score(scorer=scorer, mode=mode, budget=budget, seed=draw, scoring=cfg["scoring"],
-                           rules=metrics.RULES, max_len=cfg["max_len"], task_fields=step_fields(prior, "score"))
-        return self.pipe.add("score", f"s{stage}-{scorer}-{mode}", spec,
-                             [rollout_key], build, reads=self.files("train", prior) + self.scorers(prior))
-
-    def gold_buffer(self, stage, prior, seed, next_task, rho):
-        """replay's buffer: a seeded random draw of the budget from the gold training examples of tasks `prior`."""
-        cfg, train_sets = self.cfg, self.inputs.train_sets
-        _, budget = self.budget_args(prior, next_task, rho)
-
-        def build(tmp, dirs):
-            picked = gold_draw(train_sets, prior, budget, seed)
-            write_jsonl(tmp / "buffer.jsonl", [{"prompt": e.prompt, "response": e.answer, "task": t, "idx": e.idx,
-                                                "source": "gold"} for t, e in picked])
-            return None
-        spec = specs.Replay(prior=prior, seed=seed, budget=budget, max_len=cfg["max_len"], max_train=cfg["max_train"],
-                            task_fields=step_fields(prior, "data"))
-        return self.pipe.add("replay", f"s{stage}-gold", spec, [], build,
-                             reads=self.files("train", prior) + self.base_files)
-
-    def drift(self, cur_key, prev_key, stage, prior, seed):
-        """drift.py: KL(pi_cur || pi_prev) per update on the test prompts of tasks `prior`."""
-        cfg = self.cfg
-
-        def build(tmp, dirs):
-            return self.gen_py + [str(HERE / "drift.py"), "--ckpt", str(dirs[cur_key] / "ckpt"), "--ref",
-                              str(dirs[prev_key] / "ckpt"), *self.common_data, "--tasks", ",".join(prior), "--out",
-                              str(tmp / "drift"), "--seed", str(seed), "--limit", str(cfg["drift_limit"]),
-                              "--max-new-tokens", str(cfg["max_new_tokens"]), "--quiet", *self.engine]
-        spec = specs.Drift(prior=prior, seed=seed, limit=cfg["drift_limit"], temperature=drift.TEMPERATURE,
-                           max_new_tokens=cfg["max_new_tokens"], max_len=cfg["max_len"], engine=self.engine,
-                           task_fields=step_fields(prior, "data"))
-        return self.pipe.add("drift", f"s{stage}-drift", spec, [cur_key, prev_key],
-                             build, reads=self.files("test", prior))
-
-    def gold_nll(self, train_key, buffer_key, stage):
-        """buffer_nll.py: a gold buffer's per-token NLL under the checkpoint of `train_key`, which it followed."""
-        max_len = self.cfg["max_len"]
-
-        def build(tmp, dirs):
-            return self.py + [str(HERE / "buffer_nll.py"), "--ckpt", str(dirs[train_key] / "ckpt"), "--buffer",
-                              str(dirs[buffer_key] / "buffer.jsonl"), "--max-len", str(max_len), "--out",
-                              str(tmp / "buffer_stats.json"), "--quiet"]
-        return self.pipe.add("buffer-nll", f"s{stage}-buffer-nll", specs.BufferNll(max_len), [train_key, buffer_key],
-                             build)
 
 
 # ---- setup: the settings, the inputs, the pipeline ---------------------------------------------------------------
@@ -600,86 +443,6 @@ def configure(args):
     return preset, cfg, methods, rhos, seeds
 
 
-@dataclass
-class Inputs:
-    """The base model and the data every step reads, loaded and checked by load_inputs."""
-    base: Path                # the base checkpoint directory
-    data_root: Path
-    task_spec: Path | None    # the task manifest, if any (data/manifest.py)
-    tasks: list               # the task order
-    epochs: dict              # task -> epochs of its stage
-    held: dict                # task -> how its test split was held out of its train records (a manifest's)
-    tok: ChatTokenizer        # the base's (a dry run of a directory without one: plan.EstimatedTokenizer)
-    train_sizes: dict         # task -> training subsample size before the over-long filter (the budget rule's n)
-    train_sets: dict          # task -> the training examples that fit max_len
-    layout: Layout            # how the generating steps use the GPUs (pipeline.layout.generation_layout)
-
-
-def load_inputs(args, preset: str, cfg: dict, methods: list) -> Inputs:
-    """The base model and the data (the embedded ones built if need be), with everything a step will read checked
-    up front."""
-    from data.embedded import ensure_embedded
-    from model.base import ensure_base
-    from model.checkpoint import load_config
-    from model.hub import resolve_model
-    layout = None if args.gpus else generation_layout(0, args.tp, cpu_workers=args.gen_workers)  # before a base
-    # a directory, or a model id found in the local Hugging Face cache
-    base = resolve_model(args.model).resolve() if args.model else ensure_base(preset)
-    if layout is None:  # on GPUs the model's heads and size decide it
-        layout = generation_layout(args.gpus, args.tp, load_config(base), base.name, engine_of(args),
-                                   cpu_workers=args.gen_workers)
-        check_gpus(args.gpus, args.dry_run)
-    if args.data or args.task_spec:
-        data_root = Path(args.data or Path(args.task_spec).parent).resolve()
-    else:
-        data_root = ensure_embedded(n_train=cfg["n_train"], n_test=cfg["n_test"])
-    task_spec = manifest_path(data_root, args.task_spec)  # loaded and made active by parse_args already
-    tasks = parse_tasks(args.tasks)
-    # a manifest's epochs are the user's: a preset's per-task epochs are TRACE's
-    epochs = epochs_per_task(None if task_spec and args.epochs is None else cfg["epochs"], tasks)
-    if cfg["first_epochs"] and args.epochs is None and not task_spec:  # the CPU presets: see their comments
-        epochs[tasks[0]] = cfg["first_epochs"]
-    held = {t: info for t in tasks if task_spec and (info := held_out(get_task(t)))}
-    for t, info in held.items():
-        print(f"run.py: {t} has no test split: {info['n_test']} of its train records held out as its test split "
-              f"(seed {info['seed']}); recorded in results.json", flush=True)
-    # the training examples that fit max_len, as train.py and rollout.py see them: gold replay draws from these.
-    # The budget rule counts the subsample BEFORE that filter (5,000 per TRACE task), as the official code does
-    tok = base_tokenizer(base, args.dry_run)
-    subsamples = {t: load_task(data_root, t, "train", max_train=cfg["max_train"]) for t in tasks}
-    train_sizes = {t: len(exs) for t, exs in subsamples.items()}
-    train_sets = {t: filter_overlong(exs, tok.sft_length, cfg["max_len"])[0] for t, exs in subsamples.items()}
-    check_inputs(base, data_root, tasks, train_sets, tok, cfg["max_len"], args.dry_run)  # before any step runs
-    for t in tasks:
-        check_scorer(get_task(t), train_sets[t][0])
-    if "sdft" in methods and any(not isinstance(e.prompt, str) for t in tasks for e in train_sets[t]):
-        raise UserError(f"{task_spec or data_root}: sdft puts a prompt into its teacher's user turn: it needs "
-                        f"single-turn prompts, without a system prompt or earlier turns")
-    return Inputs(base, data_root, task_spec, tasks, epochs, held, tok, train_sizes, train_sets, layout)
-
-
-def check_gpus(gpus: int, dry_run: bool):
-    """--gpus N needs N CUDA devices here: without them torchrun would start N CPU ranks without a word. A dry run
-    prices the GPUs without having them. (Several CPU ranks, as the tests use them: torchrun train.py directly.)"""
-    import torch
-    visible = torch.cuda.device_count()  # 0 without CUDA, or with CUDA_VISIBLE_DEVICES=""
-    if not dry_run and visible < gpus:
-        raise UserError(f"--gpus {gpus}: needs {gpus} CUDA devices, {visible} visible "
-                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use --gpus "
-                        f"{visible} or run on a node with {gpus} GPUs (--dry-run prices them without)")
-
-
-def base_tokenizer(base: Path, dry_run: bool):
-    """The base's tokenizer. A dry run prices a model directory without one (config.json is enough) with
-    plan.EstimatedTokenizer's counts, and says so."""
-    if dry_run and not (base / "tokenizer.json").exists():
-        print(f"run.py: {base} holds no tokenizer.json: the plan counts tokens at {plan.CHARS_PER_TOKEN:g} characters "
-              f"per token plus {plan.TEMPLATE_PROMPT} of chat template (plan.EstimatedTokenizer); a real run needs "
-              f"the tokenizer", flush=True)
-        return plan.EstimatedTokenizer()
-    return ChatTokenizer.from_dir(base)
-
-
 def engine_of(args) -> str:
     """The generating steps' engine: "auto" resolved here, so the keys say which engine sampled (vLLM needs GPUs: a
     CPU run samples natively)."""
@@ -687,8 +450,8 @@ def engine_of(args) -> str:
     return resolve_engine(args.engine, check=False) if args.gpus or args.engine != "auto" else "native"
 
 
-def make_pipeline(args, run_dir: Path):
-    """(the Pipeline, the engine's name): the steps' environment (pinned threads, the CPU's numerics), how many run
+def make_pipeline(args, run_dir: Path, engine_name: str) -> Pipeline:
+    """The Pipeline: the steps' environment (pinned threads, the CPU's numerics), how many run
     at once, and the numerics that are part of every step's key."""
     gpus = args.gpus
     threads = args.threads or pinned_threads(os.environ.get("OMP_NUM_THREADS"))
@@ -712,22 +475,12 @@ def make_pipeline(args, run_dir: Path):
     pipe = Pipeline(run_dir, jobs, env, args.quiet, numerics)
     pipe.outputs_of = STEP_OUTPUTS
     pipe.prunable = PRUNABLE
-    engine_name = engine_of(args)
     pipe.use_zygote &= gpus == 0 and engine_name != "vllm"  # CUDA and vLLM start in processes of their own
-    return pipe, engine_name
+    return pipe
 
 
 # ---- after the run: results.json, the report, the timing ---------------------------------------------------------
-# what each kind of step must have written when it exits 0; otherwise it failed (and is not committed)
-# ("a|b": either; a checkpoint over 5 GiB is shards and their index)
-STEP_OUTPUTS = {"train": ["ckpt/model.safetensors|ckpt/model.safetensors.index.json"],
-                "eval": ["eval/scores.json", "eval/predictions.jsonl"],
-                "rollout": ["rollouts.jsonl"], "score": ["buffer.jsonl"], "replay": ["buffer.jsonl"],
-                "drift": ["drift/drift.json"], "buffer-nll": ["buffer_stats.json"]}
 
-# what --keep-checkpoints last|final deletes of a committed step: a stage checkpoint's weights (one file, or the shards
-# and their index of one over 5 GiB); its logs and config stay, and results.json reads its train_log.jsonl
-PRUNABLE = {"train": ["ckpt/model*.safetensors", "ckpt/model.safetensors.index.json"]}
 
 # settings that change how a run runs, not its numbers: out of results.json, which stays byte-identical across them
 HOW_IT_RUNS = ("out", "jobs", "quiet", "save-every", "gen-workers", "keep-checkpoints", "wandb")
@@ -791,69 +544,6 @@ def write_index(pipe: Pipeline, runs: dict, row0: dict, path: Path):
     write_text_atomic(path, "\n".join(lines) + "\n")
 
 
-def train_labels(runs: dict) -> dict:
-    """{train key: "s2 opr-ru seed0"}: the stage, the method (a step shared by several: the first and how many more,
-    "s1 sft+3 seed0") and the seed, for the progress bar."""
-    owners = {}
-    for label, by_seed in runs.items():
-        for seed, chain in by_seed.items():
-            for i, (t_key, _) in enumerate(chain, 1):
-                owners.setdefault(t_key, (i, [], seed))[1].append(label)
-    return {k: f"s{i} {names[0]}{f'+{len(names) - 1}' if len(names) > 1 else ''} seed{seed}"
-            for k, (i, names, seed) in owners.items()}
-
-
-def train_status(pipe: Pipeline, labels: dict, running: list) -> str | None:
-    """The progress bar's postfix while training stages run: each one's newest loss, "loss=0.712 (s2 opr-ru seed0
-    step 14/40)", from its live log (None when no training stage has logged a step yet)."""
-    parts = []
-    for key in running:
-        if pipe.steps[key]["kind"] == "train":
-            tmp = pipe.dir(key).with_name(key + ".tmp")
-            part = live_loss(tmp / "ckpt.partial" / "train_log.jsonl", tmp / "log.txt", labels.get(key, key))
-            if part:
-                parts.append(part)
-    return ", ".join(parts) or None
-
-
-def live_loss(log_path: Path, stdout_path: Path, label: str, tail: int = 8192) -> str | None:
-    """"loss=0.712 (LABEL step 14/40)" from the last whole record of a training stage's train_log.jsonl (read from
-    its last `tail` bytes: a line cut by the writer or by the tail is skipped) and the stage's step count, which
-    train.py prints at its start to the step's log (stdout_path; "step 14" until it has). None before the first
-    record."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
-            lines = f.read().split(b"\n")
-    except OSError:  # not started yet, or between its rename and the step's end
-        return None
-    record = None
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("loss"), (int, float)) and "step" in record:
-            break
-        record = None
-    if record is None:
-        return None
-    total = steps_total(stdout_path)
-    return f"loss={record['loss']:.4g} ({label} step {record['step']}{f'/{total}' if total else ''})"
-
-
-def steps_total(stdout_path: Path, head: int = 1 << 16) -> int | None:
-    """The step count train.py prints to a step's log when it starts ("..., 40 steps of <= 128 sequences ..." or
-    "resumed at step 14 of 40"), read from the log's first `head` bytes; None until it is there."""
-    try:
-        with open(stdout_path, "rb") as f:
-            text = f.read(head).decode(errors="replace")
-    except OSError:
-        return None
-    m = re.search(r", (\d+) steps of <= |resumed at step \d+ of (\d+) ", text)
-    return int(m.group(1) or m.group(2)) if m else None
-
-
 def write_timing(pipe: Pipeline, run_dir: Path):
     """What each kind of step cost (summed step seconds, a step counted in the run that executed it): timing.json,
     kept out of results.json so that the results stay a function of the command, its inputs and its seeds."""
@@ -895,42 +585,6 @@ def pinned_threads(omp_env) -> int:
     if not omp_env.strip().isdigit() or int(omp_env) < 1:
         raise UserError(f"OMP_NUM_THREADS={omp_env!r} is not a positive integer; unset it or pass --threads N")
     return int(omp_env)
-
-
-def check_inputs(base: Path, data_root: Path, tasks, train_sets: dict, tok, max_len: int, dry_run: bool = False):
-    """Everything a step will read, checked up front so no step fails late on a missing or broken input: the base
-    checkpoint's config and weights (the tokenizer was loaded already), each task's train split (loaded already)
-    and test split, each with at least one example within max_len. A dry run needs no weights: a directory that
-    holds none (config.json alone) is priced all the same, and said so."""
-    from model.checkpoint import load_config, weight_files
-    load_config(base)
-    if dry_run and not any((base / f).exists() for f in ("model.safetensors", "model.safetensors.index.json")):
-        print(f"run.py: {base} holds no weights: planned all the same; a real run needs them", flush=True)
-    else:
-        weight_files(base)
-    for t in tasks:
-        if not train_sets[t]:
-            raise InputError(f"{data_root / t}/train.json: no example fits --max-len {max_len}")
-        if not filter_overlong(load_task(data_root, t, "test"), tok.sft_length, max_len)[0]:
-            raise InputError(f"{data_root / t}/test.json: no example fits --max-len {max_len}")
-
-
-def epochs_per_task(spec, tasks) -> dict:
-    """Epochs of each task's stage: spec None is the task table's (a manifest's task without epochs: an InputError,
-    as --epochs was not given); a dict {task: epochs} (a preset's) names them, the task table filling in the rest;
-    else --epochs' comma list: one value for all, or one per task in order."""
-    if spec is None or isinstance(spec, dict):
-        epochs = {t: (spec or {}).get(t, get_task(t).epochs) for t in tasks}
-        for t in (t for t, e in epochs.items() if e is None):  # a manifest's task without epochs, and no --epochs
-            raise InputError(f"{get_task(t).manifest}: task {t!r}, field 'epochs': missing, and no --epochs to fall "
-                             f"back on; give the task its epochs or pass run.py --epochs N")
-        return epochs
-    values = [int(e) for e in str(spec).split(",")]
-    if len(values) == 1:
-        return {t: values[0] for t in tasks}
-    if len(values) != len(tasks):
-        raise UserError(f"--epochs has {len(values)} values for {len(tasks)} tasks (give one, or one per task)")
-    return dict(zip(tasks, values))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The cost model of a step: its GPU-hours from its token counts, and train.py's FSDP2 memory per GPU.
+"""The cost model of a step: its GPU-hours from its token counts, and train.py's FSDP2 memory per GPU; token counts
+without a tokenizer (EstimatedTokenizer).
 
 A throughput profile (Profile: the defaults below, or the planner's --plan-* flags) prices a StepCost (price):
   train    tokens / train tok/s per GPU (+ a fixed start/load/save overhead per step on every GPU); the default
@@ -15,6 +16,7 @@ reduce-scatter; the loss kernel's fp32 [V, H] weight-gradient accumulator and on
 the micro-batch's tokens with and without activation checkpointing (the tensors autograd keeps per token and layer,
 listed in activation_bytes_per_token_layer). train.py sizes its micro-batches by it (micro_tokens_that_fit).
 """
+import math
 from dataclasses import dataclass, field
 
 from pipeline.layout import GPU_MEMORY_GB, Layout
@@ -186,3 +188,28 @@ def price(c: StepCost, cfg, profile: Profile, checkpointing: bool = False):
     elif c.kind == "buffer-nll":
         c.gpu_hours = c.gpu_hours_max = over + c.prompt_tokens / (PREFILL_FACTOR * tps) / 3600
     c.wall_hours = c.gpu_hours / profile.gpus  # priced as work that every GPU of the node shares
+
+
+# ---- token counts without a tokenizer ----------------------------------------------------------------------------
+# The paper grid's assumptions (plan.py --paper, and --dry-run of a model directory with config.json alone): ~4
+# characters per token (no Qwen tokenizer here), and Qwen2.5's chat template's ~29 tokens of system prompt and headers
+# around a prompt, ~2 after an answer
+CHARS_PER_TOKEN = 4.0
+TEMPLATE_PROMPT, TEMPLATE_ANSWER = 29, 2
+
+
+class EstimatedTokenizer:
+    """Token counts for a model directory without a tokenizer (run.py --dry-run from config.json alone): the paper
+    grid's assumptions, CHARS_PER_TOKEN characters per token plus TEMPLATE_PROMPT tokens of chat template around a
+    prompt and TEMPLATE_ANSWER after an answer. Lengths only: what it "encodes" has the right length and no ids."""
+
+    @staticmethod
+    def _tokens(text: str) -> int:
+        return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+    def prompt_ids(self, prompt) -> range:
+        turns = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+        return range(TEMPLATE_PROMPT + sum(self._tokens(t) for t in turns))
+
+    def sft_length(self, prompt, response: str) -> int:
+        return len(self.prompt_ids(prompt)) + self._tokens(response) + TEMPLATE_ANSWER

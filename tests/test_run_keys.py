@@ -12,7 +12,7 @@ The end-to-end runs use a tiny untrained Llama, 2 tasks x 8 training examples, m
 (about half a minute each on 2 CPU cores).
 """
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict
 import os
 import shutil
 import subprocess
@@ -321,37 +321,6 @@ def test_keys_follow_what_a_setting_changes(setup):
         assert len(portable) == len(auto) and not set(portable) & set(auto)
 
 
-def test_a_train_steps_key_holds_its_settings_and_they_reach_train_py(tmp_path):
-    """A train step's spec (its key) holds every setting that changes its weights, the default ones too (the
-    schedule, the warmup, the task's own fields), and the schedule reaches train.py."""
-    from types import SimpleNamespace
-    import run as run_py
-
-    class Pipe:
-        run_dir = tmp_path
-        specs = []
-
-        def add(self, kind, name, spec, deps, build, reads=()):
-            self.specs.append((spec, build))
-            return name
-
-    inputs = SimpleNamespace(base=tmp_path / "base", data_root=tmp_path, task_spec=None, tasks=["FOMC"],
-                             epochs={"FOMC": 3}, train_sets={"FOMC": []}, layout=SimpleNamespace(dp=1, tp=1))
-    args = SimpleNamespace(gpus=0, launcher=None, save_every=50, task_spec=None, wandb=False)
-    for schedule in ("cosine", "linear"):
-        cfg = asdict(replace(run_py.PRESETS["tiny"], lr_schedule=schedule))
-        steps = run_py.Steps(Pipe(), cfg, inputs, args, "native")
-        steps.train(None, 1, ["FOMC"], None, 0)
-        spec, build = Pipe.specs[-1]
-        want = dict(tasks=["FOMC"], seed=0, lr=cfg["lr"], gb=cfg["global_batch"], extra=[], ep=3,
-                    max_len=cfg["max_len"], mt=cfg["micro_tokens"], max_train=cfg["max_train"], warmup=cfg["warmup"],
-                    lr_schedule=schedule, task_fields={"FOMC": {"system": None, "held_out": 0.1}})
-        assert asdict(spec) == want
-        (tmp_path / "s1-train.tmp").mkdir(exist_ok=True)
-        cmd = build(tmp_path / "s1-train.tmp", {})
-        assert cmd[cmd.index("--lr-schedule") + 1] == schedule
-
-
 def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only(monkeypatch):
     """results.json carries the preset's measured seed noise (report.py's one-seed intervals) only for a run that
     is the one measured: other methods or the drift probe do not matter; any other setting, the device, GPUs, the
@@ -397,7 +366,8 @@ def test_epochs_per_task_reads_a_presets_table_a_comma_list_or_the_task_table():
     """A preset's {task: epochs} follows the tasks by name whatever their order, the task table filling in tasks it
     does not name; --epochs' comma list is one value for all or one per task in the order given."""
     from data.errors import UserError
-    from run import PRESETS, epochs_per_task
+    from pipeline.inputs import epochs_per_task
+    from run import PRESETS
     tiny = PRESETS["tiny"].epochs
     assert epochs_per_task(tiny, ["NumGLUE-ds", "20Minuten", "FOMC"]) == {"NumGLUE-ds": 10, "20Minuten": 3, "FOMC": 6}
     assert epochs_per_task({"FOMC": 9}, ["FOMC", "Py150"]) == {"FOMC": 9, "Py150": 5}  # Py150: the task table's 5

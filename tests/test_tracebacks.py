@@ -283,9 +283,10 @@ def test_a_step_that_exits_0_without_its_outputs_is_not_committed(tmp_path):
 
 def test_a_sharded_checkpoint_is_a_train_steps_output(tmp_path):
     """A checkpoint over 5 GiB (a 7B in bf16) is shards and model.safetensors.index.json, no model.safetensors:
-    run.py's STEP_OUTPUTS takes either, so such a stage commits; a stage that wrote neither fails naming both."""
+    pipeline.builders.STEP_OUTPUTS takes either, so such a stage commits; a stage that wrote neither fails naming
+    both."""
     from pipeline.steps import Pipeline, StepFailed
-    from run import STEP_OUTPUTS
+    from pipeline.builders import STEP_OUTPUTS
     pipe = Pipeline(tmp_path / "run", 1, dict(os.environ), True, {})
     pipe.use_zygote = False
     pipe.outputs_of = STEP_OUTPUTS

@@ -1,36 +1,36 @@
-"""Watching a run while it runs: the progress bar's live training loss (run.live_loss, run.train_labels) and the
-TensorBoard board of scores that grows as steps commit (reporting.tensorboard.Board, results_scalars). The
-end-to-end checks against a real run's results.json are in tests/test_run.py."""
+"""Watching a run while it runs: the progress bar's live training loss (pipeline/watch.py) and the TensorBoard board
+of scores that grows as steps commit (reporting.tensorboard.Board, results_scalars). The end-to-end checks against a
+real run's results.json are in tests/test_run.py."""
 import json
 
 import pytest
 
-import run
+from pipeline.watch import live_loss, steps_total, train_labels
 from reporting import tensorboard
 
 
 def test_live_loss_reads_the_newest_whole_record(tmp_path):
     log, out = tmp_path / "train_log.jsonl", tmp_path / "log.txt"
-    assert run.live_loss(log, out, "s2 opr-ru seed0") is None  # not started
+    assert live_loss(log, out, "s2 opr-ru seed0") is None  # not started
     log.write_text("")
-    assert run.live_loss(log, out, "s2 opr-ru seed0") is None
+    assert live_loss(log, out, "s2 opr-ru seed0") is None
     records = [{"step": s, "loss": 1.0 / s, "lr": 1e-5} for s in range(1, 15)]
     text = "".join(json.dumps(r) + "\n" for r in records)
     log.write_text(text + '{"step": 15, "loss": 0.0')  # the writer is half-way through step 15
-    assert run.live_loss(log, out, "s2 opr-ru seed0") == "loss=0.07143 (s2 opr-ru seed0 step 14)"
+    assert live_loss(log, out, "s2 opr-ru seed0") == "loss=0.07143 (s2 opr-ru seed0 step 14)"
     out.write_text("train.py: 160 examples (0 longer than 512 dropped), 9000 tokens, 40 steps of <= 4 sequences on "
                    "1 rank(s) (unsharded: one CPU rank, fp32), cpu, float32, 4096 tokens per micro-batch\n")
-    assert run.live_loss(log, out, "s2 opr-ru seed0") == "loss=0.07143 (s2 opr-ru seed0 step 14/40)"
+    assert live_loss(log, out, "s2 opr-ru seed0") == "loss=0.07143 (s2 opr-ru seed0 step 14/40)"
     # only the tail is read: the first line of it is cut, and skipped
-    assert run.live_loss(log, out, "x", tail=len(json.dumps(records[-1])) + 30) == "loss=0.07143 (x step 14/40)"
+    assert live_loss(log, out, "x", tail=len(json.dumps(records[-1])) + 30) == "loss=0.07143 (x step 14/40)"
     out.write_text("train.py: resumed at step 10 of 40 from /r/steps/k.tmp/ckpt.partial/state\n")
-    assert run.steps_total(out) == 40
+    assert steps_total(out) == 40
 
 
 def test_train_labels_name_stage_method_and_seed():
     runs = {"sft": {0: [("t1", "e1"), ("ts2", "es2")]}, "opr-ru": {0: [("t1", "e1"), ("to2", "eo2")]},
             "replay": {0: [("t1", "e1"), ("tr2", "er2")]}, "mtl": {1: [("m1", "f1")]}}
-    assert run.train_labels(runs) == {"t1": "s1 sft+2 seed0", "ts2": "s2 sft seed0", "to2": "s2 opr-ru seed0",
+    assert train_labels(runs) == {"t1": "s1 sft+2 seed0", "ts2": "s2 sft seed0", "to2": "s2 opr-ru seed0",
                                       "tr2": "s2 replay seed0", "m1": "s1 mtl seed1"}
 
 
