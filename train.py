@@ -66,8 +66,8 @@ from model.hub import resolve_model
 from model.objectives import fsdp_units, objective, on_policy_batches, sample_responses, sample_seed
 from model.tokenizer import ChatTokenizer
 from model.transformer import Transformer
-from pipeline.train_state import (final_with_same_settings, resume, save_state, saved_settings,
-                                  state_settings)
+from pipeline import costs
+from pipeline.train_state import final_with_same_settings, resume, save_state, saved_settings, state_settings
 from reporting import tensorboard, wandb_run
 
 # ---- defaults: the paper's hyperparameters (7-8B models, 8xH100) ------------------------------------------
@@ -361,11 +361,10 @@ def device_defaults(args, device, rank: int, world: int, compute_dtype, saved: d
     if saved.get("micro_tokens"):  # a resumed run packs as it did, whatever is free now
         args.micro_tokens = saved["micro_tokens"]
         return
-    from pipeline.costs import MEMORY_SHARE, micro_tokens_that_fit
     free, total = torch.cuda.mem_get_info(device)
-    budget = min(free, MEMORY_SHARE * total)
+    budget = min(free, costs.MEMORY_SHARE * total)
     cfg = load_config(args.model)
-    fit = micro_tokens_that_fit(cfg, world, budget, args.activation_checkpointing)
+    fit = costs.micro_tokens_that_fit(cfg, world, budget, args.activation_checkpointing)
     if compute_dtype == torch.float32:  # the memory model is bf16 training's: fp32 activations (and gathered
         fit = fit // 2048 * 1024          # weights, within the headroom) take twice the bytes
     if dist.is_initialized():  # every rank packs with the same budget (FSDP's collectives)
@@ -425,7 +424,7 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     start = resume(args, rank, model, opt, sched, workdir, plan_id, ema_teacher, settings, total_steps)
 
     peak = (args.peak_tflops * 1e12) if args.peak_tflops else measured_peak_flops(device, compute_dtype)
-    flops_per_token = model_flops_per_token(model.cfg, sum(lengths) / len(lengths))
+    flops_per_token = costs.flops_per_token(model.cfg, sum(lengths) / len(lengths))
     stage = Stage(args=args, rank=rank, world=world, device=device, compute_dtype=compute_dtype, out=out,
                   workdir=workdir, log_path=log_path, examples=examples, dropped=dropped, lengths=lengths,
                   prompt_ids=prompt_ids, teacher_ids=teacher_ids, stop_ids=tok.stop_ids, has_replay=has_replay,
@@ -495,12 +494,6 @@ def build_models(args, device, compute_dtype):
     elif args.objective == "sdft" and args.sdft_teacher == "ema":
         ema_rate = args.sdft_alpha
     return model, teacher, ema_rate
-
-
-def model_flops_per_token(cfg, mean_doc: float) -> float:
-    """Training FLOPs per token (forward and backward) for the MFU: weights, lm_head, attention at the mean length."""
-    return (6 * cfg.num_params(embeddings=False) + 6 * cfg.vocab_size * cfg.hidden_size
-            + 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * mean_doc)
 
 
 def train_step(s: Stage, step: int) -> dict:
