@@ -127,21 +127,14 @@ def print_table(summary: dict):
               f"{s['mean_tokens']:.1f} | {s['gold_nll_ref']:.4f} | {s['gold_nll_cur']:.4f} |")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    from kernels import retain_freed_memory
-    retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
-    import torch
-
-    from data.outputs import check_output, claim_dir, write_json, write_jsonl
-    from data.trace import load_filtered, tasks_in
-    from model.checkpoint import load_config, load_model
+def check_inputs(args):
+    """CUR and PREV (one vocabulary), CUR's tokenizer, the data root, the tasks and the output directory, each checked
+    before any work starts."""
+    from data.outputs import check_output
+    from data.trace import tasks_in
+    from model.checkpoint import load_config
     from model.hub import default_output, resolve_model
-    from model.logprobs import response_stats
-    from model import workers
-    from model.sampling import check_context, generate, resolve_engine
     from model.tokenizer import ChatTokenizer
-
     cur_dir, ref_dir = resolve_model(args.ckpt), resolve_model(args.ref)  # or model ids in the Hugging Face cache
     cur_cfg, ref_cfg = load_config(cur_dir), load_config(ref_dir)  # fail before any work on an unusable checkpoint
     tok = ChatTokenizer.from_dir(cur_dir)
@@ -152,6 +145,48 @@ def main(argv=None):
         raise InputError(f"no task directories with a test.json under {root}")
     out_dir = check_output(Path(args.out) if args.out else default_output(args.ckpt, cur_dir, "drift"), "drift",
                            args.overwrite)
+    return cur_dir, ref_dir, tok, root, tasks, out_dir
+
+
+def teacher_force(cur_dir, ref_dir, tok, examples, prompts, outs, args):
+    """Steps 4-5: CUR and PREV teacher-forced on the sampled responses (per-token KL) and on the gold answers (NLL),
+    each worker scoring its share. Returns (sampled stats, gold stats, gold (prompt, answer) sequences)."""
+    import torch
+
+    from model.checkpoint import load_model
+    from model.logprobs import response_stats
+    from model import workers
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    cur, ref = load_model(cur_dir, device, dtype), load_model(ref_dir, device, dtype)
+    # each worker scores its share (model/workers.py): the costs are the sequences' lengths
+    sampled = workers.sharded(lambda ix: response_stats(cur, [(prompts[i], outs[i]["token_ids"]) for i in ix], ref,
+                                                        progress=not args.quiet and workers.is_main(), desc="kl"),
+                              [len(p) + len(o["token_ids"]) for p, o in zip(prompts, outs)])
+    gold_seqs = [gold_sequence(tok, ex) for ex in examples]
+    gold = workers.sharded(lambda ix: response_stats(cur, [gold_seqs[i] for i in ix], ref, desc="gold nll",
+                                                     progress=not args.quiet and workers.is_main()),
+                           [len(p) + len(a) for p, a in gold_seqs])
+    return sampled, gold, gold_seqs
+
+
+def write_outputs(out_dir: Path, rows: list, summary: dict):
+    """drift_samples.jsonl first, drift.json last (its presence marks a finished measurement)."""
+    from data.outputs import claim_dir, write_json, write_jsonl
+    claim_dir(out_dir, "drift")
+    write_jsonl(out_dir / "drift_samples.jsonl", rows)
+    write_json(out_dir / "drift.json", summary)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from kernels import retain_freed_memory
+    retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
+    from data.trace import load_filtered
+    from model import workers
+    from model.sampling import check_context, generate, resolve_engine
+
+    cur_dir, ref_dir, tok, root, tasks, out_dir = check_inputs(args)
     engine = resolve_engine(args.engine)
 
     # 1-2. held-out prompts of the prior tasks
@@ -169,17 +204,7 @@ def main(argv=None):
     t_gen = time.perf_counter() - t0
 
     # 4-5. both models teacher-forced on the sampled responses and on the gold answers
-    cuda = torch.cuda.is_available()
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    cur, ref = load_model(cur_dir, device, dtype), load_model(ref_dir, device, dtype)
-    # each worker scores its share (model/workers.py): the costs are the sequences' lengths
-    sampled = workers.sharded(lambda ix: response_stats(cur, [(prompts[i], outs[i]["token_ids"]) for i in ix], ref,
-                                                        progress=not args.quiet and workers.is_main(), desc="kl"),
-                              [len(p) + len(o["token_ids"]) for p, o in zip(prompts, outs)])
-    gold_seqs = [gold_sequence(tok, ex) for ex in examples]
-    gold = workers.sharded(lambda ix: response_stats(cur, [gold_seqs[i] for i in ix], ref, desc="gold nll",
-                                                     progress=not args.quiet and workers.is_main()),
-                           [len(p) + len(a) for p, a in gold_seqs])
+    sampled, gold, gold_seqs = teacher_force(cur_dir, ref_dir, tok, examples, prompts, outs, args)
     if not workers.is_main():  # rank 0 writes
         return out_dir
     t_all = time.perf_counter() - t0
@@ -192,9 +217,7 @@ def main(argv=None):
                "seconds": {"generate": t_gen, "total": t_all}}
 
     # 6. outputs: samples first, drift.json last (its presence marks a finished measurement)
-    claim_dir(out_dir, "drift")
-    write_jsonl(out_dir / "drift_samples.jsonl", rows)
-    write_json(out_dir / "drift.json", summary)
+    write_outputs(out_dir, rows, summary)
 
     print_table(summary)
     print(f"wrote drift.json and {len(rows)} samples to {out_dir} ({t_all:.1f}s, of which sampling {t_gen:.1f}s)")

@@ -111,19 +111,15 @@ def print_table(summary: dict, records: list):
               f"{sum(r['finish_reason'] == 'length' for r in rs)}/{len(rs)} |")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    from kernels import retain_freed_memory
-    retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
-    from data.outputs import check_output, claim_dir, write_json, write_jsonl
+def check_inputs(args):
+    """The checkpoint, its tokenizer, the data root, the tasks and the output directory, each checked before any work
+    starts: an unusable checkpoint, a missing tokenizer, no test tasks or a refused --out fail here."""
+    from data.outputs import check_output
     from data.tasks import parse_tasks
-    from data.trace import load_filtered, tasks_in
+    from data.trace import tasks_in
     from model.checkpoint import load_config, weight_files
     from model.hub import default_output, resolve_model
-    from model import workers
-    from model.sampling import generate_tasks, resolve_engine
     from model.tokenizer import ChatTokenizer
-
     ckpt = resolve_model(args.ckpt)  # a directory, or a model id found in the Hugging Face cache
     load_config(ckpt)  # fail before any work when the checkpoint is unusable
     weight_files(ckpt)  # (reads the safetensors headers only)
@@ -134,6 +130,46 @@ def main(argv=None):
         raise UserError(f"{root}: no task directories with a test.json (--data must be a TRACE root)")
     out_dir = check_output(Path(args.out) if args.out else default_output(args.ckpt, ckpt, "eval"), "eval",
                            args.overwrite)
+    return ckpt, tok, root, tasks, out_dir
+
+
+def summarize(records, examples, tasks, dropped, ckpt, root, engine, args) -> dict:
+    """scores.json: per task the mean score over examples and repeats, the spread of the per-repeat means, the counts,
+    and the settings the scores were made under."""
+    K = args.repeats
+
+    def task_mean(task, k=None):
+        xs = [r["score"] for r in records if r["task"] == task and (k is None or r["repeat"] == k)]
+        return sum(xs) / len(xs)
+
+    return {
+        "ckpt": str(ckpt),
+        "scores": {t: task_mean(t) for t in tasks},
+        "std_over_repeats": {t: statistics.pstdev([task_mean(t, k) for k in range(K)]) for t in tasks},
+        "n": {t: sum(ex.task == t for ex in examples) for t in tasks},
+        "dropped_overlong": dropped, "scoring": args.scoring,
+        "temperature": args.temperature, "repeats": K, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+        "max_len": args.max_len, "engine": engine, "data": str(root),
+    }
+
+
+def write_outputs(out_dir: Path, records: list, summary: dict):
+    """predictions first, scores.json last (its presence marks a finished evaluation)."""
+    from data.outputs import claim_dir, write_json, write_jsonl
+    claim_dir(out_dir, "eval")
+    write_jsonl(out_dir / "predictions.jsonl", records)
+    write_json(out_dir / "scores.json", summary)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from kernels import retain_freed_memory
+    retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
+    from data.trace import load_filtered
+    from model import workers
+    from model.sampling import generate_tasks, resolve_engine
+
+    ckpt, tok, root, tasks, out_dir = check_inputs(args)
     engine = resolve_engine(args.engine)
     K = args.repeats
 
@@ -158,25 +194,10 @@ def main(argv=None):
 
     # 4. per-example scores
     records = score_all(jobs, outs, tok, root, args)
-
-    def task_mean(task, k=None):
-        xs = [r["score"] for r in records if r["task"] == task and (k is None or r["repeat"] == k)]
-        return sum(xs) / len(xs)
-
-    summary = {
-        "ckpt": str(ckpt),
-        "scores": {t: task_mean(t) for t in tasks},
-        "std_over_repeats": {t: statistics.pstdev([task_mean(t, k) for k in range(K)]) for t in tasks},
-        "n": {t: sum(ex.task == t for ex in examples) for t in tasks},
-        "dropped_overlong": dropped, "scoring": args.scoring,
-        "temperature": args.temperature, "repeats": K, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
-        "max_len": args.max_len, "engine": engine, "data": str(root),
-    }
+    summary = summarize(records, examples, tasks, dropped, ckpt, root, engine, args)
 
     # 5. outputs: predictions first, scores.json last (its presence marks a finished evaluation)
-    claim_dir(out_dir, "eval")
-    write_jsonl(out_dir / "predictions.jsonl", records)
-    write_json(out_dir / "scores.json", summary)
+    write_outputs(out_dir, records, summary)
 
     n_tok = sum(r["num_tokens"] for r in records)
     print_table(summary, records)

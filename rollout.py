@@ -153,19 +153,15 @@ def print_table(summary: dict, engine: str):
                   f"as much", file=sys.stderr)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    from kernels import retain_freed_memory
-    retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
-    from data.outputs import check_output, write_json, write_jsonl
+def check_inputs(args):
+    """The checkpoint, its tokenizer, the data root, the tasks and the output path (and its summary's), each checked
+    before any work starts: an unusable checkpoint, a missing tokenizer, no tasks or a refused --out fail here."""
+    from data.outputs import check_output
     from data.tasks import parse_tasks
-    from data.trace import load_filtered, tasks_in
-    from model import workers
+    from data.trace import tasks_in
     from model.checkpoint import load_config, weight_files
     from model.hub import default_output, resolve_model
-    from model.sampling import generate_tasks, resolve_engine
     from model.tokenizer import ChatTokenizer
-
     ckpt = resolve_model(args.ckpt)  # a directory, or a model id found in the Hugging Face cache
     load_config(ckpt)  # fail before any work when the checkpoint is unusable
     weight_files(ckpt)  # (reads the safetensors headers only)
@@ -177,6 +173,19 @@ def main(argv=None):
     out_path = check_output(Path(args.out) if args.out else default_output(args.ckpt, ckpt, "rollouts.jsonl"),
                             "rollouts", args.overwrite)
     check_output(summary_path(out_path), "rollout-summary", args.overwrite, "--out's _summary.json")
+    return ckpt, tok, root, tasks, out_path
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from kernels import retain_freed_memory
+    retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
+    from data.outputs import write_json, write_jsonl
+    from data.trace import load_filtered
+    from model import workers
+    from model.sampling import generate_tasks, resolve_engine
+
+    ckpt, tok, root, tasks, out_path = check_inputs(args)
     engine = resolve_engine(args.engine)
 
     # 1-2. the training prompts each task trained on, rendered with this checkpoint's chat template

@@ -244,6 +244,40 @@ def print_summary(args, budget: int, rows: list, stats: dict, stats_file: Path):
     print(f"Spearman(RU, SC) over all rollouts: {fmt(stats['spearman_ru_sc'])}; buffer stats: {stats_file}")
 
 
+def score_rollouts(records: list[dict], args) -> tuple[list, list | None, list]:
+    """(SC scores, RU scores or None, the scores --scorer ranks by). RU is computed whenever the gold answers are at
+    hand (--scorer ru, or --data given): step 5 correlates it with SC."""
+    sc = [sc_score(r) for r in records]
+    ru = None
+    if args.scorer == "ru" or args.data is not None:
+        from data.embedded import ensure_embedded
+        ru = ru_scores(records, Path(args.data) if args.data is not None else ensure_embedded(), args.scoring)
+    return sc, ru, (ru if args.scorer == "ru" else sc)
+
+
+def candidates(records: list[dict], tasks: list, args) -> tuple[list, dict, dict]:
+    """(whether each rollout fits --max-len, task -> indices of its candidates, task -> over-long count); without
+    --max-len every rollout fits."""
+    fits = [True] * len(records)
+    if args.max_len is not None:  # what train.py could not train on is no candidate
+        from model.tokenizer import ChatTokenizer
+        tok = ChatTokenizer.from_dir(Path(args.tokenizer))
+        fits = [tok.sft_length(r["prompt"], r["response"]) <= args.max_len for r in records]
+    by_task = {t: [i for i, r in enumerate(records) if r["task"] == t] for t in tasks}
+    overlong = {t: sum(not fits[i] for i in ix) for t, ix in by_task.items()}
+    by_task = {t: [i for i in ix if fits[i]] for t, ix in by_task.items()}  # the candidates
+    return fits, by_task, overlong
+
+
+def buffer_example(r: dict, s: float, args, rollout_path: Path) -> dict:
+    """A selected rollout as a replay example: the SFT pair train.py reads, plus its task, idx, score (None for
+    -inf) and how and from where it was chosen."""
+    return {"prompt": r["prompt"], "response": r["response"], "task": r["task"], "idx": r["idx"],
+            "score": s if math.isfinite(s) else None, "scorer": args.scorer, "select": args.select,
+            "scoring": args.scoring if args.scorer == "ru" else None,
+            "source": str(rollout_path)}
+
+
 def main(argv=None):
     args = parse_args(argv)
     from data.outputs import check_output, write_json, write_jsonl
@@ -258,21 +292,9 @@ def main(argv=None):
     # 1. rollouts, grouped by task in task order
     records, tasks = task_rollouts(rollout_path, args.tasks)
 
-    # 2. scores (both, when the gold answers are at hand: step 5 correlates them)
-    sc = [sc_score(r) for r in records]
-    ru = None
-    if args.scorer == "ru" or args.data is not None:
-        from data.embedded import ensure_embedded
-        ru = ru_scores(records, Path(args.data) if args.data is not None else ensure_embedded(), args.scoring)
-    scores = ru if args.scorer == "ru" else sc
-    fits = [True] * len(records)
-    if args.max_len is not None:  # what train.py could not train on is no candidate
-        from model.tokenizer import ChatTokenizer
-        tok = ChatTokenizer.from_dir(Path(args.tokenizer))
-        fits = [tok.sft_length(r["prompt"], r["response"]) <= args.max_len for r in records]
-    by_task = {t: [i for i, r in enumerate(records) if r["task"] == t] for t in tasks}
-    overlong = {t: sum(not fits[i] for i in ix) for t, ix in by_task.items()}
-    by_task = {t: [i for i in ix if fits[i]] for t, ix in by_task.items()}  # the candidates
+    # 2. scores (both, when the gold answers are at hand: step 5 correlates them), and which rollouts are candidates
+    sc, ru, scores = score_rollouts(records, args)
+    fits, by_task, overlong = candidates(records, tasks, args)
 
     # 3. budget and its split over the prior tasks (or each task's own count)
     budget, alloc = split_budget(args, {t: len(ix) for t, ix in by_task.items()}, rollout_path)
@@ -283,12 +305,7 @@ def main(argv=None):
         ix = by_task[t]
         task_scores = [scores[i] for i in ix]
         chosen = select(ix, task_scores, alloc[t], args.select, seed=f"{args.seed}:{t}")
-        for i in chosen:
-            r, s = records[i], scores[i]
-            buffer.append({"prompt": r["prompt"], "response": r["response"], "task": t, "idx": r["idx"],
-                           "score": s if math.isfinite(s) else None, "scorer": args.scorer, "select": args.select,
-                           "scoring": args.scoring if args.scorer == "ru" else None,
-                           "source": str(rollout_path)})
+        buffer += [buffer_example(records[i], scores[i], args, rollout_path) for i in chosen]
         picked.update(chosen)
         task_stats[t] = {"n": len(ix), "overlong": overlong[t],
                          "spearman_ru_sc": None if ru is None else spearman([ru[i] for i in ix], [sc[i] for i in ix]),

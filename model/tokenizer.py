@@ -118,6 +118,41 @@ def _prepare_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def _chat_template(ckpt_dir: Path, config: dict, cfg_path: Path) -> tuple[str, str]:
+    """(the checkpoint's chat template, where it came from): chat_template.jinja, else tokenizer_config.json's
+    "chat_template" (a string, or the "default" of the old list format); none, or not a string, is an InputError."""
+    jinja_path = ckpt_dir / "chat_template.jinja"
+    if jinja_path.is_file():
+        template, template_source = read_text(jinja_path), str(jinja_path)
+    else:
+        template, template_source = config.get("chat_template"), f"{cfg_path}['chat_template']"
+        if isinstance(template, list):  # old multi-template format: [{"name": ..., "template": ...}]
+            if not all(isinstance(t, dict) and "name" in t and "template" in t for t in template):
+                raise InputError(f"{template_source}: a list of chat templates must hold {{name, template}} "
+                                 f"objects")
+            template = {t["name"]: t["template"] for t in template}.get("default")
+    if not template:
+        raise InputError(f"{ckpt_dir}: no chat template (neither chat_template.jinja nor "
+                         f"tokenizer_config.json['chat_template'])")
+    if not isinstance(template, str):
+        raise InputError(f"{template_source}: the chat template must be a string, got {template!r}")
+    return template, template_source
+
+
+def _extra_stop_ids(ckpt_dir: Path) -> list:
+    """generation_config.json's eos_token_id (an id or a list of ids) as a list; [] without the file or the key."""
+    extra_stop = []
+    gen_path = ckpt_dir / "generation_config.json"
+    if gen_path.is_file():
+        eos = _read_json(gen_path).get("eos_token_id")
+        extra_stop = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra_stop):
+            # unchecked, a float or a null in the list fails later as a traceback; a string or a bool stops on
+            # nothing or on the wrong token, silently (list("12") is ["1", "2"], True is token 1)
+            raise InputError(f"{gen_path}: eos_token_id must be a token id or a list of token ids, got {eos!r}")
+    return extra_stop
+
+
 class ChatTokenizer:
     """Tokenizer + chat template of one checkpoint directory. See the module docstring for the HF semantics."""
 
@@ -170,31 +205,8 @@ class ChatTokenizer:
             if value is not None and not isinstance(value, str):
                 raise InputError(f"{cfg_path}: {name} must be a string, got {value!r}")
 
-        jinja_path = ckpt_dir / "chat_template.jinja"
-        if jinja_path.is_file():
-            template, template_source = read_text(jinja_path), str(jinja_path)
-        else:
-            template, template_source = config.get("chat_template"), f"{cfg_path}['chat_template']"
-            if isinstance(template, list):  # old multi-template format: [{"name": ..., "template": ...}]
-                if not all(isinstance(t, dict) and "name" in t and "template" in t for t in template):
-                    raise InputError(f"{template_source}: a list of chat templates must hold {{name, template}} "
-                                     f"objects")
-                template = {t["name"]: t["template"] for t in template}.get("default")
-        if not template:
-            raise InputError(f"{ckpt_dir}: no chat template (neither chat_template.jinja nor "
-                             f"tokenizer_config.json['chat_template'])")
-        if not isinstance(template, str):
-            raise InputError(f"{template_source}: the chat template must be a string, got {template!r}")
-
-        extra_stop = []
-        gen_path = ckpt_dir / "generation_config.json"
-        if gen_path.is_file():
-            eos = _read_json(gen_path).get("eos_token_id")
-            extra_stop = [] if eos is None else eos if isinstance(eos, list) else [eos]
-            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in extra_stop):
-                # unchecked, a float or a null in the list fails later as a traceback; a string or a bool stops on
-                # nothing or on the wrong token, silently (list("12") is ["1", "2"], True is token 1)
-                raise InputError(f"{gen_path}: eos_token_id must be a token id or a list of token ids, got {eos!r}")
+        template, template_source = _chat_template(ckpt_dir, config, cfg_path)
+        extra_stop = _extra_stop_ids(ckpt_dir)
         try:
             tok = cls(tokenizer, template, special, extra_stop, source=str(ckpt_dir))
         except jinja2.TemplateSyntaxError as e:

@@ -321,22 +321,11 @@ class Pipeline:
                    disable=self.quiet)
         running, failure, last = {}, None, ""
         pool = ThreadPoolExecutor(self.jobs)
-        # SIGTERM/SIGHUP end the driver like Ctrl-C does: its steps are stopped first (see below). A signal the
-        # driver was started ignoring stays ignored: `nohup python run.py` survives a logout (SIGHUP), and so does
-        # SIGINT for a job that a non-interactive shell started with `&` (Python leaves it ignored too)
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) is not signal.SIG_IGN:
-                signal.signal(sig, _exit_on_signal)
+        _exit_on_termination_signals()  # SIGTERM/SIGHUP as Ctrl-C: its steps are stopped first (see below)
         try:
             while (todo and failure is None) or running:
-                ready = [k for k in todo if all(d in committed for d in self.steps[k]["deps"])]
-                if self.readers_first:
-                    ready.sort(key=lambda k: self.steps[k]["kind"] == "train")  # (stable: the plan's order else)
-                for key in ready:
-                    if len(running) >= self.jobs or failure is not None:
-                        break
-                    todo.remove(key)
-                    running[pool.submit(self.run_step, key)] = key
+                if failure is None:  # after a failure the running steps finish, and none start
+                    self._start_ready(todo, committed, running, pool)
                 if not running:
                     raise RuntimeError(f"pipeline stuck: {todo[:3]} wait on steps that cannot run")
                 watch = status is not None and not self.quiet
@@ -351,17 +340,8 @@ class Pipeline:
                             print(f"run.py: {e}\nrun.py: waiting for {len(running)} running step(s) to finish "
                                   f"(Ctrl-C stops them)", file=sys.stderr, flush=True)
                         continue
-                    committed.add(key)
-                    if changed:  # a pruned step re-created with other bytes: what read the old ones runs again
-                        stale = committed - self.committed()
-                        committed -= stale
-                        todo += [k for k in self.steps if k in stale and k not in todo]
-                        bar.total += len(stale)
                     last = key[:40]
-                    bar.set_postfix_str(last, refresh=False)
-                    bar.update()
-                    if on_commit is not None:
-                        on_commit(key, committed)
+                    self._record_commit(key, changed, committed, todo, bar, on_commit)
                 if watch:
                     bar.set_postfix_str(status(list(running.values())) or last)
             if failure is not None:
@@ -375,6 +355,32 @@ class Pipeline:
             if self.zygote is not None:
                 self.zygote.close()
                 self.zygote = None
+
+    def _start_ready(self, todo: list, committed: set, running: dict, pool):
+        """execute's scheduling: submit the steps of todo whose inputs are all committed, until `jobs` run at once
+        (each moves from todo to running, future -> key); with readers_first, trainings after the others."""
+        ready = [k for k in todo if all(d in committed for d in self.steps[k]["deps"])]
+        if self.readers_first:
+            ready.sort(key=lambda k: self.steps[k]["kind"] == "train")  # (stable: the plan's order else)
+        for key in ready:
+            if len(running) >= self.jobs:
+                break
+            todo.remove(key)
+            running[pool.submit(self.run_step, key)] = key
+
+    def _record_commit(self, key: str, changed: bool, committed: set, todo: list, bar, on_commit):
+        """execute's bookkeeping after step `key` committed (changed: run_step's result): committed and todo updated
+        in place, the progress bar advanced, on_commit called."""
+        committed.add(key)
+        if changed:  # a pruned step re-created with other bytes: what read the old ones runs again
+            stale = committed - self.committed()
+            committed -= stale
+            todo += [k for k in self.steps if k in stale and k not in todo]
+            bar.total += len(stale)
+        bar.set_postfix_str(key[:40], refresh=False)
+        bar.update()
+        if on_commit is not None:
+            on_commit(key, committed)
 
 
 class StepFailed(UserError):
@@ -424,6 +430,15 @@ def _exited(p, deadline: float) -> bool:
         return True
     except subprocess.TimeoutExpired:
         return False
+
+
+def _exit_on_termination_signals():
+    """SIGTERM/SIGHUP end the driver like Ctrl-C does (_exit_on_signal). A signal the driver was started ignoring
+    stays ignored: `nohup python run.py` survives a logout (SIGHUP), and so does SIGINT for a job that a
+    non-interactive shell started with `&` (Python leaves it ignored too)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _exit_on_signal)
 
 
 def _exit_on_signal(signum, frame):

@@ -107,23 +107,7 @@ def uncertainty(results, summary=None, B: int = BOOTSTRAP_B, seed: int = BOOTSTR
          ref (None without per-example scores), "resolved": True when every available interval excludes 0}
     """
     summary = summary or summarize(results)
-    tasks, methods = results["tasks"], results["methods"]
-    have_examples = all(run.get("example_scores") is not None for e in methods.values() for run in e["seeds"].values())
-    boot = None
-    if have_examples:
-        sizes = {}
-        for e in methods.values():
-            for run in e["seeds"].values():
-                for i, row in enumerate(run["example_scores"]):
-                    for j in range(i + 1):
-                        sizes.setdefault(tasks[j], len(row[j]))
-        sizes = {t: sizes[t] for t in tasks if t in sizes}
-        idx = bootstrap_indices(sizes, B, seed)
-        # per method and seed: ACC/BWT of every resample ([B] arrays), all methods on the same resampled prompts
-        per_seed = {m: {s: bootstrap_acc_bwt([[row[:i + 1] for i, row in enumerate(run["example_scores"])]],
-                                             tasks, idx)
-                        for s, run in e["seeds"].items()} for m, e in methods.items()}
-        boot = {"B": B, "seed": seed, "sizes": sizes}
+    boot, per_seed = _bootstrap(results, B, seed)
 
     noise = (results.get("meta") or {}).get("seed_noise") or {}
     out = {"bootstrap": boot, "methods": {}, "deltas": {}}
@@ -144,24 +128,53 @@ def uncertainty(results, summary=None, B: int = BOOTSTRAP_B, seed: int = BOOTSTR
             for metric in ("acc", "bwt"):
                 if metric == "bwt" and (s["stages"] < 2 or s["acc_only"] or summary[ref]["acc_only"]):
                     continue
-                d = paired_differences({k: v[metric] for k, v in s["per_seed"].items()},
-                                       {k: v[metric] for k, v in summary[ref]["per_seed"].items()})
-                if not d:
-                    continue
-                test = None
-                if boot:
-                    test = percentile_interval(_seed_mean(
-                        [per_seed[m][k][metric] - per_seed[ref][k][metric] for k in d]))
-                seeds_ci, source = t_interval(d.values()), "run"
-                sigma = ((noise.get("delta_std") or {}).get(ref) or {}).get(m, {}).get(metric)
-                if seeds_ci is None and sigma is not None:  # one seed: the preset's measured seed noise
-                    seeds_ci, source = known_std_interval(d.values(), sigma, noise["seeds"]), "preset"
-                available = [ci for ci in (seeds_ci, test) if ci is not None]
-                entry[metric] = {"per_seed": d, "n": len(d), "mean": statistics.fmean(d.values()), "seeds": seeds_ci,
-                                 "seeds_source": source if seeds_ci else None, "test": test,
-                                 "resolved": bool(available) and all(map(excludes_zero, available))}
+                delta = _paired_delta(summary, m, ref, metric, per_seed, noise)
+                if delta is not None:
+                    entry[metric] = delta
             out["deltas"][ref][m] = entry
     return out
+
+
+def _bootstrap(results, B: int, seed: int) -> tuple:
+    """uncertainty's test-set bootstrap: ({"B", "seed", "sizes": {task: n}}, {method: {seed: ACC/BWT of every
+    resample}}), or (None, None) when some run has no per-example scores."""
+    tasks, methods = results["tasks"], results["methods"]
+    if not all(run.get("example_scores") is not None for e in methods.values() for run in e["seeds"].values()):
+        return None, None
+    sizes = {}
+    for e in methods.values():
+        for run in e["seeds"].values():
+            for i, row in enumerate(run["example_scores"]):
+                for j in range(i + 1):
+                    sizes.setdefault(tasks[j], len(row[j]))
+    sizes = {t: sizes[t] for t in tasks if t in sizes}
+    idx = bootstrap_indices(sizes, B, seed)
+    # per method and seed: ACC/BWT of every resample ([B] arrays), all methods on the same resampled prompts
+    per_seed = {m: {s: bootstrap_acc_bwt([[row[:i + 1] for i, row in enumerate(run["example_scores"])]],
+                                         tasks, idx)
+                    for s, run in e["seeds"].items()} for m, e in methods.items()}
+    return {"B": B, "seed": seed, "sizes": sizes}, per_seed
+
+
+def _paired_delta(summary: dict, m: str, ref: str, metric: str, per_seed, noise: dict):
+    """uncertainty's D for `metric` of m - ref, or None when they share no seed. per_seed: _bootstrap's resamples
+    (None: no test interval); noise: the run's meta "seed_noise" ({} without)."""
+    d = paired_differences({k: v[metric] for k, v in summary[m]["per_seed"].items()},
+                           {k: v[metric] for k, v in summary[ref]["per_seed"].items()})
+    if not d:
+        return None
+    test = None
+    if per_seed is not None:
+        test = percentile_interval(_seed_mean(
+            [per_seed[m][k][metric] - per_seed[ref][k][metric] for k in d]))
+    seeds_ci, source = t_interval(d.values()), "run"
+    sigma = ((noise.get("delta_std") or {}).get(ref) or {}).get(m, {}).get(metric)
+    if seeds_ci is None and sigma is not None:  # one seed: the preset's measured seed noise
+        seeds_ci, source = known_std_interval(d.values(), sigma, noise["seeds"]), "preset"
+    available = [ci for ci in (seeds_ci, test) if ci is not None]
+    return {"per_seed": d, "n": len(d), "mean": statistics.fmean(d.values()), "seeds": seeds_ci,
+            "seeds_source": source if seeds_ci else None, "test": test,
+            "resolved": bool(available) and all(map(excludes_zero, available))}
 
 
 def _noise_parts(run: dict, n: int) -> dict:

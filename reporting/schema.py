@@ -83,52 +83,61 @@ def check_results(results) -> None:
             raise ValueError(f"results['methods'][{m!r}]['seeds']: expected a non-empty dict {{seed: run}}")
         n_stages = set()
         for s, run in seeds.items():
-            where = f"results['methods'][{m!r}]['seeds'][{s!r}]"
-            matrix = run.get("matrix") if isinstance(run, dict) else None
-            if not isinstance(matrix, list) or not matrix:
-                raise ValueError(f"{where}['matrix']: expected a non-empty list of rows")
-            if len(matrix) > len(tasks):
-                raise ValueError(f"{where}['matrix']: {len(matrix)} stages but only {len(tasks)} tasks")
-            for i, row in enumerate(matrix):
-                if not isinstance(row, list) or len(row) < i + 1 or not all(_is_number(v) for v in row[:i + 1]):
-                    raise ValueError(f"{where}['matrix'][{i}]: expected at least {i + 1} finite numbers, got {row!r}")
-            # next_task: a(i, i+1) after every finished stage that has a next task (run.py writes exactly these)
-            for key, want in (("row0", len(tasks)), ("next_task", min(len(matrix), len(tasks) - 1))):
-                vals = run.get(key)
-                if vals is not None and (not isinstance(vals, list) or len(vals) < want or
-                                         not all(_is_number(v) for v in vals)):
-                    raise ValueError(f"{where}[{key!r}]: expected at least {want} finite numbers, got {vals!r}")
-            for key in ("loss_curves", "drift", "buffer_stats", "rollout_checks", "loss_sources"):  # optional lists
-                if not isinstance(run.get(key) or [], list):
-                    raise ValueError(f"{where}[{key!r}]: expected a list, got {type(run[key]).__name__}")
-            for i, curve in enumerate(run.get("loss_curves") or []):
-                if not isinstance(curve, list) or not all(_is_number(v) for v in curve):
-                    raise ValueError(f"{where}['loss_curves'][{i}]: expected a list of finite numbers")
-            examples = run.get("example_scores")
-            if examples is not None:
-                if not isinstance(examples, list) or len(examples) != len(matrix):
-                    raise ValueError(f"{where}['example_scores']: expected one row per stage ({len(matrix)})")
-                for i, row in enumerate(examples):
-                    if not isinstance(row, list) or len(row) < i + 1:
-                        raise ValueError(f"{where}['example_scores'][{i}]: expected at least {i + 1} lists")
-                    for j in range(i + 1):
-                        cell = row[j]
-                        if not isinstance(cell, list) or not cell or not all(_is_number(v) for v in cell):
-                            raise ValueError(f"{where}['example_scores'][{i}][{j}]: expected a non-empty list of "
-                                             f"finite numbers")
-                        if sizes.setdefault(tasks[j], len(cell)) != len(cell):
-                            raise ValueError(f"{where}['example_scores'][{i}][{j}]: {len(cell)} examples of "
-                                             f"{tasks[j]}, elsewhere {sizes[tasks[j]]}")
-                        mean = statistics.fmean(cell)
-                        if abs(mean - matrix[i][j]) > EXAMPLE_MEAN_TOL:
-                            raise ValueError(f"{where}['example_scores'][{i}][{j}]: the examples' mean {mean:.4f} "
-                                             f"is not matrix[{i}][{j}] = {matrix[i][j]:.4f}")
-            diags = run.get("diagnostics")
-            if diags is not None and (not isinstance(diags, list) or len(diags) != len(matrix)
-                                      or not all(isinstance(d, dict) for d in diags)):
-                raise ValueError(f"{where}['diagnostics']: expected one dict {{task: diagnostics}} per stage")
-            n_stages.add(len(matrix))
+            n_stages.add(_check_run(f"results['methods'][{m!r}]['seeds'][{s!r}]", run, tasks, sizes))
         if len(n_stages) > 1:
             raise ValueError(f"results['methods'][{m!r}]: seeds have different numbers of stages {sorted(n_stages)}")
 
 
+def _check_run(where: str, run, tasks: list, sizes: dict) -> int:
+    """check_results for one seed's run at `where`: its matrix, optional fields and per-example scores (sizes: task
+    -> examples seen so far, filled in). Returns its number of stages."""
+    matrix = run.get("matrix") if isinstance(run, dict) else None
+    if not isinstance(matrix, list) or not matrix:
+        raise ValueError(f"{where}['matrix']: expected a non-empty list of rows")
+    if len(matrix) > len(tasks):
+        raise ValueError(f"{where}['matrix']: {len(matrix)} stages but only {len(tasks)} tasks")
+    for i, row in enumerate(matrix):
+        if not isinstance(row, list) or len(row) < i + 1 or not all(_is_number(v) for v in row[:i + 1]):
+            raise ValueError(f"{where}['matrix'][{i}]: expected at least {i + 1} finite numbers, got {row!r}")
+    # next_task: a(i, i+1) after every finished stage that has a next task (run.py writes exactly these)
+    for key, want in (("row0", len(tasks)), ("next_task", min(len(matrix), len(tasks) - 1))):
+        vals = run.get(key)
+        if vals is not None and (not isinstance(vals, list) or len(vals) < want or
+                                 not all(_is_number(v) for v in vals)):
+            raise ValueError(f"{where}[{key!r}]: expected at least {want} finite numbers, got {vals!r}")
+    for key in ("loss_curves", "drift", "buffer_stats", "rollout_checks", "loss_sources"):  # optional lists
+        if not isinstance(run.get(key) or [], list):
+            raise ValueError(f"{where}[{key!r}]: expected a list, got {type(run[key]).__name__}")
+    for i, curve in enumerate(run.get("loss_curves") or []):
+        if not isinstance(curve, list) or not all(_is_number(v) for v in curve):
+            raise ValueError(f"{where}['loss_curves'][{i}]: expected a list of finite numbers")
+    _check_example_scores(where, run.get("example_scores"), matrix, tasks, sizes)
+    diags = run.get("diagnostics")
+    if diags is not None and (not isinstance(diags, list) or len(diags) != len(matrix)
+                              or not all(isinstance(d, dict) for d in diags)):
+        raise ValueError(f"{where}['diagnostics']: expected one dict {{task: diagnostics}} per stage")
+    return len(matrix)
+
+
+def _check_example_scores(where: str, examples, matrix: list, tasks: list, sizes: dict) -> None:
+    """A run's optional "example_scores": ragged like the matrix, each cell a non-empty list of finite numbers of
+    one size per task (sizes, filled in) whose mean is the matrix entry (to EXAMPLE_MEAN_TOL)."""
+    if examples is None:
+        return
+    if not isinstance(examples, list) or len(examples) != len(matrix):
+        raise ValueError(f"{where}['example_scores']: expected one row per stage ({len(matrix)})")
+    for i, row in enumerate(examples):
+        if not isinstance(row, list) or len(row) < i + 1:
+            raise ValueError(f"{where}['example_scores'][{i}]: expected at least {i + 1} lists")
+        for j in range(i + 1):
+            cell = row[j]
+            if not isinstance(cell, list) or not cell or not all(_is_number(v) for v in cell):
+                raise ValueError(f"{where}['example_scores'][{i}][{j}]: expected a non-empty list of "
+                                 f"finite numbers")
+            if sizes.setdefault(tasks[j], len(cell)) != len(cell):
+                raise ValueError(f"{where}['example_scores'][{i}][{j}]: {len(cell)} examples of "
+                                 f"{tasks[j]}, elsewhere {sizes[tasks[j]]}")
+            mean = statistics.fmean(cell)
+            if abs(mean - matrix[i][j]) > EXAMPLE_MEAN_TOL:
+                raise ValueError(f"{where}['example_scores'][{i}][{j}]: the examples' mean {mean:.4f} "
+                                 f"is not matrix[{i}][{j}] = {matrix[i][j]:.4f}")
