@@ -7,8 +7,9 @@ softmax(logits / T), and a prompt's draws depend on its own key only, never on i
 size, the schedule or the device. Keys: `seeds[i]` when given (train.py's SDFT: one per example and step), else a
 function of (seed, i). temperature 0 is greedy. The noise is bounded (u has 32 bits), so only tokens whose scaled logit
 lies within that bound of the top token's drawn score can win: outside a CUDA graph the sampler draws noise for
-those alone (at T 0.1 a handful; at high T, where most tokens lie within it, for those near the top and the few
-whose hash is large enough), the same tokens bit for bit as the draw over the whole vocabulary.
+those alone (at T 0.1 a handful, found among each row's largest logits; at high T, where most tokens lie within it,
+for those near the top and the few whose hash is large enough), the same tokens bit for bit as the draw over the
+whole vocabulary.
 """
 import math
 
@@ -71,6 +72,9 @@ def gumbel(keys, counters, vocab: int):
 # The largest noise any token can draw (u's largest value, (2^32 - 0.5) / 2^32). A token whose scaled logit plus it
 # falls short of some token's drawn score cannot win the argmax, so its noise need never be drawn.
 G_MAX = -torch.log(-torch.log(torch.tensor((2.0 ** 32 - 0.5) * 2.0 ** -32, dtype=torch.float64))).item()
+# The candidates at low T are first looked for among each row's TOP_K largest logits (a partial sort), which spares
+# the whole-vocabulary compare and nonzero when, as at T 0.1, only a handful can win
+TOP_K = 16
 # Above this temperature the tokens within T * G_MAX logits of the top are most of a language model's vocabulary, and
 # looking for them costs more than it saves; below it, a few (both ways give the same tokens)
 CANDIDATE_MAX_T = 0.5
@@ -126,8 +130,8 @@ def _logit_floor(best, d: float, temperature: float):
 
 
 def _argmax_among(logits, temperature: float, row, r, j):
-    """_full_draw's tokens when only the (row r, id j) pairs can win (row-major, ids ascending within a row): their
-    scores by the full draw's ops, element for element, and argmax's rule among equal maxima, the first id."""
+    """_full_draw's tokens when only the (row r, id j) pairs can win (in any order): their scores by the full draw's
+    ops, element for element, and argmax's rule among equal maxima, the first id."""
     n, vocab = logits.shape
     score = logits[r, j].double() / temperature + _noise(row[r], j)
     row_max = torch.full((n,), -torch.inf, dtype=score.dtype, device=score.device).scatter_reduce(0, r, score, "amax")
@@ -137,10 +141,18 @@ def _argmax_among(logits, temperature: float, row, r, j):
 
 def _sample_candidates(logits, temperature: float, keys, counters):
     """_full_draw's tokens, bit for bit, with noise drawn only for the tokens that can win: those whose scaled logit
-    plus G_MAX reaches the top logit's drawn score: at T 0.1 a handful (the noise's range, ~26, is 2.6 logits there).
+    plus G_MAX reaches some token's drawn score (a lower bound on the winner's): at T 0.1 a handful (the noise's
+    range, ~26, is 2.6 logits there). They are looked for among each row's TOP_K largest logits first (when the K-th
+    lies below the bound, every token that can win is among them), else by a compare over the whole vocabulary.
     Its shapes depend on the data: not under a CUDA graph's capture or torch.compile."""
+    n, vocab = logits.shape
     row = _row_hash(keys, counters)
-    floor = _logit_floor(_top_score(logits, temperature, row), G_MAX, temperature)
+    top, ids = logits.topk(min(TOP_K, vocab), dim=-1)
+    floor = _logit_floor(top[:, 0].double() / temperature + _noise(row, ids[:, 0]), G_MAX, temperature)
+    if bool((top[:, -1] < floor).all()):  # (false for a NaN row: the whole-vocabulary path decides it as before)
+        can_win = top >= floor[:, None]
+        return _argmax_among(logits, temperature, row, torch.arange(n, device=logits.device)[:, None]
+                             .expand_as(ids)[can_win], ids[can_win])
     r, j = (logits >= floor[:, None]).nonzero(as_tuple=True)
     if r.numel() * 8 > logits.numel():  # a flat distribution: most tokens can win
         return _full_draw(logits, temperature, keys, counters)

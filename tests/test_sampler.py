@@ -128,3 +128,20 @@ def test_the_hash_leaves_its_input_as_it_is():
     h = hash32_i32(x)
     assert torch.equal(x, before) and not torch.equal(h, before)
     assert torch.equal(hash32_i32(x[:1].expand(64, 128)), hash32_i32(x[:1]).expand(64, 128))  # an expanded view
+
+
+def test_the_top_k_shortcut_falls_back_when_more_than_k_tokens_can_win():
+    """At low T the candidates are looked for among each row's TOP_K largest logits first; when more tokens than
+    that can win (here TOP_K + 8 tie at the top, far above the rest) the winner is often one topk did not return,
+    and the sampler must find it over the whole vocabulary: the full draw's token on every row."""
+    from model.sampler import TOP_K
+    n, vocab = 2000, 4099
+    g = torch.Generator().manual_seed(1)
+    logits = torch.full((n, vocab), -30.0)
+    logits[:, torch.randperm(vocab, generator=g)[:TOP_K + 8]] = 5.0
+    keys, counters = torch.randint(0, 1 << 62, (n,), generator=g), torch.zeros(n, dtype=torch.long)
+    full = (logits.double() / 0.1 + gumbel(keys, counters, vocab)).argmax(-1)
+    assert torch.equal(_sample_candidates(logits, 0.1, keys, counters), full)
+    assert torch.equal(sample(logits, 0.1, keys, counters)[0], full)
+    outside = (full[:, None] != logits.topk(TOP_K, dim=-1).indices).all(-1)
+    assert outside.sum() > n // 10  # the winner was not among topk's TOP_K on many rows
