@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
