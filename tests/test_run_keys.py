@@ -5,8 +5,10 @@
   thread setting, writes a byte-identical results.json.
 - Content keys: editing one answer of a data file in place (same path) re-runs exactly the steps that read it and
   the steps downstream of them; nothing else.
-- The numerics (thread count, CPU model or --portable's pins) and the content of every file a step reads are part
-  of its key (unit level); the tiny base is built with one thread and the CPU pins whoever builds it.
+- New scoring rules re-score exactly the steps that score; every setting is in the keys of the steps it changes; a
+  preset's measured seed noise goes only with the preset unchanged.
+(At unit level: the numerics and file contents in a key, tests/test_digest.py; stale readers and durable commits,
+tests/test_steps.py; the tiny base's pins, tests/test_base.py.)
 
 The end-to-end runs use a tiny untrained Llama, 2 tasks x 8 training examples, methods sft, replay and opr-ru
 (about half a minute each on 2 CPU cores).
