@@ -56,6 +56,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from kernels import retain_freed_memory
+    retain_freed_memory()  # as the scripts that sample do (rollout.py, evaluate.py, train.py): freed pages reused
     from bench_engine import checkpoint, mix_prompts
     from model.checkpoint import load_model
     from model.sampler import sample
