@@ -26,8 +26,8 @@ def _i32(c: int) -> int:
 def hash32_i32(x):
     """lowbias32 (C. Wellons' integer hash) on int32 tensors holding 32-bit words (two's complement): products wrap
     mod 2^32 as the hash wants, and shifts are made logical by a mask. Half the bytes and ops of int64 arithmetic.
-    `x` is left as it is: one new tensor and one scratch, every other op in place (on the CPU a fresh tensor per op
-    costs more in its pages' first touch than the op itself)."""
+    `x` is left as it is: one new tensor and one scratch, every other op in place (eleven [rows, vocab] temporaries
+    would each be allocated and streamed through memory)."""
     s = x >> 16
     s &= 0xFFFF
     x = x ^ s
@@ -102,8 +102,8 @@ def sample(logits, temperature: float, keys, counters):
 
 
 def _chunk(logits) -> int:
-    """Rows per piece of a whole-vocabulary draw: on the CPU ~8 MB of int32 per temporary (whole batches' hash buffers
-    are dozens of MB of fresh pages each call, first-touched at more cost than the ops); on a GPU all rows at once."""
+    """Rows per piece of a whole-vocabulary draw: on the CPU 2^21 elements per temporary (the piece size that measured
+    fastest: BENCHMARKS.md, "The hash in place"); on a GPU all rows at once."""
     n, vocab = logits.shape
     return n if logits.is_cuda else max(1, (1 << 21) // vocab)
 
