@@ -112,8 +112,8 @@ def _full_draw(logits, temperature: float, keys, counters, rows: int | None = No
     """argmax(logits / T + gumbel) over the whole vocabulary, `rows` rows at a time (_chunk)."""
     n, vocab = logits.shape
     rows = rows or _chunk(logits)
-    return torch.cat([gumbel(keys[i:i + rows], counters[i:i + rows], vocab).add_(logits[i:i + rows].double() / temperature)
-                      .argmax(-1) for i in range(0, n, rows)])
+    return torch.cat([gumbel(keys[i:i + rows], counters[i:i + rows], vocab)
+                      .add_(logits[i:i + rows].double() / temperature).argmax(-1) for i in range(0, n, rows)])
 
 
 def _top_score(logits, temperature: float, row):
