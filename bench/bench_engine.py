@@ -1,6 +1,6 @@
 """The native engine on a rollout mix, against the engine of another checkout, Hugging Face `generate` and vLLM.
 
-    python bench/bench_engine.py --model smollm2 --threads 2 [--before DIR] [--prompts 256] [--batch-size 32]
+    python bench/bench_engine.py --model smollm2 [--ckpt DIR] --threads 2 [--before DIR] [--prompts 256] [--batch-size 32]
         [--before-batch-size N] [--max-new-tokens 64] [--repeats 3] [--fixed] [--no-hf] [--temperature T] [--trace DIR]
         [--vllm PYTHON]
 
@@ -31,7 +31,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def checkpoint(name: str) -> Path:
-    sys.path.insert(0, str(REPO))
     if name == "tiny":
         from model.base import ensure_base
         return ensure_base("tiny")
@@ -133,6 +132,8 @@ def worker(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=["tiny", "smollm2"], default="smollm2")
+    ap.add_argument("--ckpt", type=Path, help="a checkpoint instead of --model's, e.g. a trained stage's (the tiny "
+                                              "base itself answers the embedded tasks in a token or two)")
     ap.add_argument("--before", type=Path, help="another checkout whose engine to compare with (e.g. a worktree)")
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=32)
@@ -154,7 +155,8 @@ def main():
     if args.worker:
         return worker(args)
 
-    ckpt = checkpoint(args.model)
+    sys.path.insert(0, str(REPO))
+    ckpt = args.ckpt.resolve() if args.ckpt else checkpoint(args.model)
     prompts, stop = mix_prompts(ckpt, args.batch_size if args.fixed else args.prompts, args.trace)
     job = Path(tempfile.mkdtemp()) / "job.json"
     job.write_text(json.dumps(dict(ckpt=str(ckpt), prompts=prompts, stop_ids=stop, max_new_tokens=args.max_new_tokens,
@@ -180,7 +182,7 @@ def main():
             print(f"repeat {r}: {name}: {res['seconds']:.2f} s, {n_tok} new tokens; whole process "
                   f"{res['process_seconds']:.1f} s", flush=True)
 
-    print(f"\n{args.model}, fp32, {args.threads} threads, {len(prompts)} prompts ("
+    print(f"\n{args.ckpt or args.model}, fp32, {args.threads} threads, {len(prompts)} prompts ("
           f"{'fixed: ' + str(args.max_new_tokens) + ' new tokens each, no stop' if args.fixed else 'rollout mix of ' + (str(args.trace) if args.trace else 'the eight embedded tasks') + (f', T {args.temperature}' if args.temperature else ', greedy') + ', stop at end-of-turn, <= ' + str(args.max_new_tokens) + ' new tokens'}), "
           f"batch size {args.batch_size}"
           + (f" (before: {args.before_batch_size})" if args.before and args.before_batch_size else "")
