@@ -81,7 +81,7 @@ from pipeline.settings import add_flags, apply, setting
 from pipeline.steps import Pipeline
 from pipeline.watch import train_labels, train_status
 from reporting import tensorboard
-from reporting.collect import Evals, collect, write_partial
+from reporting.collect import Evals, collect, write_index, write_partial, write_timing
 
 METHODS = ("sft", "replay", "opr-ru", "opr-sc", "opr-low", "opr-random", "mtl", "sdft", "sft-kl")
 # the OPR methods' buffers: which score ranks the rollouts (ru: the task metric, sc: mean log-prob) and what of the
@@ -479,7 +479,7 @@ def make_pipeline(args, run_dir: Path, engine_name: str) -> Pipeline:
     return pipe
 
 
-# ---- after the run: results.json, the report, the timing ---------------------------------------------------------
+# ---- after the run: results.json's meta (the run's files: reporting/collect.py) ------------------------------------
 
 
 # settings that change how a run runs, not its numbers: out of results.json, which stays byte-identical across them
@@ -518,43 +518,6 @@ def print_report(results: dict, run_dir: Path):
               f"off-format, empty or length-capped); all in {run_dir / 'report.md'}, the first:")
         for line in flagged[:3]:
             print(f"  {line}")
-
-
-def write_index(pipe: Pipeline, runs: dict, row0: dict, path: Path):
-    """index.md: which step directory holds what, by method, seed and stage (step keys name only stage and kind,
-    and the early steps are shared by methods). Written before the steps run, so a running stage's live training
-    log is found from it."""
-    lines = ["# Steps of this run", "",
-             "A step's output is `steps/KEY/` once done; while it runs it is `steps/KEY.tmp/` (a training stage's "
-             "live log: `steps/KEY.tmp/ckpt.partial/train_log.jsonl`, and `tb/train/KEY/` for "
-             "`tensorboard --logdir`). The checkpoint of a stage: `steps/KEY/ckpt` (with --keep-checkpoints last or "
-             "final its weights may be pruned: manifest.json's entry of KEY says \"pruned\").", "",
-             "| method | seed | stage | train | eval | buffer it trained with | rollouts scored into it |",
-             "|---|---|---|---|---|---|---|"]
-    for seed, key in row0.items():
-        lines.append(f"| (base) | {seed} | 0 | - | {key} | - | - |")
-    for label, by_seed in runs.items():
-        for seed, chain in by_seed.items():
-            prev = None
-            for i, (t_key, e_key) in enumerate(chain, 1):
-                buffer = next((d for d in pipe.steps[t_key]["deps"] if d != prev), None)
-                rollout = next(iter(pipe.steps[buffer]["deps"]), None) if buffer else None
-                lines.append(f"| {label} | {seed} | {i} | {t_key} | {e_key} | {buffer or '-'} | {rollout or '-'} |")
-                prev = t_key
-    write_text_atomic(path, "\n".join(lines) + "\n")
-
-
-def write_timing(pipe: Pipeline, run_dir: Path):
-    """What each kind of step cost (summed step seconds, a step counted in the run that executed it): timing.json,
-    kept out of results.json so that the results stay a function of the command, its inputs and its seeds."""
-    timing = {}
-    for key, step in pipe.steps.items():
-        t = timing.setdefault(step["kind"], {"steps": 0, "seconds": 0.0})
-        t["steps"] += 1
-        t["seconds"] = round(t["seconds"] + pipe.manifest[key]["seconds"], 2)
-    write_json(run_dir / "timing.json", timing)
-    print("run.py: step seconds by kind: " + ", ".join(f"{k} {v['seconds']:.0f} s ({v['steps']})"
-                                                       for k, v in timing.items()))
 
 
 def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool, numerics: dict, engine: str,

@@ -5,13 +5,15 @@ run.py's pipeline (pipeline/steps.py): only its dir(key), where a step's files a
     evals = Evals(pipe)
     results = collect(pipe, runs, row0, tasks, meta, probes, evals=evals)           # the finished run
     write_partial(collect(..., done=committed, evals=evals), run_dir)                # while it runs
+
+and the run directory's other files: index.md (which step holds what) and timing.json.
 """
 import json
 from pathlib import Path
 
 from data.errors import InputError
 from data.jsonl import jsonl_lines, read_records
-from data.outputs import write_json
+from data.outputs import write_json, write_text_atomic
 from reporting.diagnostics import diagnose
 
 
@@ -146,3 +148,40 @@ def prefix_done(entries: list, done: set) -> list:
             break
         out.append((stage, key))
     return out
+
+
+def write_index(pipe, runs: dict, row0: dict, path: Path):
+    """index.md: which step directory holds what, by method, seed and stage (step keys name only stage and kind,
+    and the early steps are shared by methods). Written before the steps run, so a running stage's live training
+    log is found from it."""
+    lines = ["# Steps of this run", "",
+             "A step's output is `steps/KEY/` once done; while it runs it is `steps/KEY.tmp/` (a training stage's "
+             "live log: `steps/KEY.tmp/ckpt.partial/train_log.jsonl`, and `tb/train/KEY/` for "
+             "`tensorboard --logdir`). The checkpoint of a stage: `steps/KEY/ckpt` (with --keep-checkpoints last or "
+             "final its weights may be pruned: manifest.json's entry of KEY says \"pruned\").", "",
+             "| method | seed | stage | train | eval | buffer it trained with | rollouts scored into it |",
+             "|---|---|---|---|---|---|---|"]
+    for seed, key in row0.items():
+        lines.append(f"| (base) | {seed} | 0 | - | {key} | - | - |")
+    for label, by_seed in runs.items():
+        for seed, chain in by_seed.items():
+            prev = None
+            for i, (t_key, e_key) in enumerate(chain, 1):
+                buffer = next((d for d in pipe.steps[t_key]["deps"] if d != prev), None)
+                rollout = next(iter(pipe.steps[buffer]["deps"]), None) if buffer else None
+                lines.append(f"| {label} | {seed} | {i} | {t_key} | {e_key} | {buffer or '-'} | {rollout or '-'} |")
+                prev = t_key
+    write_text_atomic(path, "\n".join(lines) + "\n")
+
+
+def write_timing(pipe, run_dir: Path):
+    """What each kind of step cost (summed step seconds, a step counted in the run that executed it): timing.json,
+    kept out of results.json so that the results stay a function of the command, its inputs and its seeds."""
+    timing = {}
+    for key, step in pipe.steps.items():
+        t = timing.setdefault(step["kind"], {"steps": 0, "seconds": 0.0})
+        t["steps"] += 1
+        t["seconds"] = round(t["seconds"] + pipe.manifest[key]["seconds"], 2)
+    write_json(run_dir / "timing.json", timing)
+    print("run.py: step seconds by kind: " + ", ".join(f"{k} {v['seconds']:.0f} s ({v['steps']})"
+                                                       for k, v in timing.items()))
