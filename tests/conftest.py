@@ -4,6 +4,8 @@
   files write beside it or into it (evaluate.py's default output is <ckpt>/eval)
 - tiny_env: tiny.make_env's world (that checkpoint, a 2-task TRACE-layout data root, a rollout file, the scripts'
   environment), one per test file
+- pair: (transformers' model, ours loaded from its checkpoint, the checkpoint) for each of tiny.HF_ARCHS, one per
+  test file (test_transformer.py, test_checkpoint.py); the tests only read them
 - train_ckpt, train_ckpt_tied: train.py's tiny checkpoints (transformers-built, untied and tied embeddings, with an
   SFT file), built once per session; the tests only read them
 """
@@ -33,3 +35,12 @@ def train_ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def train_ckpt_tied(tmp_path_factory):
     return tiny.make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tied", tied=True)
+
+
+@pytest.fixture(scope="module", params=tiny.HF_ARCHS)
+def pair(request, tmp_path_factory):
+    pytest.importorskip("transformers")
+    from model.checkpoint import load_model
+    path = tmp_path_factory.mktemp(request.param)
+    hf = tiny.make_hf(request.param, path)
+    return hf, load_model(path), path

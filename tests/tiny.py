@@ -4,6 +4,8 @@
   file and the environment the scripts run with (`make_env`), and the subprocess helpers that run a script on it
 - train.py's world: a tiny random Llama saved by transformers with an SFT file (`make_checkpoint`), and the helpers
   that run train.py on it and compare its outputs (test_train.py, test_sdft.py)
+- transformers' small models of three architectures, our model's reference (`make_hf`: test_transformer.py,
+  test_checkpoint.py)
 
 A test file imports these from here, never from another test file.
 """
@@ -196,3 +198,44 @@ def kill_once_state_is_saved(ckpt, out: Path, *extra) -> tuple[bool, str, Path]:
         p.kill()
         output = p.communicate()[0]
     return alive, output, state
+
+
+# ---- transformers' small models of each architecture -------------------------------------------------------------
+HF_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def hf_model(arch: str):
+    """A random transformers model of `arch`, small, with every feature of its family our model reads."""
+    import transformers
+    if arch == "llama":  # Llama-3.1 style: llama3 rope scaling (short original context so every frequency band is
+        # exercised), GQA, q/k/v/o and MLP biases
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, attention_bias=True, mlp_bias=True, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 16}))
+    if arch == "qwen2":  # Qwen2.5 small sizes: q/k/v biases, tied embeddings
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0))
+    # Qwen3: q/k RMSNorm, head_dim (24) unrelated to hidden/heads (16)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24))
+
+
+def make_hf(arch: str, path: Path):
+    """hf_model(arch) with seed 0, its norms and biases randomised too, saved to `path`."""
+    torch.manual_seed(0)
+    hf = hf_model(arch).float().eval()
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: randomise them so they are tested
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    hf.save_pretrained(path)
+    return hf
+
+
+def hf_logits(hf, ids, pos=None):
+    with torch.no_grad():
+        return hf(input_ids=ids, position_ids=pos).logits

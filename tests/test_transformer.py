@@ -1,56 +1,15 @@
-"""Model core against transformers: logits parity, packing, KV cache, checkpoint round trips, bad input."""
-import json
+"""model/transformer.py against transformers: logits parity, packed documents and their loss, compiled blocks, the
+few-row product. Its checkpoints: test_checkpoint.py."""
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from model.checkpoint import load_model, save_checkpoint  # noqa: E402
 from model.objectives import nll  # noqa: E402
+from tiny import hf_logits  # noqa: E402
 
 TOL = 1e-4
-
-ARCHS = {
-    # Llama-3.1 style: llama3 rope scaling (short original context so every frequency band is exercised),
-    # GQA, q/k/v/o and MLP biases
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, attention_bias=True, mlp_bias=True, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 16})),
-    # Qwen2.5 small sizes: q/k/v biases, tied embeddings
-    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0)),
-    # Qwen3: q/k RMSNorm, head_dim (24) unrelated to hidden/heads (16)
-    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=24)),
-}
-
-
-def make_hf(arch, path):
-    torch.manual_seed(0)
-    hf = ARCHS[arch]().float().eval()
-    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: randomise them so they are tested
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
-    hf.save_pretrained(path)
-    return hf
-
-
-@pytest.fixture(scope="module", params=list(ARCHS))
-def pair(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf = make_hf(request.param, path)
-    return hf, load_model(path), path
-
-
-def hf_logits(hf, ids, pos=None):
-    with torch.no_grad():
-        return hf(input_ids=ids, position_ids=pos).logits
 
 
 def test_logits_match_transformers(pair):
@@ -120,47 +79,6 @@ def test_blocks_compile_whole_and_match_eager(pair):
         assert abs(l1.item() - l0.item()) <= 1e-5 * l0.item()
         for a, b in zip(g1, g0):
             assert (a - b).abs().max() <= 1e-5 * b.abs().max()
-
-
-@pytest.mark.parametrize("shard_bytes", [5 * 2**30, 40_000])
-def test_save_load_round_trip_is_bit_exact_and_loads_in_transformers(pair, tmp_path, shard_bytes):
-    hf, ours, src = pair
-    out = save_checkpoint(ours.state_dict(), src, tmp_path / "ckpt", max_shard_bytes=shard_bytes)
-    sharded = (out / "model.safetensors.index.json").exists()
-    assert sharded == (shard_bytes < 2**20)
-    again = load_model(out)
-    for (k, a), (k2, b) in zip(ours.state_dict().items(), again.state_dict().items()):
-        assert k == k2 and torch.equal(a, b), k
-    hf2 = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
-    ids = torch.randint(0, 97, (1, 20))
-    with torch.no_grad():
-        assert (hf_logits(hf2, ids) - ours(ids, torch.arange(20)[None])).abs().max() <= TOL
-    assert not list(tmp_path.glob(".ckpt.tmp-*")), "temporary directory left behind"
-
-
-def test_unknown_model_type_is_named(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
-    with pytest.raises(ValueError, match=r"config\.json.*model_type 'gpt2'"):
-        load_model(tmp_path)
-
-
-def test_missing_and_misshaped_weights_are_named(tmp_path):
-    from safetensors.torch import load_file, save_file
-    make_hf("llama", tmp_path)
-    state = load_file(tmp_path / "model.safetensors")
-    name = "model.layers.1.mlp.up_proj.weight"
-    bad = dict(state)
-    bad[name] = torch.zeros(3, 3)
-    save_file(bad, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"model\.safetensors.*model\.layers\.1\.mlp\.up_proj\.weight.*\(3, 3\)"):
-        load_model(tmp_path)
-    del bad[name]
-    save_file(bad, tmp_path / "model.safetensors")
-    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight.*missing"):
-        load_model(tmp_path)
-    (tmp_path / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        load_model(tmp_path)
 
 
 @pytest.mark.parametrize("rows, bias", [(1, False), (3, True), (4, False), (5, False), (37, True), (64, True),

@@ -1,0 +1,53 @@
+"""model/checkpoint.py: save and load round trips (bit-exact, loaded by transformers too), and bad checkpoints named."""
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from model.checkpoint import load_model, save_checkpoint  # noqa: E402
+from tiny import hf_logits, make_hf  # noqa: E402
+
+TOL = 1e-4  # our logits against transformers'
+
+
+@pytest.mark.parametrize("shard_bytes", [5 * 2**30, 40_000])
+def test_save_load_round_trip_is_bit_exact_and_loads_in_transformers(pair, tmp_path, shard_bytes):
+    hf, ours, src = pair
+    out = save_checkpoint(ours.state_dict(), src, tmp_path / "ckpt", max_shard_bytes=shard_bytes)
+    sharded = (out / "model.safetensors.index.json").exists()
+    assert sharded == (shard_bytes < 2**20)
+    again = load_model(out)
+    for (k, a), (k2, b) in zip(ours.state_dict().items(), again.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    hf2 = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    ids = torch.randint(0, 97, (1, 20))
+    with torch.no_grad():
+        assert (hf_logits(hf2, ids) - ours(ids, torch.arange(20)[None])).abs().max() <= TOL
+    assert not list(tmp_path.glob(".ckpt.tmp-*")), "temporary directory left behind"
+
+
+def test_unknown_model_type_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    with pytest.raises(ValueError, match=r"config\.json.*model_type 'gpt2'"):
+        load_model(tmp_path)
+
+
+def test_missing_and_misshaped_weights_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+    make_hf("llama", tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    bad = dict(state)
+    bad[name] = torch.zeros(3, 3)
+    save_file(bad, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.safetensors.*model\.layers\.1\.mlp\.up_proj\.weight.*\(3, 3\)"):
+        load_model(tmp_path)
+    del bad[name]
+    save_file(bad, tmp_path / "model.safetensors")
+    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight.*missing"):
+        load_model(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(tmp_path)
