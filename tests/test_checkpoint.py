@@ -1,4 +1,5 @@
-"""model/checkpoint.py: save and load round trips (bit-exact, loaded by transformers too), and bad checkpoints named."""
+"""model/checkpoint.py: save and load round trips (bit-exact, loaded by transformers too), and bad checkpoints
+named (a wrong model type, missing or misshaped weights, NaN in its JSON files)."""
 import json
 
 import pytest
@@ -51,3 +52,26 @@ def test_missing_and_misshaped_weights_are_named(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_model(tmp_path)
+
+
+NON_FINITE = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"]  # Python's JSON reader takes them all
+
+
+@pytest.mark.parametrize("const", NON_FINITE)
+def test_checkpoint_json_refuses_non_finite_numbers(tmp_path, const):
+    """config.json, the safetensors index and the tokenizer's JSON files: a NaN or infinity anywhere in them is
+    refused when parsed, naming the file and the constant."""
+    from model.checkpoint import load_config, weight_files
+    from model.tokenizer import _read_json
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "rms_norm_eps": 1e-5}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_config(tmp_path).rms_norm_eps == 1e-5
+    files = {"config.json": lambda: load_config(tmp_path),
+             "model.safetensors.index.json": lambda: weight_files(tmp_path),
+             "tokenizer_config.json": lambda: _read_json(tmp_path / "tokenizer_config.json")}
+    for name, read in files.items():
+        (tmp_path / name).write_text(json.dumps({**config, "weight_map": {}}).replace("1e-05", const))
+        with pytest.raises(ValueError) as e:
+            read()
+        assert f"{tmp_path / name}: field 'rms_norm_eps': {const} is " in str(e.value), str(e.value)
