@@ -6,9 +6,13 @@
   environment), one per test file
 - pair: (transformers' model, ours loaded from its checkpoint, the checkpoint) for each of tiny.HF_ARCHS, one per
   test file (test_transformer.py, test_checkpoint.py); the tests only read them
+- ckpts: drift's world, a directory with prev (tiny.write_checkpoint), cur (a perturbed copy) and same (an identical
+  copy), one per test file; the tests only read them
 - train_ckpt, train_ckpt_tied: train.py's tiny checkpoints (transformers-built, untied and tied embeddings, with an
   SFT file), built once per session; the tests only read them
 """
+import shutil
+
 import pytest
 
 import tiny
@@ -44,3 +48,13 @@ def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = tiny.make_hf(request.param, path)
     return hf, load_model(path), path
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ckpts")
+    pytest.importorskip("transformers")
+    tiny.write_checkpoint(base / "prev")
+    tiny.perturbed_copy(base / "prev", base / "cur")
+    shutil.copytree(base / "prev", base / "same")
+    return base

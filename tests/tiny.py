@@ -4,6 +4,9 @@
   file and the environment the scripts run with (`make_env`), and the subprocess helpers that run a script on it
 - train.py's world: a tiny random Llama saved by transformers with an SFT file (`make_checkpoint`), and the helpers
   that run train.py on it and compare its outputs (test_train.py, test_sdft.py)
+- drift's world: a tiny random Llama with a ChatML tokenizer and a perturbed copy of it (`write_checkpoint`,
+  `perturbed_copy`: test_drift.py, test_logprobs.py, test_buffer_nll.py), and the naive full-vocabulary math they are
+  checked against
 - transformers' small models of three architectures, our model's reference (`make_hf`: test_transformer.py,
   test_checkpoint.py)
 
@@ -11,6 +14,7 @@ A test file imports these from here, never from another test file.
 """
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -239,3 +243,60 @@ def make_hf(arch: str, path: Path):
 def hf_logits(hf, ids, pos=None):
     with torch.no_grad():
         return hf(input_ids=ids, position_ids=pos).logits
+
+
+# ---- drift's world ----------------------------------------------------------------------------------------------------
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_checkpoint(path: Path, seed: int = 0):
+    """A tiny random Llama (fp32, untied lm_head) saved by transformers, with a byte-level BPE and ChatML."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["What is the monetary policy stance? A. dovish B. hawkish C. neutral. "
+                             "How many apples does Anna have now? The answer is 12."] * 10, trainer)
+    path.mkdir(parents=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}))
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=2, bos_token_id=1,
+        tie_word_embeddings=False))
+    with torch.no_grad():  # larger weights than the default init: peaked, distinct distributions
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    hf.save_pretrained(path)
+
+
+def perturbed_copy(src: Path, dst: Path, scale: float = 0.05, seed: int = 1):
+    """A copy of src whose weights are shifted by seeded Gaussian noise (every tensor, incl. lm_head)."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    state = load_file(src / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    state = {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+
+
+def naive(hf_cur, hf_ref, prompt, response):
+    """Full [T, V] logits of both models from transformers: per-token log-probs of `response` and KL(cur || ref)."""
+    ids = torch.tensor(prompt + response)[None]
+    with torch.no_grad():
+        lp = torch.log_softmax(hf_cur(ids).logits[0].double(), -1)[len(prompt) - 1:-1]
+        lq = torch.log_softmax(hf_ref(ids).logits[0].double(), -1)[len(prompt) - 1:-1]
+    tgt = torch.tensor(response)[:, None]
+    return lp.gather(1, tgt).squeeze(1), lq.gather(1, tgt).squeeze(1), (lp.exp() * (lp - lq)).sum(-1)
+
+
+def hf(path):
+    import transformers
+    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
