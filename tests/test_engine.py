@@ -14,17 +14,9 @@ from model.checkpoint import load_model  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.sampler import row_keys, sample  # noqa: E402
 from model import native  # noqa: E402
+from tiny import tiny_llama  # noqa: E402
 
 TOL = 1e-5
-
-
-def tiny_llama(path, seed=0, **overrides):
-    cfg = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=4096)
-    cfg.update(overrides)
-    torch.manual_seed(seed)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).save_pretrained(path)
-    return load_model(path)
 
 
 @pytest.fixture(scope="module")
@@ -280,22 +272,3 @@ def test_each_prompt_may_have_its_own_length_cap(model):
         native.sample(model, PROMPTS, max_new_tokens=[1, 2], progress=False)
 
 
-def test_default_batch_size_is_what_the_memory_holds(model, monkeypatch):
-    """Without --batch-size the KV cache takes a quarter of the available memory (CPU), at most 64 rows, at least 1;
-    a row holds keys and values of every layer for the longest prompt plus its cap."""
-    import model.native as mg
-    cfg = model.cfg
-    per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 100 * 4  # fp32, 100 columns
-    for available, rows in ((per_row * 4 * 10, 10), (per_row * 4 * 1000, 64), (per_row, 1)):
-        monkeypatch.setattr(mg, "_mem_available", lambda: available)
-        assert mg.default_batch_size(model, 100) == rows
-    monkeypatch.setattr(mg, "_mem_available", lambda: per_row * 4 * 3)  # 3 rows of 100 columns
-    seen = []
-    real = Engine.__init__
-
-    def spy(self, m, max_seqs=32, **kw):
-        seen.append(max_seqs)
-        real(self, m, max_seqs=max_seqs, **kw)
-    monkeypatch.setattr(Engine, "__init__", spy)
-    native.sample(model, [[1] * 60] * 8, max_new_tokens=[40, 1, 1, 1, 1, 1, 1, 1], temperature=0.0, progress=False)
-    assert seen == [3]

@@ -208,6 +208,19 @@ def kill_once_state_is_saved(ckpt, out: Path, *extra) -> tuple[bool, str, Path]:
 HF_ARCHS = ("llama", "qwen2", "qwen3")
 
 
+def tiny_llama(path, seed=0, **overrides):
+    """A random transformers Llama (width 32, 2 layers, GQA 4/2 heads, vocabulary 97) saved to `path`, loaded as ours
+    (test_engine.py, test_native.py)."""
+    import transformers
+    from model.checkpoint import load_model
+    cfg = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=4096)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).save_pretrained(path)
+    return load_model(path)
+
+
 def hf_model(arch: str):
     """A random transformers model of `arch`, small, with every feature of its family our model reads."""
     import transformers
