@@ -16,34 +16,17 @@ transformers = pytest.importorskip("transformers")
 from model.checkpoint import load_model  # noqa: E402
 from model.native import sample as native_sample  # noqa: E402
 from model import sampling  # noqa: E402
+from tiny import write_bpe_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def write_tokenizer(path: Path) -> int:
-    """A byte-level BPE (any text encodes, decode round-trips) with ChatML specials; returns its vocab size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(["What is the monetary policy stance? A. dovish B. hawkish C. neutral. "
-                             "How many apples does Anna have now? The answer is 12."] * 10, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}))
-    return tok.get_vocab_size()
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """Tiny random Llama (fp32) with a tokenizer and chat template: a complete checkpoint directory."""
     path = tmp_path_factory.mktemp("ckpt")
-    vocab = write_tokenizer(path)
+    vocab = write_bpe_tokenizer(path, 300)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -263,24 +263,31 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def write_checkpoint(path: Path, seed: int = 0):
-    """A tiny random Llama (fp32, untied lm_head) saved by transformers, with a byte-level BPE and ChatML."""
-    import transformers
+def write_bpe_tokenizer(path: Path, vocab_size: int) -> int:
+    """A byte-level BPE (any text encodes, decode round-trips) with ChatML's specials and template, trained on two
+    task-like sentences, saved into the directory `path`; returns its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(["What is the monetary policy stance? A. dovish B. hawkish C. neutral. "
                              "How many apples does Anna have now? The answer is 12."] * 10, trainer)
-    path.mkdir(parents=True)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}))
+    return tok.get_vocab_size()
+
+
+def write_checkpoint(path: Path, seed: int = 0):
+    """A tiny random Llama (fp32, untied lm_head) saved by transformers, with a byte-level BPE and ChatML."""
+    import transformers
+    path.mkdir(parents=True)
+    vocab = write_bpe_tokenizer(path, 320)
     torch.manual_seed(seed)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=2, bos_token_id=1,
         tie_word_embeddings=False))
     with torch.no_grad():  # larger weights than the default init: peaked, distinct distributions
