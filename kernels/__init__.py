@@ -1,6 +1,6 @@
-"""One public function per kernel; each picks a GPU library when present, pure torch otherwise. What float results
-depend on besides the code: NUMERICS, the CPU (cpu_numerics). And how a computing process takes its memory
-(retain_freed_memory)."""
+"""One public function per kernel; each picks a GPU library when present, pure torch otherwise (the generation
+engine's CPU kernels, in C, are kernels/cpu.py's). What float results depend on besides the code: NUMERICS, the CPU
+(cpu_numerics). And how a computing process takes its memory (retain_freed_memory)."""
 import ctypes
 import functools
 import os
@@ -17,14 +17,15 @@ __all__ = ["varlen_attention", "fused_linear_cross_entropy", "NUMERICS", "backen
 def backends() -> dict:
     """The kernel each op uses in this process, and whether it was forced (KERNELS_*_BACKEND, set_backend): the
     defaults follow what is installed (flash-attn, liger-kernel), so run.py keys every step by them."""
-    from kernels import attention, cross_entropy
+    from kernels import attention, cpu, cross_entropy
     return {"attention": [attention._BACKEND, attention._FORCED],
-            "cross_entropy": [cross_entropy._BACKEND, cross_entropy._FORCED]}
+            "cross_entropy": [cross_entropy._BACKEND, cross_entropy._FORCED],
+            "engine_cpu": [cpu.backend(), os.environ.get("OPR_CPU_KERNELS") == "0"]}
 
 # Bumped whenever a change to the model code or a kernel changes float results (not only the speed): run.py puts it
 # in every step's key, so a run resumed after such a change recomputes its steps rather than mixing numerics.
 # What each version changed: BENCHMARKS.md, "Numerics versions".
-NUMERICS = 13
+NUMERICS = 14
 
 # On the CPU, float results depend on the instructions the kernels run, and those follow the CPU: ATen picks its
 # AVX2 or AVX-512 code by the CPU's flags, MKL's GEMMs pick code per vendor and model. So the same command on two

@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import varlen_attention
+from kernels import cpu, varlen_attention
 from model.sampler import row_keys, sample
 from model.scheduler import Decode, Scheduler, Sequence
 from model.transformer import Linear, Packed, Transformer, packed_products, rope_cos_sin, rope_inv_freq
@@ -66,6 +66,10 @@ class Engine:
         self.packs = {m: Packed(m.weight) for m in model.modules() if isinstance(m, Linear)} if pack else {}
         self.lm_head_fp32 = w.float() if lm_head_fp32 and w.dtype != torch.float32 else None
         self.inv_freq = rope_inv_freq(self.cfg, self.device)
+        # on the CPU each token attends over its own slot's columns in one C call (kernels/cpu.c), where the batched
+        # products read every row up to the longest's position (BENCHMARKS.md, "Attention over each row's own span")
+        probe = torch.empty(1, self.cfg.num_attention_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.c_attention = cpu.runs_attention(probe, probe[:, :self.cfg.num_key_value_heads])
         self._graphs, self.K = {}, None
 
     # -- the model, as the engine runs it --------------------------------------------------------------------------
@@ -101,7 +105,13 @@ class Engine:
             masks = [(torch.arange(e, device=dev)[None, :] <= torch.arange(b, e, device=dev)[:, None]).repeat(g, 1)
                      if b else None for _, b, e in docs]
             own_cu = [None if b else torch.tensor([0, e], device=dev, dtype=torch.int32) for _, b, e in docs]
-        row_mask = _row_mask(pos[:n_rows], span, hkv, self.dtype) if n_rows else None
+        if self.c_attention:  # the rows and the documents with a prefix through the cache; the others varlen
+            plain = torch.tensor([False] * n_rows + [not b for _, b, _ in docs], device=dev)
+            plain = plain.repeat_interleave(torch.tensor([1] * n_rows + lens, device=dev))
+            via_cache, own = (~plain).nonzero().squeeze(1), plain.nonzero().squeeze(1)
+            own_lens = [n for n, (_, b, _) in zip(lens, docs) if not b]
+            own_cu = torch.tensor([0] + own_lens, device=dev).cumsum(0).to(torch.int32)
+        row_mask = _row_mask(pos[:n_rows], span, hkv, self.dtype) if n_rows and not self.c_attention else None
 
         def attend(i, q, k, v):
             self.k[i][slots, :, pos] = k
@@ -109,6 +119,16 @@ class Engine:
             for src, dst, n in copies:
                 self.k[i][dst, :, :n] = self.k[i][src, :, :n]
                 self.v[i][dst, :, :n] = self.v[i][src, :, :n]
+            if self.c_attention:
+                if not own_lens:
+                    return cpu.cache_attention(q, self.k[i], self.v[i], slots, pos)
+                if not via_cache.numel():
+                    return varlen_attention(q, k, v, cu, max(lens)).flatten(1)
+                out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+                out[via_cache] = cpu.cache_attention(q[via_cache], self.k[i], self.v[i], slots[via_cache],
+                                                     pos[via_cache])
+                out[own] = varlen_attention(q[own], k[own], v[own], own_cu, max(own_lens)).flatten(1)
+                return out
             out = [self._attend_rows(i, q[:n_rows], row_mask)] if n_rows else []
             q, k, v = q[n_rows:], k[n_rows:], v[n_rows:]
             if docs and not cached:
@@ -150,11 +170,13 @@ class Engine:
         no host sync: compiles with fullgraph=True and is what the CUDA graphs capture."""
         n = tokens.shape[0]
         rows = torch.arange(n, device=tokens.device)
-        mask = _row_mask(pos, span, self.cfg.num_key_value_heads, self.dtype)
+        mask = None if self.c_attention else _row_mask(pos, span, self.cfg.num_key_value_heads, self.dtype)
 
         def attend(i, q, k, v):
             self.k[i][rows, :, pos] = k
             self.v[i][rows, :, pos] = v
+            if self.c_attention:
+                return cpu.cache_attention(q, self.k[i], self.v[i], rows, pos)
             return self._attend_rows(i, q, mask)
         return sample(self._run(tokens, pos, attend), temperature, keys, counters)
 

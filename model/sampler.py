@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from kernels import cpu
+
 M32 = 0xFFFFFFFF
 
 
@@ -162,9 +164,16 @@ def _sample_candidates(logits, temperature: float, keys, counters):
 def _sample_thresholded(logits, temperature: float, keys, counters, rows: int | None = None):
     """_full_draw's tokens, bit for bit, for high temperatures, where most of the vocabulary lies within G_MAX of the
     top: every token's hash is computed, but the noise (two fp64 logs) only for the tokens within FAR_D of the top
-    token's drawn score and the few further ones whose hash clears FAR_FLOOR, at T 1 a few dozen per row. `rows` at
-    a time (_chunk)."""
+    token's drawn score and the few further ones whose hash clears FAR_FLOOR, at T 1 a few dozen per row. On the
+    CPU the hashes and compares run in one C pass (kernels/cpu.c: the same candidates); else `rows` at a time
+    (_chunk), eager."""
     n, vocab = logits.shape
+    if not logits.is_cuda and cpu.backend() == "c":  # one pass in C over the whole batch (kernels/cpu.c)
+        row = _row_hash(keys, counters)
+        found = cpu.far_candidates(logits, row, _logit_floor(_top_score(logits, temperature, row), FAR_D, temperature),
+                                   FAR_FLOOR)
+        return _full_draw(logits, temperature, keys, counters) if found is None else \
+            _argmax_among(logits, temperature, row, *found)
     rows = rows or _chunk(logits)
     if n > rows:
         return torch.cat([_sample_thresholded(logits[i:i + rows], temperature, keys[i:i + rows],

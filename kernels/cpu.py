@@ -1,0 +1,115 @@
+"""The generation engine's CPU kernels in C (kernels/cpu.c), built on first use with the system's C compiler and
+loaded through ctypes: attention of each token over its own slot's cache columns (cache_attention), and T > 0.5's
+sampling candidates in one pass (far_candidates). Where no compiler is found, or OPR_CPU_KERNELS=0, the engine
+takes its pure-torch paths: the same sampled tokens, attention's floats rounded otherwise (backend() says which, and
+run.py keys its steps by it).
+
+The library is built once per machine and source into ~/.cache/opr/kernels (XDG_CACHE_HOME), named by a hash of the
+source, the flags and the compiler's version; a build takes under a second."""
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu.c")
+# -ffp-contract=off: a multiply and an add stay two roundings, as written, on every CPU and compiler (an FMA would
+# round once where the CPU has one). -mavx2 only makes the same lane-wise operations faster.
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def _flags() -> list[str]:
+    from kernels import cpu_flags
+    return FLAGS + (["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags() else [])
+
+
+@functools.lru_cache(maxsize=1)
+def _library():
+    """The built library, or (None, why)."""
+    if os.environ.get("OPR_CPU_KERNELS", "1") == "0":
+        return None, "OPR_CPU_KERNELS=0"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None, "no C compiler (cc, gcc or $CC)"
+    flags = _flags()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        return None, f"{cc} --version failed: {e}"
+    digest = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "opr" / "kernels"
+    path = cache / f"cpu-{digest}.so"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: processes may race
+            out = Path(tmp) / path.name
+            done = subprocess.run([cc, *flags, "-o", str(out), str(SOURCE)], capture_output=True, text=True)
+            if done.returncode != 0:
+                return None, f"{cc} could not build {SOURCE.name}: {done.stderr.strip().splitlines()[-1:]}"
+            os.replace(out, path)
+    lib = ctypes.CDLL(str(path))
+    lib.cache_attention.argtypes = [_ptr] * 5 + [_i64] * 5 + [_f32, _ptr, ctypes.c_int]
+    lib.cache_attention.restype = ctypes.c_int
+    lib.far_candidates.argtypes = [_ptr, _ptr, _ptr, ctypes.c_uint32, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
+                                   ctypes.c_int]
+    lib.far_candidates.restype = _i64
+    return lib, "built"
+
+
+def backend() -> str:
+    """"c" when the kernels run in this process, else "torch" (the engine's pure-torch paths)."""
+    lib, why = _library()
+    if lib is None and os.environ.get("OPR_CPU_KERNELS", "1") != "0":
+        print(f"kernels/cpu.py: the engine's C kernels are not built ({why}); pure torch instead", file=sys.stderr)
+    return "torch" if lib is None else "c"
+
+
+def runs_attention(q, k) -> bool:
+    """Whether cache_attention takes these (fp32 CPU tensors, head_dim a multiple of 8) in this process."""
+    return (q.device.type == "cpu" and q.dtype == k.dtype == torch.float32 and q.shape[-1] % 8 == 0
+            and q.shape[1] % k.shape[1] == 0 and _library()[0] is not None)
+
+
+@torch.library.custom_op("opr::cache_attention", mutates_args=())
+def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                    pos: torch.Tensor) -> torch.Tensor:
+    """Token i (q[i] [Hq, D]) attends over columns 0..pos[i] of cache slot slots[i] (k, v [slots, Hkv, cols, D],
+    one layer's cache, contiguous), query head h reading kv head h // (Hq // Hkv), softmax scale D^-0.5 -> [n, Hq * D].
+    An operator of its own: torch.compile sees it whole (the decode step compiles with no graph break)."""
+    n, hq, d = q.shape
+    q, slots, pos = q.contiguous(), slots.contiguous(), pos.contiguous()
+    assert k.is_contiguous() and v.is_contiguous() and k.shape == v.shape
+    out = torch.empty(n, hq * d, dtype=q.dtype)
+    err = _library()[0].cache_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), pos.data_ptr(),
+                                        n, hq, k.shape[1], d, k.shape[2], d ** -0.5, out.data_ptr(),
+                                        torch.get_num_threads())
+    if err:
+        raise MemoryError("cache_attention: no memory for its scratch")
+    return out
+
+
+@cache_attention.register_fake
+def _(q, k, v, slots, pos):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def far_candidates(logits, row_hash, near, floor: int):
+    """(rows, ids) of the tokens with hash32(row_hash[r] ^ id) >= floor (unsigned) or logits[r, id] >= near[r], in
+    row-major order (nonzero's), or None when they are more than an eighth of logits [n, V] (fp32, CPU)."""
+    n, vocab = logits.shape
+    logits, near = logits.contiguous(), near.float().contiguous()
+    row_hash = row_hash.to(torch.int32).contiguous()  # (the low 32 bits)
+    room = n * vocab // 8
+    scratch, count = torch.empty(n, vocab, dtype=torch.int32), torch.empty(n, dtype=torch.int64)
+    r, j = torch.empty(room, dtype=torch.int64), torch.empty(room, dtype=torch.int64)
+    total = _library()[0].far_candidates(logits.data_ptr(), row_hash.data_ptr(), near.data_ptr(), floor, n, vocab,
+                                         scratch.data_ptr(), count.data_ptr(), r.data_ptr(), j.data_ptr(), room,
+                                         torch.get_num_threads())
+    return None if total > room else (r[:total], j[:total])

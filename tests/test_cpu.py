@@ -1,0 +1,130 @@
+"""The engine's C kernels (kernels/cpu.py, kernels/cpu.c): attention over each token's own cache span against naive
+fp64 math and against the engine's batched torch path; the sampler's candidates equal to the eager torch ones, bit for
+bit; the engine the same with and without them; a machine without a compiler falls back to torch."""
+import pytest
+import torch
+
+from kernels import cpu
+from model import sampler
+
+pytestmark = pytest.mark.skipif(cpu.backend() != "c", reason="no C compiler: the kernels are not built")
+
+
+def naive(q, k, v, slots, pos):
+    """fp64 softmax(q k^T / sqrt(D)) v over columns 0..pos[i] of slot slots[i], query head h on kv head h // G."""
+    n, hq, d = q.shape
+    g = hq // k.shape[1]
+    out = []
+    for i in range(n):
+        ks = k[slots[i], :, :pos[i] + 1].double().repeat_interleave(g, 0)
+        vs = v[slots[i], :, :pos[i] + 1].double().repeat_interleave(g, 0)
+        s = q[i].double()[:, None, :] @ ks.transpose(1, 2) * d ** -0.5
+        out.append((s.softmax(-1) @ vs).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("hkv,g,d", [(1, 1, 8), (2, 2, 8), (3, 3, 64), (4, 7, 128), (2, 1, 16)])
+def test_cache_attention_equals_naive_math(hkv, g, d):
+    torch.manual_seed(hkv * 100 + g * 10 + d)
+    slots_n, cols, n = 9, 70, 13
+    k, v = torch.randn(slots_n, hkv, cols, d), torch.randn(slots_n, hkv, cols, d)
+    q = torch.randn(n, hkv * g, d) * 3  # peaked rows too
+    slots = torch.randint(0, slots_n, (n,))
+    pos = torch.randint(0, cols, (n,))
+    pos[:3] = torch.tensor([0, 1, cols - 1])  # one column, two, all of them
+    out = cpu.cache_attention(q, k, v, slots, pos)
+    assert out.shape == (n, hkv * g * d) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), naive(q, k, v, slots, pos), atol=2e-6, rtol=2e-6)
+    assert torch.equal(out[0].view(hkv * g, d), v[slots[0], :, 0].repeat_interleave(g, 0))  # one column: its value
+
+
+def test_cache_attention_underflow_and_threads():
+    """Scores hundreds apart (exp underflows to 0 for all but one column) and any thread count: the same bytes."""
+    torch.manual_seed(0)
+    k, v = torch.randn(4, 2, 40, 16), torch.randn(4, 2, 40, 16)
+    k[1, :, 7] *= 100
+    q = torch.randn(6, 4, 16) * 10
+    slots, pos = torch.tensor([1, 1, 0, 3, 2, 1]), torch.tensor([39, 7, 20, 5, 33, 6])
+    out = cpu.cache_attention(q, k, v, slots, pos)
+    torch.testing.assert_close(out.double(), naive(q, k, v, slots, pos), atol=2e-6, rtol=2e-6)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu.cache_attention(q, k, v, slots, pos), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_cache_attention_matches_the_batched_products():
+    """The engine's torch path for decode rows (a masked batched product over the longest row's span) and the C
+    kernel agree to float rounding."""
+    from model.engine import _row_mask
+    torch.manual_seed(1)
+    n, hkv, g, d, cols = 16, 2, 3, 32, 50
+    k, v, q = torch.randn(n, hkv, cols, d), torch.randn(n, hkv, cols, d), torch.randn(n, hkv * g, d)
+    pos = torch.randint(0, cols, (n,))
+    span = int(pos.max()) + 1
+    scores = torch.baddbmm(_row_mask(pos, span, hkv), q.view(n, hkv, g, d).flatten(0, 1),
+                           k[:, :, :span].flatten(0, 1).transpose(1, 2), alpha=d ** -0.5)
+    batched = torch.bmm(torch.softmax(scores, -1), v[:, :, :span].flatten(0, 1)).view(n, -1)
+    torch.testing.assert_close(cpu.cache_attention(q, k, v, torch.arange(n), pos), batched, atol=2e-6, rtol=2e-6)
+
+
+def eager_candidates(logits, row, near, floor):
+    h = sampler.hash32_i32(row.to(torch.int32)[:, None] ^ torch.arange(logits.shape[1], dtype=torch.int32))
+    h ^= sampler._i32(1 << 31)
+    can = h >= sampler._i32(floor ^ (1 << 31))
+    can |= logits >= near[:, None]
+    return can.nonzero(as_tuple=True)
+
+
+@pytest.mark.parametrize("vocab", [97, 4099, 49152])
+def test_far_candidates_equal_the_eager_ones(vocab):
+    """The same (row, id) pairs, in the same order, as the eager hash and compares: peaked rows, a NaN row, a row
+    of ties, hashes above 2^31, a vocabulary not a multiple of 8; None when more than an eighth can win."""
+    torch.manual_seed(vocab)
+    n = 12
+    logits = torch.randn(n, vocab) * 2
+    logits[:, :5] += 20
+    logits[3] = float("nan")
+    logits[4] = 1.0
+    keys, counters = torch.randint(0, 2**62, (n,)), torch.randint(0, 600, (n,))
+    row = sampler._row_hash(keys, counters)
+    assert (row >= 2**31).any()
+    near = sampler._logit_floor(sampler._top_score(logits, 1.0, row), sampler.FAR_D, 1.0)
+    near[4] = 2.0  # no tie reaches it: only hashes
+    for floor in (sampler.FAR_FLOOR, 2**32 - 1, 0xF0000000):
+        want = eager_candidates(logits, row, near, floor)
+        got = cpu.far_candidates(logits, row, near, floor)
+        if want[0].numel() * 8 > logits.numel():
+            assert got is None
+        else:
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert cpu.far_candidates(logits, row, near - 100, sampler.FAR_FLOOR) is None  # every token near the top
+
+
+def test_the_engine_and_sampler_without_the_c_kernels(tmp_path, monkeypatch):
+    """The pure-torch paths (no compiler): the same tokens, log-probs within 1e-5, at T 0 and 1."""
+    pytest.importorskip("transformers")
+    from model.engine import Engine
+    from tiny import tiny_llama
+    model = tiny_llama(tmp_path, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)  # head_dim 16
+    prompts = [[5, 17, 33, 2, 9], [88, 3], [60, 6, 20, 14, 9, 1, 2, 3], [5, 17, 33, 2, 9, 40]]
+    runs = {}
+    for backend in ("c", "torch"):
+        if backend == "torch":
+            monkeypatch.setattr(cpu, "_library", lambda: (None, "test"))
+        engine = Engine(model, max_seqs=3)
+        assert engine.c_attention == (backend == "c") and cpu.backend() == backend
+        runs[backend] = [engine.run(prompts, temperature=t, max_new_tokens=12, seed=4, progress=False) for t in (0, 1)]
+    for c_out, t_out in zip(*runs.values()):
+        assert [o["token_ids"] for o in c_out] == [o["token_ids"] for o in t_out]
+        assert max(abs(a - b) for o, p in zip(c_out, t_out) for a, b in zip(o["logprobs"], p["logprobs"])) <= 1e-5
+
+
+def test_a_failed_build_falls_back(monkeypatch, capsys):
+    monkeypatch.setenv("CC", "false")  # a "compiler" whose --version fails
+    lib, why = cpu._library.__wrapped__()
+    assert lib is None and "false" in why
+    monkeypatch.setenv("OPR_CPU_KERNELS", "0")
+    assert cpu._library.__wrapped__() == (None, "OPR_CPU_KERNELS=0")
