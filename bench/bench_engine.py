@@ -129,6 +129,25 @@ def worker(args):
                                                    for o in outs]}))
 
 
+def fp64_errors(ckpt, prompts, outs: dict) -> str:
+    """|raw log-prob - fp64's| over every sampled token, per engine: the model in fp64, one forward per response."""
+    import torch
+    from model.checkpoint import load_model
+    model = load_model(ckpt).double()
+    lines = ["", "| engine | tokens | log-prob error vs fp64: median | p99 | max |", "|---|---:|---:|---:|---:|"]
+    with torch.inference_mode():
+        for name, o in outs.items():
+            errs = []
+            for p, r in zip(prompts, o):
+                ids = list(p) + r["token_ids"]
+                logits = model(torch.tensor(ids)[None], torch.arange(len(ids))[None])[0, len(p) - 1:-1]
+                exact = logits.log_softmax(-1).gather(-1, torch.tensor(r["token_ids"])[:, None]).squeeze(1)
+                errs.append((exact - torch.tensor(r["logprobs"], dtype=torch.float64)).abs())
+            e = torch.cat(errs)
+            lines.append(f"| {name} | {e.numel()} | {e.median():.2e} | {e.quantile(0.99):.2e} | {e.max():.2e} |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=["tiny", "smollm2"], default="smollm2")
@@ -148,6 +167,8 @@ def main():
                                    "CPU backend with the project's wrapper settings, eager")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     ap.add_argument("--trace", type=Path, help="a TRACE root: its tasks' training prompts instead of the embedded mix")
+    ap.add_argument("--fp64", action="store_true", help="each engine's raw log-probs against the model's own in fp64, "
+                    "teacher-forced on that engine's responses (first repeat)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--job", help=argparse.SUPPRESS)
@@ -203,6 +224,8 @@ def main():
         same = [i for i in range(len(a)) if a[i]["token_ids"] == b[i]["token_ids"]]
         diff = max((abs(x - y) for i in same for x, y in zip(a[i]["logprobs"], b[i]["logprobs"])), default=0.0)
         print(f"\nresponses equal to before's: {len(same)}/{len(a)}; log-prob max |diff| over them {diff:.2e}")
+    if args.fp64:
+        print(fp64_errors(ckpt, prompts, {name: x[0]["outs"] for name, x in results.items() if name != "HF generate"}))
     if "HF generate" in results and not args.temperature:
         a, h = results["after"][0]["outs"], results["HF generate"][0]["outs"]
         print(f"greedy responses equal to HF generate's: {sum(x['token_ids'] == y['token_ids'] for x, y in zip(a, h))}"
