@@ -122,27 +122,58 @@ static inline v8u hash32(v8u x) {
     return x;
 }
 
-/* The (row, id) pairs, in row-major order, with hash32(row_hash[r] ^ id) >= floor or logits[r][id] >= near[r]
-   (model/sampler.py's _sample_thresholded): written to r_out, j_out (room for `room` pairs); scratch [n][vocab]
-   int32, count [n]. Returns how many there are (more than room: only room are written). */
-int64_t far_candidates(const float *logits, const uint32_t *row_hash, const float *near, uint32_t floor,
-                       int64_t n, int64_t vocab, int32_t *scratch, int64_t *count, int64_t *r_out, int64_t *j_out,
-                       int64_t room, int threads) {
+/* Each row's candidates at T > 0.5 (model/sampler.py, _sample_thresholded): the (row, id) pairs, in row-major order,
+   with hash32(row_hash[r] ^ id) >= floor or logits[r][id] >= near[r], written to r_out, j_out (room for `room` pairs);
+   scratch [n][vocab] int32, count [n]. Returns how many there are (more than room: only room are written).
+   near NULL: each row's own, from its largest logit's drawn score, logit / T + -log(-log(u)) (any token's score is a
+   lower bound on the winner's), as _logit_floor lowers it by far_d: the sampler's near up to an ulp of a log, well
+   inside the margin _logit_floor leaves, so the candidates hold every token that can win, and the tokens are the
+   same. A row with a NaN gets NaN (no logit compares), as torch's argmax makes it. */
+int64_t far_candidates(const float *logits, const uint32_t *row_hash, const float *near, double temperature,
+                       double far_d, uint32_t floor, int64_t n, int64_t vocab, int32_t *scratch, int64_t *count,
+                       int64_t *r_out, int64_t *j_out, int64_t room, int threads) {
     const v8u iota = {0, 1, 2, 3, 4, 5, 6, 7};
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         const float *lr = logits + r * vocab;
+        float nr;
+        if (near) {
+            nr = near[r];
+        } else {
+            int64_t j = 0;
+            float m = -INFINITY;
+            int nan = 0;
+            if (vocab >= 8) {
+                v8 mv = ld(lr);
+                v8i bad = mv != mv;
+                for (j = 8; j + 8 <= vocab; j += 8) { v8 x = ld(lr + j); mv = vmax(x, mv); bad |= x != x; }
+                m = hmax(mv);
+                for (int l = 0; l < 8; l++) nan |= bad[l];
+            }
+            for (; j < vocab; j++) { nan |= lr[j] != lr[j]; m = lr[j] > m ? lr[j] : m; }
+            int64_t top = 0;
+            while (top < vocab && lr[top] != m) top++;
+            if (nan || top == vocab) {
+                nr = NAN;
+            } else {
+                v8u h = hash32((v8u){} + (row_hash[r] ^ (uint32_t)top));
+                double u = ((double)h[0] + 0.5) * 0x1p-32;
+                double best = (double)m / temperature + -log(-log(u));
+                nr = (float)((best - far_d) * temperature);
+                nr -= fabsf(nr) * 1e-6f + 1e-6f;
+            }
+        }
         int32_t *out = scratch + r * vocab;
         int64_t k = 0, j = 0;
         for (; j + 8 <= vocab; j += 8) {  /* a hit is rare (a few dozen per row at T 1): test 8 at once */
-            v8i hit = (v8i)(hash32(row_hash[r] ^ (iota + (uint32_t)j)) >= floor) | (ld(lr + j) >= near[r]);
+            v8i hit = (v8i)(hash32(row_hash[r] ^ (iota + (uint32_t)j)) >= floor) | (ld(lr + j) >= nr);
             if (hit[0] | hit[1] | hit[2] | hit[3] | hit[4] | hit[5] | hit[6] | hit[7])
                 for (int l = 0; l < 8; l++)
                     if (hit[l]) out[k++] = (int32_t)(j + l);
         }
         for (; j < vocab; j++) {
             v8u h = hash32((v8u){} + (row_hash[r] ^ (uint32_t)j));
-            if (h[0] >= floor || lr[j] >= near[r]) out[k++] = (int32_t)j;
+            if (h[0] >= floor || lr[j] >= nr) out[k++] = (int32_t)j;
         }
         count[r] = k;
     }

@@ -21,7 +21,7 @@ import torch
 SOURCE = Path(__file__).with_name("cpu.c")
 # -ffp-contract=off: a multiply and an add stay two roundings, as written, on every CPU and compiler (an FMA would
 # round once where the CPU has one). -mavx2 only makes the same lane-wise operations faster.
-FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-lm"]
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -32,7 +32,14 @@ def _flags() -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def _library():
-    """The built library, or (None, why)."""
+    """(the built library, "built"), or (None, why): said once per process on stderr but where asked for."""
+    lib, why = _build()
+    if lib is None and os.environ.get("OPR_CPU_KERNELS", "1") != "0":
+        print(f"kernels/cpu.py: the engine's C kernels are not built ({why}); pure torch instead", file=sys.stderr)
+    return lib, why
+
+
+def _build():
     if os.environ.get("OPR_CPU_KERNELS", "1") == "0":
         return None, "OPR_CPU_KERNELS=0"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -57,18 +64,15 @@ def _library():
     lib = ctypes.CDLL(str(path))
     lib.cache_attention.argtypes = [_ptr] * 5 + [_i64] * 5 + [_f32, _ptr, ctypes.c_int]
     lib.cache_attention.restype = ctypes.c_int
-    lib.far_candidates.argtypes = [_ptr, _ptr, _ptr, ctypes.c_uint32, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64,
-                                   ctypes.c_int]
+    lib.far_candidates.argtypes = [_ptr, _ptr, _ptr, ctypes.c_double, ctypes.c_double, ctypes.c_uint32, _i64, _i64,
+                                   _ptr, _ptr, _ptr, _ptr, _i64, ctypes.c_int]
     lib.far_candidates.restype = _i64
     return lib, "built"
 
 
 def backend() -> str:
     """"c" when the kernels run in this process, else "torch" (the engine's pure-torch paths)."""
-    lib, why = _library()
-    if lib is None and os.environ.get("OPR_CPU_KERNELS", "1") != "0":
-        print(f"kernels/cpu.py: the engine's C kernels are not built ({why}); pure torch instead", file=sys.stderr)
-    return "torch" if lib is None else "c"
+    return "torch" if _library()[0] is None else "c"
 
 
 def runs_attention(q, k) -> bool:
@@ -100,16 +104,18 @@ def _(q, k, v, slots, pos):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-def far_candidates(logits, row_hash, near, floor: int):
+def far_candidates(logits, row_hash, floor: int, near=None, temperature: float = 1.0, far_d: float = 0.0):
     """(rows, ids) of the tokens with hash32(row_hash[r] ^ id) >= floor (unsigned) or logits[r, id] >= near[r], in
-    row-major order (nonzero's), or None when they are more than an eighth of logits [n, V] (fp32, CPU)."""
+    row-major order (nonzero's), or None when they are more than an eighth of logits [n, V] (fp32, CPU). near None:
+    each row's own, far_d below its largest logit's drawn score at `temperature` (kernels/cpu.c)."""
     n, vocab = logits.shape
-    logits, near = logits.contiguous(), near.float().contiguous()
+    logits = logits.contiguous()
+    near = None if near is None else near.float().contiguous()
     row_hash = row_hash.to(torch.int32).contiguous()  # (the low 32 bits)
     room = n * vocab // 8
     scratch, count = torch.empty(n, vocab, dtype=torch.int32), torch.empty(n, dtype=torch.int64)
     r, j = torch.empty(room, dtype=torch.int64), torch.empty(room, dtype=torch.int64)
-    total = _library()[0].far_candidates(logits.data_ptr(), row_hash.data_ptr(), near.data_ptr(), floor, n, vocab,
-                                         scratch.data_ptr(), count.data_ptr(), r.data_ptr(), j.data_ptr(), room,
-                                         torch.get_num_threads())
+    total = _library()[0].far_candidates(logits.data_ptr(), row_hash.data_ptr(), None if near is None else
+                                         near.data_ptr(), temperature, far_d, floor, n, vocab, scratch.data_ptr(),
+                                         count.data_ptr(), r.data_ptr(), j.data_ptr(), room, torch.get_num_threads())
     return None if total > room else (r[:total], j[:total])

@@ -12,7 +12,9 @@ gather, no copy). The KV cache is allocated once per engine (grown when a call n
 graphs captured in one call serve the next.
 
 The model. The engine runs the model's own blocks (model/transformer.py), plugging its cache into their attention
-(`attend`); on the CPU in fp32 their products read weights packed once for oneDNN (transformer.Packed).
+(`attend`); on the CPU in fp32 their products read weights packed once for oneDNN (transformer.Packed), and each
+token attends over its own slot's columns 0..pos in one C call per layer (kernels/cpu.py), the decode rows and the
+prompts admitted after a cached prefix alike.
 
 The decode step is a pure function of static-shape tensors: tokens, positions, per-row sampling keys and counters
 of the `n` live rows padded up to a batch bucket, attention over the first `span` cache columns (a multiple of
@@ -67,7 +69,8 @@ class Engine:
         self.lm_head_fp32 = w.float() if lm_head_fp32 and w.dtype != torch.float32 else None
         self.inv_freq = rope_inv_freq(self.cfg, self.device)
         # on the CPU each token attends over its own slot's columns in one C call (kernels/cpu.c), where the batched
-        # products read every row up to the longest's position (BENCHMARKS.md, "Attention over each row's own span")
+        # products read every row up to the longest's position (BENCHMARKS.md, "Attention over each sequence's own
+        # cache span, in C")
         probe = torch.empty(1, self.cfg.num_attention_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device)
         self.c_attention = cpu.runs_attention(probe, probe[:, :self.cfg.num_key_value_heads])
         self._graphs, self.K = {}, None
@@ -100,17 +103,17 @@ class Engine:
         cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
         cached = any(b > 0 for _, b, _ in docs)
         hkv, g = self.cfg.num_key_value_heads, self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        if cached:  # built once, the same in every layer: per document with a prefix, the mask by which new token j
-            # (position b + j) sees columns 0..b+j; per document without one, its own cu_seqlens for the varlen call
-            masks = [(torch.arange(e, device=dev)[None, :] <= torch.arange(b, e, device=dev)[:, None]).repeat(g, 1)
-                     if b else None for _, b, e in docs]
-            own_cu = [None if b else torch.tensor([0, e], device=dev, dtype=torch.int32) for _, b, e in docs]
-        if self.c_attention:  # the rows and the documents with a prefix through the cache; the others varlen
+        if self.c_attention:  # the rows and the documents with a prefix through the cache (C), the others varlen
             plain = torch.tensor([False] * n_rows + [not b for _, b, _ in docs], device=dev)
             plain = plain.repeat_interleave(torch.tensor([1] * n_rows + lens, device=dev))
             via_cache, own = (~plain).nonzero().squeeze(1), plain.nonzero().squeeze(1)
             own_lens = [n for n, (_, b, _) in zip(lens, docs) if not b]
             own_cu = torch.tensor([0] + own_lens, device=dev).cumsum(0).to(torch.int32)
+        elif cached:  # built once, the same in every layer: per document with a prefix, the mask by which new token j
+            # (position b + j) sees columns 0..b+j; per document without one, its own cu_seqlens for the varlen call
+            masks = [(torch.arange(e, device=dev)[None, :] <= torch.arange(b, e, device=dev)[:, None]).repeat(g, 1)
+                     if b else None for _, b, e in docs]
+            own_cu = [None if b else torch.tensor([0, e], device=dev, dtype=torch.int32) for _, b, e in docs]
         row_mask = _row_mask(pos[:n_rows], span, hkv, self.dtype) if n_rows and not self.c_attention else None
 
         def attend(i, q, k, v):

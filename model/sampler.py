@@ -9,7 +9,8 @@ function of (seed, i). temperature 0 is greedy. The noise is bounded (u has 32 b
 lies within that bound of the top token's drawn score can win: outside a CUDA graph the sampler draws noise for
 those alone (at T 0.1 a handful, found among each row's largest logits; at high T, where most tokens lie within it,
 for those near the top and the few whose hash is large enough), the same tokens bit for bit as the draw over the
-whole vocabulary.
+whole vocabulary. On the CPU the candidates come from one pass in C over each row (kernels/cpu.c), else from eager
+torch ops.
 """
 import math
 
@@ -146,9 +147,15 @@ def _sample_candidates(logits, temperature: float, keys, counters):
     plus G_MAX reaches some token's drawn score (a lower bound on the winner's): at T 0.1 a handful (the noise's
     range, ~26, is 2.6 logits there). They are looked for among each row's TOP_K largest logits first (when the K-th
     lies below the bound, every token that can win is among them), else by a compare over the whole vocabulary.
-    Its shapes depend on the data: not under a CUDA graph's capture or torch.compile."""
+    On the CPU one C pass finds them (kernels/cpu.c: the largest logit, then the compare, per row). Its shapes
+    depend on the data: not under a CUDA graph's capture or torch.compile."""
     n, vocab = logits.shape
     row = _row_hash(keys, counters)
+    if not logits.is_cuda and cpu.backend() == "c":  # one C pass: the tokens within G_MAX (no hash floor: M32 lets
+        # only a hash of 2^32 - 1 through, a harmless extra candidate)
+        found = cpu.far_candidates(logits, row, M32, temperature=temperature, far_d=G_MAX)
+        return _full_draw(logits, temperature, keys, counters) if found is None else \
+            _argmax_among(logits, temperature, row, *found)
     top, ids = logits.topk(min(TOP_K, vocab), dim=-1)
     floor = _logit_floor(top[:, 0].double() / temperature + _noise(row, ids[:, 0]), G_MAX, temperature)
     if bool((top[:, -1] < floor).all()):  # (false for a NaN row: the whole-vocabulary path decides it as before)
@@ -170,8 +177,7 @@ def _sample_thresholded(logits, temperature: float, keys, counters, rows: int | 
     n, vocab = logits.shape
     if not logits.is_cuda and cpu.backend() == "c":  # one pass in C over the whole batch (kernels/cpu.c)
         row = _row_hash(keys, counters)
-        found = cpu.far_candidates(logits, row, _logit_floor(_top_score(logits, temperature, row), FAR_D, temperature),
-                                   FAR_FLOOR)
+        found = cpu.far_candidates(logits, row, FAR_FLOOR, temperature=temperature, far_d=FAR_D)  # near: its own
         return _full_draw(logits, temperature, keys, counters) if found is None else \
             _argmax_among(logits, temperature, row, *found)
     rows = rows or _chunk(logits)

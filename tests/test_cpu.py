@@ -95,16 +95,26 @@ def test_far_candidates_equal_the_eager_ones(vocab):
     near[4] = 2.0  # no tie reaches it: only hashes
     for floor in (sampler.FAR_FLOOR, 2**32 - 1, 0xF0000000):
         want = eager_candidates(logits, row, near, floor)
-        got = cpu.far_candidates(logits, row, near, floor)
+        got = cpu.far_candidates(logits, row, floor, near)
         if want[0].numel() * 8 > logits.numel():
             assert got is None
         else:
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert cpu.far_candidates(logits, row, near - 100, sampler.FAR_FLOOR) is None  # every token near the top
+    assert cpu.far_candidates(logits, row, sampler.FAR_FLOOR, near - 100) is None  # every token near the top
+    # each row's own near, computed in C from its largest logit (the NaN row: none, as torch's argmax makes it)
+    for t in (0.7, 1.0, 2.0):
+        near = sampler._logit_floor(sampler._top_score(logits, t, row), sampler.FAR_D, t)
+        want = eager_candidates(logits, row, near, sampler.FAR_FLOOR)
+        got = cpu.far_candidates(logits, row, sampler.FAR_FLOOR, temperature=t, far_d=sampler.FAR_D)
+        assert torch.isnan(near[3])
+        if want[0].numel() * 8 > logits.numel():
+            assert got is None
+        else:
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_the_engine_and_sampler_without_the_c_kernels(tmp_path, monkeypatch):
-    """The pure-torch paths (no compiler): the same tokens, log-probs within 1e-5, at T 0 and 1."""
+    """The pure-torch paths (no compiler): the same tokens, log-probs within 1e-5, at T 0, 0.1 and 1."""
     pytest.importorskip("transformers")
     from model.engine import Engine
     from tiny import tiny_llama
@@ -116,7 +126,7 @@ def test_the_engine_and_sampler_without_the_c_kernels(tmp_path, monkeypatch):
             monkeypatch.setattr(cpu, "_library", lambda: (None, "test"))
         engine = Engine(model, max_seqs=3)
         assert engine.c_attention == (backend == "c") and cpu.backend() == backend
-        runs[backend] = [engine.run(prompts, temperature=t, max_new_tokens=12, seed=4, progress=False) for t in (0, 1)]
+        runs[backend] = [engine.run(prompts, temperature=t, max_new_tokens=12, seed=4, progress=False) for t in (0, 0.1, 1)]
     for c_out, t_out in zip(*runs.values()):
         assert [o["token_ids"] for o in c_out] == [o["token_ids"] for o in t_out]
         assert max(abs(a - b) for o, p in zip(c_out, t_out) for a, b in zip(o["logprobs"], p["logprobs"])) <= 1e-5
@@ -124,7 +134,7 @@ def test_the_engine_and_sampler_without_the_c_kernels(tmp_path, monkeypatch):
 
 def test_a_failed_build_falls_back(monkeypatch, capsys):
     monkeypatch.setenv("CC", "false")  # a "compiler" whose --version fails
-    lib, why = cpu._library.__wrapped__()
+    lib, why = cpu._build()
     assert lib is None and "false" in why
     monkeypatch.setenv("OPR_CPU_KERNELS", "0")
-    assert cpu._library.__wrapped__() == (None, "OPR_CPU_KERNELS=0")
+    assert cpu._build() == (None, "OPR_CPU_KERNELS=0")

@@ -83,8 +83,9 @@ def test_results_identical_across_jobs_and_cores(setup, run_one_core):
     import torch  # another CPU model or instruction set rounds differently (no --portable here)
     assert meta["numerics"]["cpu"] == dict(pins={}, model=cpu_model(), isa=torch.backends.cpu.get_cpu_capability())
     # the kernels the steps use (defaults follow what is installed; KERNELS_*_BACKEND forces one): on a CPU, these
+    from kernels import cpu  # (C where a compiler is found, else torch)
     assert meta["numerics"]["kernels"] == {"attention": ["sdpa", False], "cross_entropy": ["chunked", False],
-                                            "engine_cpu": ["c", False]}
+                                            "engine_cpu": [cpu.backend(), False]}
 
 
 def test_edited_answer_reruns_exactly_the_dependent_steps(setup, run_one_core):

@@ -1,7 +1,7 @@
 """The sampler (model/sampler.py): its counter-based noise is lowbias32 bit for bit and a fixed function of (key,
 counter, token); every path that skips noise (candidates at low T, the hash floor at high T, the full draw in pieces)
 picks the full draw's token bit for bit, ties and the largest noise included; draws follow the softmax; log-probs are
-raw (before temperature)."""
+raw (before temperature). Each test runs on both CPU paths (kernels/cpu.c's candidates, and eager torch's)."""
 import math
 
 import pytest
@@ -9,6 +9,18 @@ import torch
 
 from model.sampler import (_full_draw, _row_hash, _sample_candidates, _sample_thresholded, gumbel, hash32,
                            hash32_i32, sample)
+
+
+@pytest.fixture(autouse=True, params=["c", "torch"])
+def backend(request, monkeypatch):
+    """Every test on both CPU paths: the candidates from kernels/cpu.c's one pass, and the eager torch ones (a
+    machine without a C compiler)."""
+    from kernels import cpu
+    if request.param == "c" and cpu.backend() != "c":
+        pytest.skip("no C compiler: the kernels are not built")
+    if request.param == "torch":
+        monkeypatch.setattr(cpu, "_library", lambda: (None, "test"))
+    assert cpu.backend() == request.param
 
 
 def test_noise_is_a_fixed_function_of_key_counter_and_token():
