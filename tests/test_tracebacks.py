@@ -234,19 +234,28 @@ def test_generation_config_eos_of_the_wrong_type_is_one_line(env, tmp_path, eos)
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="watches the import through /proc/PID/maps")
 def test_ctrl_c_during_the_imports_is_one_line_and_130(env, tmp_path):
     """SIGINT while run.py still imports torch (its steps' modules are imported at start-up), before main_cli's
-    handler is in place: one line and 130, as a Ctrl-C later gets, not a KeyboardInterrupt traceback."""
+    handler is in place: one line and 130, as a Ctrl-C later gets, not a KeyboardInterrupt traceback. A startup hook
+    holds the import of torch until the signal comes (polling for torch's library in the process's maps raced a
+    loaded machine: the signal could land after the imports)."""
+    hook, importing = tmp_path / "hook", tmp_path / "importing"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(f"""import sys, time
+class Hold:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            open({str(importing)!r}, "w").close()
+            time.sleep(120)  # the SIGINT lands here, inside the import of torch
+sys.meta_path.insert(0, Hold())
+""")
+    child_env = dict(env["env"], PYTHONPATH=os.pathsep.join(filter(None, [str(hook), env["env"].get("PYTHONPATH")])))
     p = subprocess.Popen([sys.executable, str(REPO / "run.py"), *run_dir_args(env, tmp_path / "run")], cwd=REPO,
-                         env=env["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 60
-        while time.time() < deadline and p.poll() is None:  # torch's library is mapped: its import is under way
-            try:
-                if "libtorch" in Path(f"/proc/{p.pid}/maps").read_text():
-                    break
-            except OSError:
-                pass
+        while time.time() < deadline and p.poll() is None and not importing.exists():
             time.sleep(0.005)
-        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert p.poll() is None and importing.exists(), p.stderr.read()[-3000:]
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
     finally:
