@@ -66,7 +66,8 @@ def main():
     clock = defaultdict(float, _in=False)
     timed(transformer.Packed, "__call__", "weight products", clock)
     timed(transformer, "linear", "weight products", clock)
-    timed(engine.Engine, "_attend_rows", "decode rows' attention", clock)
+    timed(engine.Engine, "_attend_rows", "decode rows' attention", clock)  # (the torch path)
+    timed(engine.cpu, "cache_attention", "attention over the cache (C)", clock)  # decode rows, prefixed prompts
     timed(engine, "varlen_attention", "prefill attention", clock)
     timed(engine, "sample", "sampler", clock)
     timed(engine.Engine, "allocate", "cache allocation", clock)
