@@ -4,8 +4,9 @@
    reads only its own span (a batched product over the longest live row's span reads every row that far) and a
    prompt with a cached prefix needs no mask. vLLM's CPU decode kernel reads its blocks the same way.
 
-   far_candidates: T > 0.5's candidate tokens (model/sampler.py, _sample_thresholded): the 32-bit hash of every
-   vocabulary id and the two compares in one pass over the logits, in registers, where eager torch makes eleven.
+   far_candidates: the sampler's candidate tokens (model/sampler.py, _c_draw): each row's largest logit, then the
+   32-bit hash of every vocabulary id and the two compares in one pass, in registers, where eager torch makes
+   eleven passes at T > 0.5 and a partial sort at T 0.1.
 
    Float results are the same on every CPU and compiler: vector code through GCC/Clang vector extensions, which are
    lane-wise IEEE operations in the order written here (built with -ffp-contract=off, never -ffast-math), and an exp
@@ -122,7 +123,7 @@ static inline v8u hash32(v8u x) {
     return x;
 }
 
-/* Each row's candidates at T > 0.5 (model/sampler.py, _sample_thresholded): the (row, id) pairs, in row-major order,
+/* Each row's candidates (model/sampler.py, _c_draw): the (row, id) pairs, in row-major order,
    with hash32(row_hash[r] ^ id) >= floor or logits[r][id] >= near[r], written to r_out, j_out (room for `room` pairs);
    scratch [n][vocab] int32, count [n]. Returns how many there are (more than room: only room are written).
    near NULL: each row's own, from its largest logit's drawn score, logit / T + -log(-log(u)) (any token's score is a

@@ -1,6 +1,6 @@
 """The generation engine's CPU kernels in C (kernels/cpu.c), built on first use with the system's C compiler and
-loaded through ctypes: attention of each token over its own slot's cache columns (cache_attention), and T > 0.5's
-sampling candidates in one pass (far_candidates). Where no compiler is found, or OPR_CPU_KERNELS=0, the engine
+loaded through ctypes: attention of each token over its own slot's cache columns (cache_attention), and the
+sampler's candidates in one pass per row (far_candidates). Where no compiler is found, or OPR_CPU_KERNELS=0, the engine
 takes its pure-torch paths: the same sampled tokens, attention's floats rounded otherwise (backend() says which, and
 run.py keys its steps by it).
 
@@ -21,7 +21,8 @@ import torch
 SOURCE = Path(__file__).with_name("cpu.c")
 # -ffp-contract=off: a multiply and an add stay two roundings, as written, on every CPU and compiler (an FMA would
 # round once where the CPU has one). -mavx2 only makes the same lane-wise operations faster.
-FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-lm"]
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+LIBS = ["-lm"]  # (after the source: a linker keeps only the libraries that what precedes them needs)
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -50,14 +51,14 @@ def _build():
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         return None, f"{cc} --version failed: {e}"
-    digest = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, *LIBS, version]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "opr" / "kernels"
     path = cache / f"cpu-{digest}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: processes may race
             out = Path(tmp) / path.name
-            done = subprocess.run([cc, *flags, "-o", str(out), str(SOURCE)], capture_output=True, text=True)
+            done = subprocess.run([cc, *flags, "-o", str(out), str(SOURCE), *LIBS], capture_output=True, text=True)
             if done.returncode != 0:
                 return None, f"{cc} could not build {SOURCE.name}: {done.stderr.strip().splitlines()[-1:]}"
             os.replace(out, path)
@@ -75,10 +76,10 @@ def backend() -> str:
     return "torch" if _library()[0] is None else "c"
 
 
-def runs_attention(q, k) -> bool:
-    """Whether cache_attention takes these (fp32 CPU tensors, head_dim a multiple of 8) in this process."""
-    return (q.device.type == "cpu" and q.dtype == k.dtype == torch.float32 and q.shape[-1] % 8 == 0
-            and q.shape[1] % k.shape[1] == 0 and _library()[0] is not None)
+def runs_attention(device, dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether cache_attention takes a model of these in this process (fp32 on the CPU, head_dim a multiple of 8)."""
+    return (torch.device(device).type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0
+            and heads % kv_heads == 0 and _library()[0] is not None)
 
 
 @torch.library.custom_op("opr::cache_attention", mutates_args=())

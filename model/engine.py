@@ -71,8 +71,8 @@ class Engine:
         # on the CPU each token attends over its own slot's columns in one C call (kernels/cpu.c), where the batched
         # products read every row up to the longest's position (BENCHMARKS.md, "Attention over each sequence's own
         # cache span, in C")
-        probe = torch.empty(1, self.cfg.num_attention_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device)
-        self.c_attention = cpu.runs_attention(probe, probe[:, :self.cfg.num_key_value_heads])
+        self.c_attention = cpu.runs_attention(self.device, self.dtype, self.cfg.num_attention_heads,
+                                              self.cfg.num_key_value_heads, self.cfg.head_dim)
         self._graphs, self.K = {}, None
 
     # -- the model, as the engine runs it --------------------------------------------------------------------------

@@ -151,11 +151,8 @@ def _sample_candidates(logits, temperature: float, keys, counters):
     depend on the data: not under a CUDA graph's capture or torch.compile."""
     n, vocab = logits.shape
     row = _row_hash(keys, counters)
-    if not logits.is_cuda and cpu.backend() == "c":  # one C pass: the tokens within G_MAX (no hash floor: M32 lets
-        # only a hash of 2^32 - 1 through, a harmless extra candidate)
-        found = cpu.far_candidates(logits, row, M32, temperature=temperature, far_d=G_MAX)
-        return _full_draw(logits, temperature, keys, counters) if found is None else \
-            _argmax_among(logits, temperature, row, *found)
+    if not logits.is_cuda and cpu.backend() == "c":  # within G_MAX; no hash floor (M32 lets only a hash of 2^32 - 1
+        return _c_draw(logits, temperature, keys, counters, row, G_MAX, M32)  # through: a harmless extra candidate)
     top, ids = logits.topk(min(TOP_K, vocab), dim=-1)
     floor = _logit_floor(top[:, 0].double() / temperature + _noise(row, ids[:, 0]), G_MAX, temperature)
     if bool((top[:, -1] < floor).all()):  # (false for a NaN row: the whole-vocabulary path decides it as before)
@@ -168,6 +165,16 @@ def _sample_candidates(logits, temperature: float, keys, counters):
     return _argmax_among(logits, temperature, row, r, j)
 
 
+def _c_draw(logits, temperature: float, keys, counters, row, far_d: float, hash_floor: int):
+    """_full_draw's tokens through kernels/cpu.c's one pass per row: the tokens within far_d of the row's top token's
+    drawn score or whose hash reaches hash_floor, then their scores by _argmax_among (the full draw when they are
+    more than an eighth of the logits)."""
+    found = cpu.far_candidates(logits, row, hash_floor, temperature=temperature, far_d=far_d)
+    if found is None:
+        return _full_draw(logits, temperature, keys, counters)
+    return _argmax_among(logits, temperature, row, *found)
+
+
 def _sample_thresholded(logits, temperature: float, keys, counters, rows: int | None = None):
     """_full_draw's tokens, bit for bit, for high temperatures, where most of the vocabulary lies within G_MAX of the
     top: every token's hash is computed, but the noise (two fp64 logs) only for the tokens within FAR_D of the top
@@ -175,11 +182,8 @@ def _sample_thresholded(logits, temperature: float, keys, counters, rows: int | 
     CPU the hashes and compares run in one C pass (kernels/cpu.c: the same candidates); else `rows` at a time
     (_chunk), eager."""
     n, vocab = logits.shape
-    if not logits.is_cuda and cpu.backend() == "c":  # one pass in C over the whole batch (kernels/cpu.c)
-        row = _row_hash(keys, counters)
-        found = cpu.far_candidates(logits, row, FAR_FLOOR, temperature=temperature, far_d=FAR_D)  # near: its own
-        return _full_draw(logits, temperature, keys, counters) if found is None else \
-            _argmax_among(logits, temperature, row, *found)
+    if not logits.is_cuda and cpu.backend() == "c":
+        return _c_draw(logits, temperature, keys, counters, _row_hash(keys, counters), FAR_D, FAR_FLOOR)
     rows = rows or _chunk(logits)
     if n > rows:
         return torch.cat([_sample_thresholded(logits[i:i + rows], temperature, keys[i:i + rows],
