@@ -92,15 +92,29 @@ def filter_report(task: str, split: str, n_total: int, n_dropped: int, max_len: 
 
 
 def load_filtered(root, tasks, split: str, length_fn, max_len: int, *, limit=None, max_train: int = MAX_TRAIN,
-                  seed: int = 0):
+                  seed: int = 0, count_all: bool = True):
     """The examples of `split` for each task that pass the over-long filter, at most `limit` per task (after the
     filter), with one report line printed per task. Shared by rollout.py and evaluate.py so both see exactly
-    what training sees. Returns (examples, {task: n_dropped}); a task with no example left is an error."""
+    what training sees. Returns (examples, {task: n_dropped}); a task with no example left is an error.
+    count_all=False: with a limit, examples past the limit-th one kept are not tokenized (the same examples; the
+    drops are counted among those read: drift.py reads 16 of a task's test examples, and tokenizing is most of the
+    rest of its step)."""
     examples, dropped = [], {}
     for task in tasks:
         exs = load_task(root, task, split, max_train=max_train, seed=seed)
-        kept, dropped[task] = filter_overlong(exs, length_fn, max_len)
-        print(filter_report(task, split, len(exs), dropped[task], max_len))
+        if count_all or limit is None:
+            kept, dropped[task] = filter_overlong(exs, length_fn, max_len)
+            print(filter_report(task, split, len(exs), dropped[task], max_len))
+        else:
+            kept, read = [], 0
+            for ex in exs:
+                if len(kept) == limit:
+                    break
+                read += 1
+                if length_fn(ex.prompt, ex.answer) <= max_len:
+                    kept.append(ex)
+            dropped[task] = read - len(kept)
+            print(filter_report(task, split, read, dropped[task], max_len) + f", {read} of {len(exs)} read for the limit of {limit}")
         if not kept:
             raise InputError(f"{Path(root) / task}/{split}.json: no example fits max length {max_len}")
         examples += kept[:limit] if limit is not None else kept

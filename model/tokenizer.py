@@ -180,6 +180,9 @@ class ChatTokenizer:
         self._escape_index = {t: i for i, t in enumerate(self._escapes)}
         self._escape_re = re.compile("|".join(map(re.escape, self._escapes)))
         self._plain = None  # the tokenizer with special-token matching off, built on first use
+        # rendered prompt (with the generation prompt) -> its ids: the over-long filter's encode_sft tokenizes every
+        # prompt, and prompt_ids then asks for the same ids again (a third of a step's tokenizing)
+        self._prompts: dict[str, list[int]] = {}
 
     @classmethod
     def from_dir(cls, ckpt_dir: str | Path, check: bool = True) -> "ChatTokenizer":
@@ -289,7 +292,14 @@ class ChatTokenizer:
     def prompt_ids(self, prompt: str | list[dict], **kwargs) -> list[int]:
         """Ids of `prompt` as a single user turn (or, a list of messages, as those turns: a system prompt, earlier
         turns) followed by the assistant generation prompt."""
-        return self.apply_chat_template(prompt_turns(prompt), add_generation_prompt=True, tokenize=True, **kwargs)
+        return self._prompt_ids(self._render(prompt_turns(prompt), True, **kwargs))
+
+    def _prompt_ids(self, rendered: str) -> list[int]:
+        """_encode_rendered of a rendered prompt, each text encoded once per tokenizer (a copy: callers own it)."""
+        ids = self._prompts.get(rendered)
+        if ids is None:
+            ids = self._prompts[rendered] = self._encode_rendered(rendered)
+        return list(ids)
 
     def sft_length(self, prompt: str | list[dict], response: str) -> int:
         """Tokens of the chat-templated (prompt, response) pair: the one length the over-long filter uses in
@@ -310,7 +320,7 @@ class ChatTokenizer:
         user = prompt_turns(prompt)
         prefix_text = self._render(user, True, **kwargs)
         text = self._render(user + [{"role": "assistant", "content": response}], False, **kwargs)
-        prefix, ids = self._encode_rendered(prefix_text), self._encode_rendered(text)
+        prefix, ids = self._prompt_ids(prefix_text), self._encode_rendered(text)
         if ids[:len(prefix)] != prefix and text.startswith(prefix_text):  # a token merged across the boundary
             ids = prefix + self._encode_rendered(text[len(prefix_text):])
         if ids[:len(prefix)] != prefix:

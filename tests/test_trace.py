@@ -152,3 +152,24 @@ def test_filter_overlong():
     assert [e.idx for e in kept] == [0, 1, 2, 3, 4] and dropped == 5
     assert filter_report("FOMC", "train", 10, dropped, max_len=5) == \
         "FOMC/train: kept 5/10 (dropped 5 over 5 tokens)"
+
+
+def test_load_filtered_stops_tokenizing_at_the_limit_when_asked(tmp_path, capsys):
+    """count_all=False (drift.py): the same examples as filtering the whole split, with no example past the
+    limit-th kept one measured, and the drops counted among those read."""
+    from data.trace import load_filtered
+    (tmp_path / "FOMC").mkdir()
+    rows = [{"prompt": "w " * (i % 7), "answer": "A"} for i in range(40)]  # lengths 1..7, 0-based i % 7 words
+    (tmp_path / "FOMC" / "test.json").write_text(json.dumps(rows))
+    seen = []
+
+    def length(p, a):
+        seen.append(p)
+        return len(p.split()) + len(a.split())
+    full, full_dropped = load_filtered(tmp_path, ["FOMC"], "test", length, 5, limit=6)
+    assert len(seen) == 40 and full_dropped == {"FOMC": 10}  # every example measured: i % 7 in (5, 6) dropped
+    seen.clear()
+    lazy, lazy_dropped = load_filtered(tmp_path, ["FOMC"], "test", length, 5, limit=6, count_all=False)
+    assert lazy == full and [e.idx for e in lazy] == [0, 1, 2, 3, 4, 7]
+    assert len(seen) == 8 and lazy_dropped == {"FOMC": 2}  # read 0..7: 5 and 6 (6 and 7 tokens) dropped
+    assert "FOMC/test: kept 6/8 (dropped 2 over 5 tokens), 8 of 40 read for the limit of 6" in capsys.readouterr().out
