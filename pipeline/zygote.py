@@ -190,10 +190,14 @@ def serve():
         out.write((json.dumps(msg) + "\n").encode())
         out.flush()
 
+    # a child's exit wakes the loop through its pidfd (Linux 5.3+), so the driver hears of it at once; without pidfds
+    # the loop polls every 50 ms, which was ~30 ms of every step's wall time (BENCHMARKS.md, "The default's
+    # generation steps")
+    exits = {}  # pid -> its pidfd
     open_ = True
     while open_ or children:
-        ready, _, _ = select.select([0] if open_ else [], [], [], 0.05)
-        if ready:
+        ready, _, _ = select.select(([0] if open_ else []) + list(exits.values()), [], [], 0.05)
+        if 0 in ready:
             chunk = os.read(0, 65536)
             if not chunk:
                 open_ = False  # the driver is done (or gone): finish the running children, then exit
@@ -207,13 +211,21 @@ def serve():
                 zygote = os.getpid()
                 pid = os.fork()
                 if pid == 0:
+                    for fd in exits.values():  # its siblings' pidfds are the zygote's
+                        os.close(fd)
                     _child(req, zygote)
                 children[pid] = req["id"]
+                try:
+                    exits[pid] = os.pidfd_open(pid)
+                except (AttributeError, OSError):  # no pidfds here: the 50 ms poll finds its exit
+                    pass
                 say({"id": req["id"], "pid": pid})
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
+            if pid in exits:
+                os.close(exits.pop(pid))
             if pid in children:
                 say({"id": children.pop(pid), "rc": os.waitstatus_to_exitcode(status)})
 
