@@ -101,7 +101,7 @@ def logprob_check(ckpt, prompts, outs, k: int, seed: int) -> dict:
     picked = sorted(random.Random(seed).sample(range(len(outs)), min(k, len(outs))))
     cuda = torch.cuda.is_available()
     model = load_model(ckpt, "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)  # train.py's dtype
-    trainer = response_stats(model, [(prompts[i], outs[i]["token_ids"]) for i in picked])
+    trainer = response_stats(model, [(prompts[i], outs[i]["token_ids"]) for i in picked], packed=False)
     d = [t - e for i, s in zip(picked, trainer) for t, e in zip(s["logprobs"], outs[i]["logprobs"])]
     n = max(len(d), 1)
     res = {"k": len(picked), "tokens": len(d), "mean_abs_dlogp": sum(abs(x) for x in d) / n,

@@ -25,7 +25,7 @@ def backends() -> dict:
 # Bumped whenever a change to the model code or a kernel changes float results (not only the speed): run.py puts it
 # in every step's key, so a run resumed after such a change recomputes its steps rather than mixing numerics.
 # What each version changed: BENCHMARKS.md, "Numerics versions".
-NUMERICS = 14
+NUMERICS = 15
 
 # On the CPU, float results depend on the instructions the kernels run, and those follow the CPU: ATen picks its
 # AVX2 or AVX-512 code by the CPU's flags, MKL's GEMMs pick code per vendor and model. So the same command on two

@@ -1,4 +1,4 @@
-/* The generation engine's two CPU kernels (loaded by kernels/cpu.py through ctypes; no Python or torch headers).
+/* The generation engine's CPU kernels (loaded by kernels/cpu.py through ctypes; no Python or torch headers).
 
    cache_attention: each query token attends over its own slot's KV cache columns 0..pos, no further: a decode row
    reads only its own span (a batched product over the longest live row's span reads every row that far) and a
@@ -7,6 +7,9 @@
    far_candidates: the sampler's candidate tokens (model/sampler.py, _c_draw): each row's largest logit, then the
    32-bit hash of every vocabulary id and the two compares in one pass, in registers, where eager torch makes
    eleven passes at T > 0.5 and a partial sort at T 0.1.
+
+   rms_norm, rope, silu_mul: the decoder block's elementwise work, one pass each where eager torch makes 5-10 (the
+   three vLLM's CPU backend fuses too).
 
    Float results are the same on every CPU and compiler: vector code through GCC/Clang vector extensions, which are
    lane-wise IEEE operations in the order written here (built with -ffp-contract=off, never -ffast-math), and an exp
@@ -52,12 +55,52 @@ static inline v8 exp_neg(v8 x) {
     return y * (v8)(e << 23);
 }
 
+/* hsum of each of a[0..7], lane i of the result = hsum(a[i]), summed in hsum's order: lanes (j, j + 4), then
+   (j, j + 2) of those, then adjacent ones. 21 shuffles and adds where eight hsums take 56 lane operations. */
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+static inline v8 hsum8(const v8 *a) {
+    v8 b[4], c[2];
+    for (int i = 0; i < 4; i++)
+        b[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               SHUF(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        c[i] = SHUF(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               SHUF(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return SHUF(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) + SHUF(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+/* o = inv * sum_c w[c] V[c] over columns 0..L-1 (V [cols][d]), each lane summed in column order; one pass over V. */
+static inline __attribute__((always_inline)) void weigh(const float *w, const float *V, int64_t L, int64_t d,
+                                                        float inv, float *o) {
+    v8 acc[16];
+    for (int64_t j0 = 0; j0 < d; j0 += 128) {  /* 16 accumulators at a time */
+        const int64_t m = d - j0 < 128 ? (d - j0) / 8 : 16;
+        for (int64_t j = 0; j < m; j++) acc[j] = (v8){};
+        for (int64_t c = 0; c < L; c++) {
+            const v8 wc = (v8){} + w[c];
+            for (int64_t j = 0; j < m; j++) acc[j] += wc * ld(V + c * d + j0 + 8 * j);
+        }
+        for (int64_t j = 0; j < m; j++) st(o + j0 + 8 * j, acc[j] * inv);
+    }
+}
+
 /* One token's G query heads (q [G][d]) over columns 0..L-1 of one kv head's cache (K, V [cols][d]) -> o [G][d].
-   s: scratch of G * round8(L) floats. */
+   s: scratch of G * round8(L) floats. The scores eight columns at a time (hsum8), the same floats as one by one. */
 static void attend(const float *q, const float *K, const float *V, int64_t L, int64_t G, int64_t d, float scale,
                    float *s, float *o) {
     const int64_t Lp = (L + 7) & ~(int64_t)7;
-    for (int64_t c = 0; c < L; c++) {
+    int64_t c = 0;
+    for (; c + 8 <= L; c += 8) {
+        for (int64_t g = 0; g < G; g++) {
+            v8 acc[8] = {};
+            for (int64_t j = 0; j < d; j += 8) {
+                const v8 qj = ld(q + g * d + j);
+                for (int u = 0; u < 8; u++) acc[u] += qj * ld(K + (c + u) * d + j);
+            }
+            st(s + g * Lp + c, hsum8(acc) * scale);
+        }
+    }
+    for (; c < L; c++) {
         const float *kc = K + c * d;
         for (int64_t g = 0; g < G; g++) {
             v8 acc = {};
@@ -78,10 +121,11 @@ static void attend(const float *q, const float *K, const float *V, int64_t L, in
             sum += e;
         }
         const float inv = 1.0f / hsum(sum);
-        for (int64_t j = 0; j < d; j += 8) {
-            v8 acc = {};
-            for (int64_t c = 0; c < L; c++) acc += sg[c] * ld(V + c * d + j);
-            st(og + j, acc * inv);
+        switch (d) {  /* a constant d keeps the accumulators in registers */
+        case 32: weigh(sg, V, L, 32, inv, og); break;
+        case 64: weigh(sg, V, L, 64, inv, og); break;
+        case 128: weigh(sg, V, L, 128, inv, og); break;
+        default: weigh(sg, V, L, d, inv, og);
         }
     }
 }
@@ -187,4 +231,57 @@ int64_t far_candidates(const float *logits, const uint32_t *row_hash, const floa
         total += count[r];
     }
     return total;
+}
+
+/* ---- the decoder block's elementwise work, one pass each (the engine's and model/logprobs.py's forwards) ---- */
+
+/* out[t] = w * (x[t] * r), r = 1 / sqrt(mean(x[t]^2) + eps), each x[t] of h floats (h a multiple of 8): the order of
+   model/transformer.py's RMSNorm, its mean summed lane-wise then by hsum. */
+void rms_norm(const float *x, const float *w, int64_t n, int64_t h, float eps, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < n; t++) {
+        const float *xt = x + t * h;
+        v8 ss = {};
+        for (int64_t j = 0; j < h; j += 8) { v8 v = ld(xt + j); ss += v * v; }
+        const float r = 1.0f / sqrtf(hsum(ss) / (float)h + eps);
+        for (int64_t j = 0; j < h; j += 8) st(out + t * h + j, ld(w + j) * (ld(xt + j) * r));
+    }
+}
+
+/* Rotary embedding of n tokens' heads: x [n] rows of `heads` heads of d floats, row t at x + t * stride; cos, sin
+   [n][d]; out [n][heads][d]. out = x * cos + rotate_half(x) * sin as model/transformer.py's apply_rope rounds it
+   (-(a * b) is (-a) * b exactly). d a multiple of 16. */
+void rope(const float *x, int64_t stride, const float *cos_, const float *sin_, int64_t n, int64_t heads, int64_t d,
+          float *out, int threads) {
+    const int64_t half = d / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < n; t++) {
+        const float *c = cos_ + t * d, *s = sin_ + t * d;
+        for (int64_t hh = 0; hh < heads; hh++) {
+            const float *xh = x + t * stride + hh * d;
+            float *o = out + (t * heads + hh) * d;
+            for (int64_t j = 0; j < half; j += 8) {
+                const v8 a = ld(xh + j), b = ld(xh + half + j);
+                st(o + j, a * ld(c + j) - b * ld(s + j));
+                st(o + half + j, b * ld(c + half + j) + a * ld(s + half + j));
+            }
+        }
+    }
+}
+
+/* out[t] = silu(g) * u for each row [g | u] of gu [n][2m]: silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) (exp_neg
+   takes no positive argument). m a multiple of 8. */
+void silu_mul(const float *gu, int64_t n, int64_t m, float *out, int threads) {
+    const v8 one = (v8){} + 1.0f;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < n; t++) {
+        const float *g = gu + t * 2 * m, *u = g + m;
+        for (int64_t j = 0; j < m; j += 8) {
+            const v8 x = ld(g + j);
+            const v8i neg = x < 0;
+            const v8 ax = (v8)((v8i)x & ((v8i){} + 0x7fffffff)), e = exp_neg(-ax);
+            const v8 sig = (v8)((neg & (v8i)(e / (one + e))) | (~neg & (v8i)(one / (one + e))));
+            st(out + t * m + j, (x * sig) * ld(u + j));
+        }
+    }
 }

@@ -1,8 +1,9 @@
 """The generation engine's CPU kernels in C (kernels/cpu.c), built on first use with the system's C compiler and
-loaded through ctypes: attention of each token over its own slot's cache columns (cache_attention), and the
-sampler's candidates in one pass per row (far_candidates). Where no compiler is found, or OPR_CPU_KERNELS=0, the engine
-takes its pure-torch paths: the same sampled tokens, attention's floats rounded otherwise (backend() says which, and
-run.py keys its steps by it).
+loaded through ctypes: attention of each token over its own slot's cache columns (cache_attention), the sampler's
+candidates in one pass per row (far_candidates), and the decoder block's elementwise work, one pass each (rms_norm,
+rope, silu_mul: model/transformer.py calls them inside packed_products). Where no compiler is found, or
+OPR_CPU_KERNELS=0, the engine takes its pure-torch paths: the same sampled tokens, floats rounded otherwise (backend()
+says which, and run.py keys its steps by it).
 
 The library is built once per machine and source into ~/.cache/opr/kernels (XDG_CACHE_HOME), named by a hash of the
 source, the flags and the compiler's version; a build takes under a second."""
@@ -68,6 +69,11 @@ def _build():
     lib.far_candidates.argtypes = [_ptr, _ptr, _ptr, ctypes.c_double, ctypes.c_double, ctypes.c_uint32, _i64, _i64,
                                    _ptr, _ptr, _ptr, _ptr, _i64, ctypes.c_int]
     lib.far_candidates.restype = _i64
+    lib.rms_norm.argtypes = [_ptr, _ptr, _i64, _i64, _f32, _ptr, ctypes.c_int]
+    lib.rope.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
+    lib.silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]
+    for f in (lib.rms_norm, lib.rope, lib.silu_mul):
+        f.restype = None
     return lib, "built"
 
 
@@ -120,3 +126,40 @@ def far_candidates(logits, row_hash, floor: int, near=None, temperature: float =
                                          near.data_ptr(), temperature, far_d, floor, n, vocab, scratch.data_ptr(),
                                          count.data_ptr(), r.data_ptr(), j.data_ptr(), room, torch.get_num_threads())
     return None if total > room else (r[:total], j[:total])
+
+
+# ---- the decoder block's elementwise work (model/transformer.py calls these inside packed_products, eagerly) ----
+
+def fuses(x) -> bool:
+    """Whether rms_norm, rope and silu_mul take x (fp32, on the CPU, in this process)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and _library()[0] is not None
+
+
+def rms_norm(x, w, eps: float):
+    """RMSNorm of x's last dimension (a multiple of 8) with weight w, in one pass per row (kernels/cpu.c)."""
+    h = x.shape[-1]
+    x, w = x.contiguous(), w.contiguous()
+    out = torch.empty_like(x)
+    _library()[0].rms_norm(x.data_ptr(), w.data_ptr(), x.numel() // h, h, eps, out.data_ptr(),
+                           torch.get_num_threads())
+    return out
+
+
+def rope(x, cos, sin):
+    """x [1, T, H, D] (each token's heads contiguous, tokens at any stride: a view of the fused q/k/v product), cos,
+    sin [1, T, D] -> x * cos + rotate_half(x) * sin [1, T, H, D], bit for bit as model/transformer.py's apply_rope."""
+    _, n, heads, d = x.shape
+    assert x.stride(3) == 1 and x.stride(2) == d and cos.is_contiguous() and sin.is_contiguous()
+    out = x.new_empty(x.shape)
+    _library()[0].rope(x.data_ptr(), x.stride(1), cos.data_ptr(), sin.data_ptr(), n, heads, d, out.data_ptr(),
+                       torch.get_num_threads())
+    return out
+
+
+def silu_mul(gu):
+    """silu(g) * u of gu = [g | u] along the last dimension (each half a multiple of 8)."""
+    gu = gu.contiguous()
+    m = gu.shape[-1] // 2
+    out = gu.new_empty(*gu.shape[:-1], m)
+    _library()[0].silu_mul(gu.data_ptr(), gu.numel() // (2 * m), m, out.data_ptr(), torch.get_num_threads())
+    return out

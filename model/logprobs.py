@@ -16,6 +16,7 @@ KL are computed in fp32 whatever the models' dtype.
 import torch
 
 from data.packing import IGNORE, Example, collate, pack
+from model.transformer import packed_products, packs
 
 CHUNK = 256          # response positions per logits chunk: 256 x 151,936 fp32 = 156 MB per model
 MAX_TOKENS = 8192    # tokens per packed forward row
@@ -50,9 +51,11 @@ def _hidden(model, ids, pos, cu, max_len):
 
 @torch.no_grad()
 def response_stats(model, seqs, ref=None, *, max_tokens: int = MAX_TOKENS, chunk: int = CHUNK,
-                   progress: bool = False, desc: str = "score") -> list[dict]:
+                   progress: bool = False, desc: str = "score", packed: bool = True) -> list[dict]:
     """seqs: list of (prompt_ids, response_ids) token-id lists. See the module docstring; results come back in
-    input order. A sequence longer than max_tokens gets a row of its own."""
+    input order. A sequence longer than max_tokens gets a row of its own. packed: the models' products read weights
+    packed for oneDNN where transformer.packs packs them (the engine's products); False: the training model's
+    products (F.linear), as rollout.py --check-logprobs compares against."""
     device = model.lm_head.weight.device
     examples, lengths = [], []
     for i, (prompt, response) in enumerate(seqs):
@@ -70,12 +73,14 @@ def response_stats(model, seqs, ref=None, *, max_tokens: int = MAX_TOKENS, chunk
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(seqs), unit="seq", desc=desc, dynamic_ncols=True)
+    products = {**packs(model), **(packs(ref) if ref is not None else {})} if packed else {}
     for row in rows:
         ids, pos, tgt, cu, max_len = collate([examples[i] for i in row], device)
         keep = tgt[0] != IGNORE
         targets = tgt[0][keep]
-        h = _hidden(model, ids, pos, cu, max_len)[keep]
-        rh = _hidden(ref, ids, pos, cu, max_len)[keep] if ref is not None else None
+        with packed_products(products):
+            h = _hidden(model, ids, pos, cu, max_len)[keep]
+            rh = _hidden(ref, ids, pos, cu, max_len)[keep] if ref is not None else None
         lp, rlp, kl = chunked_token_stats(h, model.lm_head.weight, targets, rh,
                                           ref.lm_head.weight if ref is not None else None, chunk)
         start = 0

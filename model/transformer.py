@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from torch.utils.checkpoint import checkpoint
 
-from kernels import varlen_attention
+from kernels import cpu, varlen_attention
 from model.config import ModelConfig
 
 
@@ -75,26 +75,63 @@ class Packed:
         self.w = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self.PACK_ROWS)
 
     def __call__(self, x, b=None):
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.shape[1]).contiguous(), self.w, b, "none", [], "")
-        return y.view(*x.shape[:-1], self.shape[0])
+        rows = x.reshape(-1, self.shape[1])
+        m = rows.shape[0]
+        n = row_bucket(m)
+        if n != m:  # zero rows up to the bucket: each row's result is its own, whatever the rows beside it
+            rows = torch.cat([rows, rows.new_zeros(n - m, self.shape[1])])
+        y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.w, b, "none", [], "")
+        return y[:m].view(*x.shape[:-1], self.shape[0])
 
 
-# Linear -> its Packed weight, while model.engine runs a forward (packed_products); empty otherwise: training and
-# every other forward multiply by the plain weights
+def row_bucket(m: int) -> int:
+    """The row count a packed product runs at: up to a multiple of 8 for decode batches (<= 64 rows), else of an
+    eighth of m's power of two (at most 12.5 % more rows). oneDNN builds a kernel for every row count it meets, for
+    ~0.3 ms each and per process, and an engine call meets hundreds (every prefill has its own token count):
+    bucketing shares them (BENCHMARKS.md, "The default's generation steps")."""
+    if m <= 64:
+        return -(-m // 8) * 8
+    q = 1 << (m.bit_length() - 4)
+    return -(-m // q) * q
+
+
+# Linear -> its Packed weight, while model.engine or model.logprobs runs a forward (packed_products); empty
+# otherwise: training and every other forward multiply by the plain weights
 _PACKED: dict = {}
 
 
+def packs(model) -> dict:
+    """{Linear: Packed} for the products of a model whose weights do not train, on the CPU in fp32 with oneDNN;
+    {} elsewhere (a GPU, bf16, weights being trained: packed copies would go stale). At the tiny base's shapes and
+    one thread oneDNN's packed products take 0.4x MKL's time at thousands of rows (BENCHMARKS.md, "The default's
+    generation steps")."""
+    w = model.lm_head.weight
+    if (w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
+            or any(p.requires_grad for p in model.parameters())):
+        return {}
+    return {m: Packed(m.weight) for m in model.modules() if isinstance(m, Linear)}
+
+
 class packed_products:
-    """with packed_products(packs): the Linear modules in `packs` multiply by their packed weights."""
+    """with packed_products(packs): the Linear modules in `packs` multiply by their packed weights and, with packs
+    given (the CPU, fp32, frozen weights: an eager forward), RMSNorm, rotary and SiLU-and-mul run in one C pass each
+    (kernels/cpu.c)."""
 
     def __init__(self, packs: dict):
         self.packs = packs
 
     def __enter__(self):
+        global _FUSED
         _PACKED.update(self.packs)
+        _FUSED = bool(self.packs) and cpu.backend() == "c"
 
     def __exit__(self, *exc):
+        global _FUSED
         _PACKED.clear()
+        _FUSED = False
+
+
+_FUSED = False  # inside packed_products on the CPU: the elementwise work in C
 
 
 class Linear(nn.Linear):
@@ -113,6 +150,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if _FUSED and x.shape[-1] % 8 == 0 and cpu.fuses(x):
+            return cpu.rms_norm(x, self.weight, self.eps)
         # fp32 statistics, cast back before the weight: the order HF uses, needed for exact parity in bf16
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -144,6 +183,9 @@ def rope_cos_sin(inv_freq, position_ids, dtype):
 
 def apply_rope(x, cos, sin):
     """x [B,T,H,D]; cos/sin [B,T,D]."""
+    if _FUSED and x.shape[0] == 1 and x.shape[-1] % 16 == 0 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] \
+            and cpu.fuses(x):
+        return cpu.rope(x, cos.contiguous(), sin.contiguous())
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos[:, :, None] + rotated * sin[:, :, None]
@@ -215,7 +257,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if _FUSED and gate_up.shape[-1] % 16 == 0 and cpu.fuses(gate_up):
+            return self.down_proj(cpu.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -23,7 +23,7 @@ def naive(q, k, v, slots, pos):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("hkv,g,d", [(1, 1, 8), (2, 2, 8), (3, 3, 64), (4, 7, 128), (2, 1, 16)])
+@pytest.mark.parametrize("hkv,g,d", [(1, 1, 8), (2, 2, 8), (3, 3, 64), (4, 7, 128), (2, 1, 16), (2, 2, 96), (1, 2, 256)])
 def test_cache_attention_equals_naive_math(hkv, g, d):
     torch.manual_seed(hkv * 100 + g * 10 + d)
     slots_n, cols, n = 9, 70, 13
@@ -68,6 +68,69 @@ def test_cache_attention_matches_the_batched_products():
                            k[:, :, :span].flatten(0, 1).transpose(1, 2), alpha=d ** -0.5)
     batched = torch.bmm(torch.softmax(scores, -1), v[:, :, :span].flatten(0, 1)).view(n, -1)
     torch.testing.assert_close(cpu.cache_attention(q, k, v, torch.arange(n), pos), batched, atol=2e-6, rtol=2e-6)
+
+
+def test_rms_norm_equals_the_formula_and_the_module():
+    """One pass per row: within float rounding of fp64 math and of transformer.RMSNorm's torch ops; the same bytes at
+    any thread count."""
+    from model.transformer import RMSNorm
+    torch.manual_seed(2)
+    x, w = torch.randn(1, 33, 128) * 5, torch.randn(128)
+    x[0, 0] = 0  # a row of zeros: eps keeps it finite
+    out = cpu.rms_norm(x, w, 1e-5)
+    exact = w.double() * x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(out.double(), exact, atol=1e-6, rtol=1e-6)
+    norm = RMSNorm(128, 1e-5)
+    norm.weight.data = w
+    torch.testing.assert_close(out, norm(x), atol=1e-6, rtol=1e-6)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu.rms_norm(x, w, 1e-5), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rope_is_apply_rope_bit_for_bit_on_views_of_the_fused_product():
+    from model import transformer
+    torch.manual_seed(3)
+    qkv = torch.randn(1, 21, 4 * 32 + 2 * 2 * 32)
+    q, k = qkv[..., :128].view(1, 21, 4, 32), qkv[..., 128:192].view(1, 21, 2, 32)  # tokens 256 floats apart
+    cos, sin = torch.randn(1, 21, 32), torch.randn(1, 21, 32)
+    for x in (q, k):
+        assert torch.equal(cpu.rope(x, cos, sin), transformer.apply_rope(x, cos, sin))
+
+
+def test_silu_mul_within_ulps_of_fp64():
+    torch.manual_seed(4)
+    gu = torch.randn(40, 2 * 48) * 6
+    gu[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, float("nan")])
+    out = cpu.silu_mul(gu)
+    g, u = gu[:, :48].double(), gu[:, 48:].double()
+    exact = g * torch.sigmoid(g) * u
+    assert torch.isnan(out[0, 5]) and out.shape == (40, 48)
+    ok = ~torch.isnan(exact)
+    torch.testing.assert_close(out.double()[ok], exact[ok], atol=1e-30, rtol=5e-7)
+
+
+def test_the_fused_elementwise_forward_is_the_plain_one(tmp_path, monkeypatch):
+    """model/logprobs.py's forward inside packed_products (packed products, the C elementwise) against the plain
+    training forward: the same log-probs within 2e-5, and the C calls made."""
+    pytest.importorskip("transformers")
+    from model import transformer
+    from model.logprobs import response_stats
+    from tiny import tiny_llama
+    model = tiny_llama(tmp_path, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    assert transformer.packs(model)
+    calls = []
+    for name in ("rms_norm", "rope", "silu_mul"):
+        monkeypatch.setattr(cpu, name, lambda *a, f=getattr(cpu, name), n=name: calls.append(n) or f(*a))
+    seqs = [([5, 17, 33, 2, 9], [4, 8, 15]), ([88, 3], [16, 23, 42, 7]), ([60, 6, 20], [1])]
+    fused = response_stats(model, seqs, model)
+    plain = response_stats(model, seqs, model, packed=False)
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=2e-5, rtol=0)
+    assert {"rms_norm", "rope", "silu_mul"} == set(calls)
 
 
 def eager_candidates(logits, row, near, floor):

@@ -121,3 +121,24 @@ def test_linear_few_rows_without_autograd_is_the_split_bmm(rows, bias):
             assert torch.equal(large(x), want[None]) and torch.allclose(want[None], ref, rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(large(x), ref)
+
+
+def test_packed_products_at_bucketed_row_counts():
+    """model.transformer.Packed pads the rows up to row_bucket(m) (multiples of 8 to 64, then of an eighth of m's
+    power of two): each row's result is F.linear's within fp32 rounding, and the padding never shows."""
+    import torch.nn.functional as F
+
+    from model.transformer import Packed, row_bucket
+    assert [row_bucket(m) for m in (0, 1, 8, 9, 64, 65, 127, 128, 129, 1000, 4097)] == \
+        [0, 8, 8, 16, 64, 72, 128, 128, 144, 1024, 4608]
+    assert all(m <= row_bucket(m) <= max(8, m * 9 // 8 + 8) for m in range(1, 5000))
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN")
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    packed = Packed(w)
+    for m in (1, 7, 9, 63, 65, 100, 129, 1000):
+        x = torch.randn(1, m, 64)
+        y = packed(x, b)
+        assert y.shape == (1, m, 96)
+        torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
