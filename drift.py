@@ -190,9 +190,10 @@ def main(argv=None):
     engine = resolve_engine(args.engine)
 
     # 1-2. held-out prompts of the prior tasks
-    examples, _ = load_filtered(root, tasks, "test", tok.sft_length, args.max_len, limit=args.limit or None,
-                                count_all=False)
-    prompts = [tok.prompt_ids(ex.prompt) for ex in examples]
+    with tok.remembering_prompts():  # the filter's tokenizing gives the prompts' ids too
+        examples, _ = load_filtered(root, tasks, "test", tok.sft_length, args.max_len, limit=args.limit or None,
+                                    count_all=False)
+        prompts = [tok.prompt_ids(ex.prompt) for ex in examples]
     print(f"drift: {len(examples)} test prompts from {len(tasks)} tasks, CUR={cur_dir}, PREV={ref_dir}, "
           f"engine={engine}, T={args.temperature}, max_new_tokens={args.max_new_tokens}, seed={args.seed}")
 

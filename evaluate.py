@@ -174,10 +174,11 @@ def main(argv=None):
     K = args.repeats
 
     # 1-2. test examples that fit the length limit, rendered with this checkpoint's chat template
-    examples, dropped = load_filtered(root, tasks, "test", tok.sft_length, args.max_len, limit=args.limit)
+    with tok.remembering_prompts():  # the filter's tokenizing gives the prompts' ids too
+        examples, dropped = load_filtered(root, tasks, "test", tok.sft_length, args.max_len, limit=args.limit)
+        prompts = [tok.prompt_ids(ex.prompt) for ex in examples]
     # the K copies of a prompt sit next to each other: jobs[i] = (example, repeat)
     jobs = [(ex, k) for ex in examples for k in range(K)]
-    prompts = [tok.prompt_ids(ex.prompt) for ex in examples]
     print(f"evaluate: {len(examples)} test prompts x {K} repeats from {len(tasks)} tasks, scoring={args.scoring}, "
           f"engine={engine}, "
           f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, seed={args.seed}")

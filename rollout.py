@@ -189,9 +189,10 @@ def main(argv=None):
     engine = resolve_engine(args.engine)
 
     # 1-2. the training prompts each task trained on, rendered with this checkpoint's chat template
-    examples, _ = load_filtered(root, tasks, "train", tok.sft_length, args.max_len, limit=args.limit,
-                                max_train=args.max_train, seed=args.data_seed)
-    prompts = [tok.prompt_ids(ex.prompt) for ex in examples]
+    with tok.remembering_prompts():  # the filter's tokenizing gives the prompts' ids too
+        examples, _ = load_filtered(root, tasks, "train", tok.sft_length, args.max_len, limit=args.limit,
+                                    max_train=args.max_train, seed=args.data_seed)
+        prompts = [tok.prompt_ids(ex.prompt) for ex in examples]
     print(f"rollout: {len(prompts)} prompts from {len(tasks)} tasks, engine={engine}, T={args.temperature}, "
           f"max_new_tokens={args.max_new_tokens}, seed={args.seed}")
 

@@ -87,7 +87,8 @@ def main():
     from model.logprobs import response_stats
     ref = runs["before"][sizes[0]]
     ref_tokens = [t for t, _ in ref]
-    forced = [s["logprobs"] for s in response_stats(load_model(ckpt), list(zip(prompts, ref_tokens)))]
+    forced = [s["logprobs"] for s in response_stats(load_model(ckpt), list(zip(prompts, ref_tokens)),
+                                                        packed=False)]
     print(f"{args.model}, fp32, {args.threads} threads, {len(prompts)} prompts of the rollout mix, greedy, "
           f"<= {args.max_new_tokens} new tokens; reference: before at batch {sizes[0]}\n")
     print("| engine | batch size | responses equal | max |dlogp| to the reference | max |dlogp| to teacher-forced |")

@@ -65,7 +65,7 @@ def main():
         got = torch.tensor([x for o in outs for x in o["logprobs"]])
         cells = []
         for ref in (bf16, fp32):
-            want = torch.tensor([x for s in response_stats(ref, seqs) for x in s["logprobs"]])
+            want = torch.tensor([x for s in response_stats(ref, seqs, packed=False) for x in s["logprobs"]])
             d = (got - want).abs()
             cells.append(f"{d.mean().item():.2e} / {d.max().item():.2e}")
         print(f"| {'fp32' if head_fp32 else 'bf16'} | {seconds:.2f} s | {len(got)} | {cells[0]} | {cells[1]} |")

@@ -32,8 +32,9 @@ static inline float hmax(v8 a) {
     return m;
 }
 
-/* exp(x) for x <= 0 (a softmax's shifted scores): Cephes' expf, within 2 ulp; exp(-inf) and anything below -87.3
-   gives 0 (the scale 2^k built from k + 127 <= 0 is 0). */
+/* exp(x) for x <= 0 (a softmax's shifted scores): Cephes' expf, within 2 ulp down to -87.3; below that (and for -inf)
+   the argument is clamped to -87.3, giving ~1.2e-38 rather than 0 (a softmax's masked columns and silu's far negative
+   tail are off by less than 1e-35). */
 static inline v8 exp_neg(v8 x) {
     const v8 lo = (v8){} - 87.3f, one = (v8){} + 1.0f;
     x = vmax(x, lo);
@@ -57,7 +58,11 @@ static inline v8 exp_neg(v8 x) {
 
 /* hsum of each of a[0..7], lane i of the result = hsum(a[i]), summed in hsum's order: lanes (j, j + 4), then
    (j, j + 2) of those, then adjacent ones. 21 shuffles and adds where eight hsums take 56 lane operations. */
+#if defined(__clang__) || __GNUC__ >= 12
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else  /* GCC before 12: the same lanes through __builtin_shuffle */
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
 static inline v8 hsum8(const v8 *a) {
     v8 b[4], c[2];
     for (int i = 0; i < 4; i++)

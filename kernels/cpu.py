@@ -138,6 +138,7 @@ def fuses(x) -> bool:
 def rms_norm(x, w, eps: float):
     """RMSNorm of x's last dimension (a multiple of 8) with weight w, in one pass per row (kernels/cpu.c)."""
     h = x.shape[-1]
+    assert x.dtype == w.dtype == torch.float32 and h % 8 == 0 and w.shape == (h,)
     x, w = x.contiguous(), w.contiguous()
     out = torch.empty_like(x)
     _library()[0].rms_norm(x.data_ptr(), w.data_ptr(), x.numel() // h, h, eps, out.data_ptr(),
@@ -149,7 +150,8 @@ def rope(x, cos, sin):
     """x [1, T, H, D] (each token's heads contiguous, tokens at any stride: a view of the fused q/k/v product), cos,
     sin [1, T, D] -> x * cos + rotate_half(x) * sin [1, T, H, D], bit for bit as model/transformer.py's apply_rope."""
     _, n, heads, d = x.shape
-    assert x.stride(3) == 1 and x.stride(2) == d and cos.is_contiguous() and sin.is_contiguous()
+    assert x.stride(3) == 1 and x.stride(2) == d and d % 16 == 0 and x.dtype == cos.dtype == sin.dtype == torch.float32
+    assert cos.shape == sin.shape == (1, n, d) and cos.is_contiguous() and sin.is_contiguous()
     out = x.new_empty(x.shape)
     _library()[0].rope(x.data_ptr(), x.stride(1), cos.data_ptr(), sin.data_ptr(), n, heads, d, out.data_ptr(),
                        torch.get_num_threads())
@@ -160,6 +162,7 @@ def silu_mul(gu):
     """silu(g) * u of gu = [g | u] along the last dimension (each half a multiple of 8)."""
     gu = gu.contiguous()
     m = gu.shape[-1] // 2
+    assert gu.dtype == torch.float32 and gu.shape[-1] == 2 * m and m % 8 == 0
     out = gu.new_empty(*gu.shape[:-1], m)
     _library()[0].silu_mul(gu.data_ptr(), gu.numel() // (2 * m), m, out.data_ptr(), torch.get_num_threads())
     return out

@@ -73,7 +73,7 @@ def response_stats(model, seqs, ref=None, *, max_tokens: int = MAX_TOKENS, chunk
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(seqs), unit="seq", desc=desc, dynamic_ncols=True)
-    products = {**packs(model), **(packs(ref) if ref is not None else {})} if packed else {}
+    products = {**packs(model, head=False), **(packs(ref, head=False) if ref is not None else {})} if packed else {}
     for row in rows:
         ids, pos, tgt, cu, max_len = collate([examples[i] for i in row], device)
         keep = tgt[0] != IGNORE

@@ -21,6 +21,7 @@ templates then render the empty think block, as HF does with enable_thinking=Fal
 traces.
 """
 
+import contextlib
 import json
 import re
 from collections.abc import Iterable
@@ -180,9 +181,8 @@ class ChatTokenizer:
         self._escape_index = {t: i for i, t in enumerate(self._escapes)}
         self._escape_re = re.compile("|".join(map(re.escape, self._escapes)))
         self._plain = None  # the tokenizer with special-token matching off, built on first use
-        # rendered prompt (with the generation prompt) -> its ids: the over-long filter's encode_sft tokenizes every
-        # prompt, and prompt_ids then asks for the same ids again (a third of a step's tokenizing)
-        self._prompts: dict[str, list[int]] = {}
+        # rendered prompt (with the generation prompt) -> its ids, inside remembering_prompts() only
+        self._prompts: dict[str, list[int]] | None = None
 
     @classmethod
     def from_dir(cls, ckpt_dir: str | Path, check: bool = True) -> "ChatTokenizer":
@@ -295,11 +295,26 @@ class ChatTokenizer:
         return self._prompt_ids(self._render(prompt_turns(prompt), True, **kwargs))
 
     def _prompt_ids(self, rendered: str) -> list[int]:
-        """_encode_rendered of a rendered prompt, each text encoded once per tokenizer (a copy: callers own it)."""
+        """_encode_rendered of a rendered prompt; inside remembering_prompts() each text is encoded once (a copy:
+        callers own it)."""
+        if self._prompts is None:
+            return self._encode_rendered(rendered)
         ids = self._prompts.get(rendered)
         if ids is None:
             ids = self._prompts[rendered] = self._encode_rendered(rendered)
         return list(ids)
+
+    @contextlib.contextmanager
+    def remembering_prompts(self):
+        """with tok.remembering_prompts(): prompts encoded once (the over-long filter's encode_sft tokenizes every
+        prompt, and prompt_ids then asks for the same ids again: a third of an evaluation step's tokenizing); the
+        memo is dropped on exit, so a long-lived process (run.py's planner measures every training example) keeps
+        none."""
+        self._prompts = {}
+        try:
+            yield self
+        finally:
+            self._prompts = None
 
     def sft_length(self, prompt: str | list[dict], response: str) -> int:
         """Tokens of the chat-templated (prompt, response) pair: the one length the over-long filter uses in

@@ -100,16 +100,17 @@ def row_bucket(m: int) -> int:
 _PACKED: dict = {}
 
 
-def packs(model) -> dict:
+def packs(model, head: bool = True) -> dict:
     """{Linear: Packed} for the products of a model whose weights do not train, on the CPU in fp32 with oneDNN;
-    {} elsewhere (a GPU, bf16, weights being trained: packed copies would go stale). At the tiny base's shapes and
+    {} elsewhere (a GPU, bf16, weights being trained: packed copies would go stale). head=False: not lm_head (a
+    forward to hidden states never multiplies by it). At the tiny base's shapes and
     one thread oneDNN's packed products take 0.4x MKL's time at thousands of rows (BENCHMARKS.md, "The default's
     generation steps")."""
     w = model.lm_head.weight
     if (w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
             or any(p.requires_grad for p in model.parameters())):
         return {}
-    return {m: Packed(m.weight) for m in model.modules() if isinstance(m, Linear)}
+    return {m: Packed(m.weight) for m in model.modules() if isinstance(m, Linear) and (head or m is not model.lm_head)}
 
 
 class packed_products:
@@ -122,13 +123,15 @@ class packed_products:
 
     def __enter__(self):
         global _FUSED
+        self.outer = dict(_PACKED), _FUSED
         _PACKED.update(self.packs)
-        _FUSED = bool(self.packs) and cpu.backend() == "c"
+        _FUSED = _FUSED or (bool(self.packs) and cpu.backend() == "c" and not torch.is_grad_enabled())
 
     def __exit__(self, *exc):
         global _FUSED
         _PACKED.clear()
-        _FUSED = False
+        _PACKED.update(self.outer[0])
+        _FUSED = self.outer[1]
 
 
 _FUSED = False  # inside packed_products on the CPU: the elementwise work in C

@@ -410,9 +410,12 @@ def test_prompt_ids_is_user_turn_plus_generation_prompt(pair):
     prompt = "What is the capital of France?"
     expected = hf_render(hf, [{"role": "user", "content": prompt}], True, tokenize=True, enable_thinking=False)
     assert ours.prompt_ids(prompt) == expected
-    ids = ours.prompt_ids(prompt)  # again, from the tokenizer's memo of rendered prompts: a copy the caller owns
-    ids.append(-1)
-    assert ours.prompt_ids(prompt) == expected and ours.encode_sft(prompt, "Paris.")[0][:len(expected)] == expected
+    with ours.remembering_prompts():  # encode_sft's prompt ids remembered, prompt_ids from the memo: copies
+        assert ours.encode_sft(prompt, "Paris.")[0][:len(expected)] == expected
+        ids = ours.prompt_ids(prompt)
+        ids.append(-1)
+        assert ours.prompt_ids(prompt) == expected and len(ours._prompts) == 1
+    assert ours._prompts is None and ours.prompt_ids(prompt) == expected  # nothing kept after the block
 
 
 @pytest.mark.parametrize("prompt,response", SFT_PAIRS)

@@ -142,3 +142,21 @@ def test_packed_products_at_bucketed_row_counts():
         y = packed(x, b)
         assert y.shape == (1, m, 96)
         torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_products_nest_and_restore():
+    """An inner packed_products adds to the outer one and gives it back on exit; with gradients on nothing is fused
+    (the C elementwise has no backward)."""
+    from model import transformer
+    from model.transformer import Linear, Packed, packed_products
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN")
+    a, b = Linear(8, 8), Linear(8, 8)
+    with torch.no_grad(), packed_products({a: Packed(a.weight)}):
+        outer = transformer._FUSED
+        with packed_products({b: Packed(b.weight)}):
+            assert set(transformer._PACKED) == {a, b}
+        assert set(transformer._PACKED) == {a} and transformer._FUSED == outer
+    assert not transformer._PACKED and not transformer._FUSED
+    with packed_products({a: Packed(a.weight)}):
+        assert not transformer._FUSED  # autograd on
