@@ -31,8 +31,7 @@ import torch.nn.functional as F
 from kernels import cpu, varlen_attention
 from model.sampler import row_keys, sample
 from model.scheduler import Decode, Scheduler, Sequence
-from model.transformer import (Linear, Packed, Transformer, packed_products, packs, rope_cos_sin,
-                               rope_inv_freq)
+from model.transformer import Transformer, pack_all, packed_products, packs, rope_cos_sin, rope_inv_freq
 
 
 class Engine:
@@ -63,8 +62,7 @@ class Engine:
         self.mix = not cuda if mix is None else mix
         self.key_bucket = key_bucket or (256 if cuda else 1)
         self.max_prefill_tokens = max_prefill_tokens or (16384 if cuda else 4096)
-        self.packs = packs(model) if pack is None else ({m: Packed(m.weight) for m in model.modules()
-                                                          if isinstance(m, Linear)} if pack else {})
+        self.packs = packs(model) if pack is None else (pack_all(model) if pack else {})
         self.lm_head_fp32 = w.float() if lm_head_fp32 and w.dtype != torch.float32 else None
         self.inv_freq = rope_inv_freq(self.cfg, self.device)
         # on the CPU each token attends over its own slot's columns in one C call (kernels/cpu.c), where the batched

@@ -110,6 +110,11 @@ def packs(model, head: bool = True) -> dict:
     if (w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
             or any(p.requires_grad for p in model.parameters())):
         return {}
+    return pack_all(model, head)
+
+
+def pack_all(model, head: bool = True) -> dict:
+    """{Linear: Packed} of every Linear of the model (and lm_head unless head=False), unchecked."""
     return {m: Packed(m.weight) for m in model.modules() if isinstance(m, Linear) and (head or m is not model.lm_head)}
 
 
