@@ -38,6 +38,7 @@ from pipeline.costs import (CHARS_PER_TOKEN, GEN_TOK_S, GPUS, MEMORY_SHARE, PEAK
                             STEP_OVERHEAD_S, TEMPLATE_ANSWER, TEMPLATE_PROMPT, TRAIN_MFU, Profile, StepCost,
                             memory_per_gpu, micro_tokens_that_fit, needs_checkpointing, price, recomputes, train_tok_s)
 from pipeline.layout import GPU_MEMORY_GB, Layout, generation_layout
+from methods import OBJECTIVES
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -146,7 +147,9 @@ class StepCounts:
                 est, hi, c.exact = est + b_est, hi + b_hi, c.exact and exact
         c.train_tokens, c.train_tokens_max = spec.ep * sum(est), spec.ep * sum(hi)
         c.mean_doc = sum(est) / max(len(est), 1)
-        c.sdft = "sdft" in spec.extra  # --objective sdft (sft-kl's teacher pass is not priced)
+        obj = OBJECTIVES[spec.extra[spec.extra.index("--objective") + 1] if "--objective" in spec.extra else "sft"]
+        c.extra_passes, c.extra_tokens = obj.extra_passes, obj.extra_tokens(spec.extra, c.mean_doc)
+        c.sdft = obj.on_policy  # the student samples on the training GPUs
         if c.sdft:
             cap = int(spec.extra[spec.extra.index("--sdft-max-new-tokens") + 1])  # the step's own cap
             exs = [e for t in spec.tasks for e in train_sets[t]]
@@ -309,7 +312,22 @@ def print_plan(steps, runs, cfg_run, train_sets, tok, data_root, base, args, lay
     chains = [[t for t, _ in chain] for by_seed in runs.values() for chain in by_seed.values()]
     kept = None if policy == "all" else keep.simulate(policy, chains, {k: s["deps"] for k, s in steps.items()})
     print(format_disk(costs, model_cfg, gpus=bool(args.gpus), policy=policy, kept=kept))
+    extras = method_memory(runs, model_cfg, profile.gpus)
+    if extras:
+        print(extras)
     return costs
+
+
+def method_memory(runs, model_cfg, gpus: int) -> str:
+    """What each method's train steps hold per GPU besides the memory table's (methods/: Objective.state_bytes)."""
+    from methods import METHODS
+    lines = []
+    for label in runs:
+        obj = OBJECTIVES[METHODS[label.split("@")[0]].objective]
+        if obj.state_bytes:
+            gb = obj.state_bytes * model_cfg.num_params(embeddings=True) / gpus / 1e9
+            lines.append(f"  {label}: +{gb:.1f} GB per GPU ({obj.state_what}, sharded over {gpus} GPUs)")
+    return "\n".join(["memory per GPU besides the table, by method:", *lines]) if lines else ""
 
 
 def format_disk(costs, model_cfg, gpus: bool, policy: str = "all", kept: tuple | None = None) -> str:

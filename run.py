@@ -66,6 +66,7 @@ import drift
 import plan
 import rollout
 import train
+from methods import METHODS, ewc, lwf, sdft, sft_kl
 
 from data import metrics
 from data.outputs import check_output, claim_dir, write_json, write_text_atomic
@@ -83,11 +84,6 @@ from pipeline.watch import train_labels, train_status
 from reporting import tensorboard
 from reporting.collect import Evals, collect, write_index, write_partial, write_timing
 
-METHODS = ("sft", "replay", "opr-ru", "opr-sc", "opr-low", "opr-random", "mtl", "sdft", "sft-kl")
-# the OPR methods' buffers: which score ranks the rollouts (ru: the task metric, sc: mean log-prob) and what of the
-# ranking the buffer keeps (the top, the lowest, a random subset)
-OPR_BUFFERS = {"opr-ru": ("ru", "top"), "opr-sc": ("sc", "top"), "opr-low": ("ru", "low"),
-               "opr-random": ("ru", "random")}
 # CPU threads per step: float results depend on the thread count, so it is pinned (and part of every step's key)
 # rather than derived from the core count; 1 is also the fastest for the tiny model's small ops. Overridden by
 # --threads, or by an OMP_NUM_THREADS the caller set explicitly.
@@ -125,14 +121,22 @@ class Settings:
                                  "comparison of the paper's budget table); per-task: rho times each prior task's own "
                                  "training-set size (TRACE's past_task_ratio), for replay and the OPR methods alike",
                                  choices=["total", "per-task"])
-    sft_kl_beta: float = setting(train.SFT_KL_BETA, "sft-kl: KL weight", float_in(0))
-    sdft_teacher: str = setting(train.SDFT_TEACHER, "sdft: the teacher's weights (ema: the paper's Algorithm 1)",
+    sft_kl_beta: float = setting(sft_kl.BETA, "sft-kl: KL weight", float_in(0))
+    sdft_teacher: str = setting(sdft.TEACHER, "sdft: the teacher's weights (ema: the paper's Algorithm 1)",
                                 choices=["ema", "base", "student"])
-    sdft_alpha: float = setting(train.SDFT_ALPHA)
-    sdft_kl: str = setting(train.SDFT_KL)
-    sdft_temperature: float = setting(train.SDFT_TEMPERATURE)
-    sdft_max_new_tokens: int = setting(train.SDFT_MAX_NEW_TOKENS, "sdft: length cap of the student's responses (the "
+    sdft_alpha: float = setting(sdft.ALPHA)
+    sdft_kl: str = setting(sdft.KL)
+    sdft_temperature: float = setting(sdft.TEMPERATURE)
+    sdft_max_new_tokens: int = setting(sdft.MAX_NEW_TOKENS, "sdft: length cap of the student's responses (the "
                                        "paper's: the official SDFT code's)", int_at_least(1))
+    ewc_lambda: float = setting(ewc.LAMBDA, "ewc: penalty weight lambda (EasyCL's default)", float_in(0))
+    ewc_samples: int = setting(ewc.SAMPLES, "ewc: training examples per stage's Fisher (EasyCL's default)",
+                               int_at_least(1))
+    ewc_gamma: float = setting(ewc.GAMMA, "ewc: online decay of the earlier tasks' Fisher (1: their sum)",
+                               float_in(0, 1))
+    lwf_alpha: float = setting(lwf.ALPHA, "lwf: weight of the distillation term (EasyCL's default)", float_in(0, 1))
+    lwf_temperature: float = setting(lwf.TEMPERATURE, "lwf: softmax temperature (EasyCL's default)",
+                                     float_in(0, lo_open=True))
     # None: the task table's [5,3,7,5,3,5,5,7] (or a manifest's); a CPU preset: a dict task -> epochs
     epochs: object = setting(None, "epochs per stage: one int, or a comma list per task (none: the task table's, or "
                              "a manifest's)", comma_list(int_at_least(1)))
@@ -297,7 +301,7 @@ def main(argv=None):
     runs = {}  # label -> seed -> list of (train_key, eval_key)
     for rho in rhos:
         for method in methods:  # methods without a replay buffer train the same chain whatever rho
-            label = method if len(rhos) == 1 or method in ("sft", "mtl", "sdft", "sft-kl") else f"{method}@{rho:g}"
+            label = METHODS[method].label(rho, len(rhos))
             if label not in runs:
                 runs[label] = {seed: plan_chain(steps, method, seed, rho) for seed in seeds}
     probes = plan_probes(steps, runs)
@@ -361,39 +365,20 @@ def execute(pipe: Pipeline, args, runs: dict, row0: dict, probes: dict, tasks: l
 
 def plan_chain(steps: Steps, method: str, seed: int, rho: float) -> list:
     """One method's chain on one seed, the module docstring's stage loop: [(train_key, eval_key)] for stages 1..N.
-    Stage i trains task i on the last stage's checkpoint with the buffer built after it (mtl: the base on tasks 1..i
-    jointly) and is evaluated on tasks 1..i+1; then the buffer for stage i+1: replay draws gold examples of tasks
-    1..i, opr-* roll the new checkpoint out on their training prompts and score the rollouts into it."""
-    tasks, epochs = steps.inputs.tasks, steps.inputs.epochs
+    Stage i is trained as the method says (methods/: task i on the last checkpoint with the buffer built after it;
+    mtl: the base on tasks 1..i jointly) and evaluated on tasks 1..i+1; then the method builds the buffer for stage
+    i+1 (replay: gold examples of tasks 1..i; opr-*: rollouts of the new checkpoint, scored; others: none)."""
+    tasks, m = steps.inputs.tasks, METHODS[method]
     chain, prev, buffer_key = [], None, None
-    for i, task in enumerate(tasks):
-        stage, seen = i + 1, tasks[:i + 1]
-        if method == "mtl":  # row i: the base trained jointly on tasks 1..i (the upper bound so far)
-            n_ep = round(sum(epochs[t] for t in seen) / len(seen))
-            t_key = steps.train(None, stage, seen, None, seed, n_epochs=n_ep)
-        else:
-            t_key = steps.train(prev, stage, [task], buffer_key, seed, objective_flags(method, steps.cfg))
+    for i in range(len(tasks)):
+        stage = i + 1
+        t_key = m.plan_train(steps, prev, stage, tasks, buffer_key, seed)
         chain.append((t_key, steps.evaluate(t_key, stage, tasks[:i + 2], seed)))  # + task i+1, for FWT
-        prev, buffer_key = t_key, None
         if stage == len(tasks):
             break
-        next_task = tasks[i + 1]  # its training-set size sets the budget of the buffer it trains with
-        if method == "replay":
-            buffer_key = steps.gold_buffer(stage, seen, seed, next_task, rho)
-        elif method in OPR_BUFFERS:
-            scorer, mode = OPR_BUFFERS[method]
-            rollouts = steps.rollout(t_key, stage, seen, seed)
-            buffer_key = steps.score(rollouts, stage, seen, scorer, mode, seed, next_task, rho)
+        # the next task's training-set size sets the budget of the buffer it trains with
+        prev, buffer_key = t_key, m.plan_buffer(steps, t_key, stage, tasks[:stage], seed, tasks[i + 1], rho)
     return chain
-
-
-def objective_flags(method: str, cfg: dict) -> list:
-    """train.py's --objective flags of a method (sft's objective, the default, for all but sft-kl and sdft)."""
-    return {"sft-kl": ["--objective", "sft-kl", "--sft-kl-beta", str(cfg["sft_kl_beta"])],
-            "sdft": ["--objective", "sdft", "--sdft-teacher", cfg["sdft_teacher"], "--sdft-alpha",
-                     str(cfg["sdft_alpha"]), "--sdft-kl", cfg["sdft_kl"], "--sdft-temperature",
-                     str(cfg["sdft_temperature"]), "--sdft-max-new-tokens",
-                     str(cfg["sdft_max_new_tokens"])]}.get(method, [])
 
 
 def plan_probes(steps: Steps, runs: dict) -> dict:

@@ -24,18 +24,11 @@ the stage's own task examples; when the mixture has both, each step's log also h
 source's NLL per response token of that source) and target_tokens_replay, so that
     loss * target_tokens == loss_task * (target_tokens - target_tokens_replay) + loss_replay * target_tokens_replay
 
---objective picks what step 3 minimises:
-  sft     the response-token NLL above (the paper's fine-tuning, and OPR's)
-  sft-kl  NLL + beta * per-token KL(student || EMA teacher) on the gold tokens, both models reading the same
-          sequence (the one-line description of SDFT in the OPR paper)
-  sdft    on-policy Self-Distillation Fine-Tuning (Shenfeld et al. 2026, arXiv 2601.19897, Algorithm 1): per step
-          the student samples y ~ pi_theta(.|x) for each prompt x of the batch (generation on the training model,
-          each prompt with a seed of its own); the teacher pi_phi reads x with the gold demonstration in context
-          (--sdft-template) and scores the same y; the loss is
-              sum over sampled tokens of KL(pi_theta(.|x, y<t) || pi_phi(.|x+demo, y<t)), full vocabulary,
-              divided by the number of sampled tokens in the whole step
-          with no cross-entropy on the gold answer; after each optimizer step phi <- alpha*theta + (1-alpha)*phi
-          (--sdft-teacher ema; or a frozen copy of the initial weights, or the current student itself)
+--objective picks what step 3 minimises: a method's Objective (methods/), asked by the loop at named
+moments, never by name: sft (the response-token NLL above: the paper's fine-tuning, and OPR's), sft-kl (NLL + beta *
+KL to an EMA teacher), sdft (on-policy self-distillation: the student samples, a demonstration-conditioned teacher
+scores), ewc (NLL + 1/2 * lambda * sum F * (theta - theta*)^2, its Fisher written with the checkpoint). Each
+method's file says what it computes and where its defaults come from.
 """
 import argparse
 import hashlib
@@ -44,7 +37,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # pipeline.cli before torch: from its import on, a Ctrl-C while torch loads ends in one line, not a traceback
@@ -63,7 +56,8 @@ import kernels
 from kernels import attention, cross_entropy
 from model.checkpoint import load_config, load_into, remove_dir, save_checkpoint
 from model.hub import resolve_model
-from model.objectives import fsdp_units, objective, on_policy_batches, sample_responses, sample_seed
+from methods import OBJECTIVES
+from model.objectives import fsdp_units
 from model.tokenizer import ChatTokenizer
 from model.transformer import Transformer
 from pipeline import costs
@@ -83,22 +77,7 @@ EPOCHS = 5               # per stage; TRACE order uses [5, 3, 7, 5, 3, 5, 5, 7]
 MICRO_TOKENS = 16384     # tokens per packed micro-batch (per rank) on the CPU; on a GPU: the most that fit its memory
                          # (pipeline.costs.micro_tokens_that_fit: 90 % of it, with/without --activation-checkpointing)
 SAVE_EVERY = 50          # optimizer steps between resumable training states (0: never)
-OBJECTIVE = "sft"        # sft | sft-kl | sdft (see the docstring)
-# sft-kl: NLL + beta * KL to an EMA teacher on the gold tokens
-SFT_KL_BETA = 0.5
-SFT_KL_EMA = 0.99        # teacher <- ema * teacher + (1 - ema) * student after each step
-SFT_KL_DIRECTION = "reverse"  # KL(student || teacher); "forward" = KL(teacher || student)
-# sdft: Shenfeld et al. 2026, Algorithm 1, with the official code's settings (idanshen/Self-Distillation main.py)
-SDFT_TEACHER = "ema"     # ema (Algorithm 1) | base (frozen initial weights: TRL's default) | student (current weights)
-SDFT_ALPHA = 0.01        # EMA rate: phi <- alpha*theta + (1-alpha)*phi after every step (official: ref_model_mixup_alpha)
-SDFT_KL = "reverse"      # Algorithm 1's KL(student || teacher); "forward" = KL(teacher || student) is the official
-                         # code's default, which its README says produced the paper's numbers
-SDFT_TEMPERATURE = 1.0   # sampling temperature of the student's responses (official and TRL: 1.0)
-SDFT_MAX_NEW_TOKENS = 1024  # response cap (official: max_completion_length 1024)
-SDFT_SKIP_TOKENS = 0     # leading response tokens left out of the loss (official main.py: 3; Algorithm 1: 0)
-SDFT_TEMPLATE = ("\n{prompt}\n\nThis is an example for a response to the question:\n{demo}\n\n"
-                 "Now answer with a response of your own, including the thinking process.\n")  # official main.py
-SDFT_GEN_BATCH = 32      # prompts per generation batch
+OBJECTIVE = "sft"        # a name in methods.OBJECTIVES (see the docstring)
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -145,43 +124,28 @@ def parse_args(argv=None):
                         "'Compiled blocks')")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                    help="compute dtype: auto = bf16 on CUDA (fp32 master weights), fp32 on CPU")
+    p.add_argument("--memory", help="records held out of the training mixture, in --data's formats, for an objective "
+                                    "that reads them (agem: its episodic memory)")
     add_objective_flags(p)
     p.add_argument("--peak-tflops", type=float_in(0, lo_open=True), help="device peak for the MFU estimate (default: H100 bf16 dense "
                                                      "on CUDA, a measured fp32 matmul on CPU)")
     p.add_argument("--max-steps", type=int_at_least(1), help="stop after this many optimizer steps (for smoke tests)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if args.memory and not OBJECTIVES[args.objective].reads_memory:
+        p.error(f"--memory: --objective {args.objective} does not read a memory (agem does)")
     if args.wandb and importlib.util.find_spec("wandb") is None:  # before any work, not after the model is built
         p.error("--wandb: needs the wandb package; pip install wandb")
     return args
 
 
 def add_objective_flags(p):
-    """--objective and the flags of sft-kl and sdft (each objective reads only its own: the others' are left out of a
-    training state's settings, pipeline.train_state.OBJECTIVE_PREFIXES)."""
-    p.add_argument("--objective", choices=["sft", "sft-kl", "sdft"], default=OBJECTIVE,
+    """--objective and each objective's own flags (a run reads only its objective's: the others' are left out of a
+    training state's settings, pipeline.train_state.state_settings)."""
+    p.add_argument("--objective", choices=list(OBJECTIVES), default=OBJECTIVE,
                    help="what a step minimises; see above (default: %(default)s)")
-    p.add_argument("--sft-kl-beta", type=float_in(0), default=SFT_KL_BETA, help="sft-kl: KL weight (default: %(default)s)")
-    p.add_argument("--sft-kl-ema", type=float_in(0, 1), default=SFT_KL_EMA,
-                   help="sft-kl: EMA decay of the teacher (default: %(default)s)")
-    p.add_argument("--sft-kl-direction", choices=["reverse", "forward"], default=SFT_KL_DIRECTION,
-                   help="sft-kl: KL direction (default: %(default)s)")
-    p.add_argument("--sdft-teacher", choices=["ema", "base", "student"], default=SDFT_TEACHER,
-                   help="sdft: the teacher's weights: an EMA of the student (Algorithm 1), the frozen initial "
-                        "weights, or the current student (default: %(default)s)")
-    p.add_argument("--sdft-alpha", type=float_in(0, 1), default=SDFT_ALPHA,
-                   help="sdft: EMA rate, phi <- alpha*theta + (1-alpha)*phi (default: %(default)s)")
-    p.add_argument("--sdft-kl", choices=["reverse", "forward"], default=SDFT_KL,
-                   help="sdft: reverse = KL(student || teacher) (default: %(default)s)")
-    p.add_argument("--sdft-temperature", type=float_in(0), default=SDFT_TEMPERATURE,
-                   help="sdft: sampling temperature (default: %(default)s)")
-    p.add_argument("--sdft-max-new-tokens", type=int_at_least(1), default=SDFT_MAX_NEW_TOKENS,
-                   help="sdft: response length cap (default: %(default)s)")
-    p.add_argument("--sdft-skip-tokens", type=int_at_least(0), default=SDFT_SKIP_TOKENS,
-                   help="sdft: leading response tokens left out of the loss (default: %(default)s)")
-    p.add_argument("--sdft-template", default=SDFT_TEMPLATE,
-                   help="sdft: the teacher's user turn, with {prompt} and {demo} (the gold answer); "
-                        "default: the official code's")
+    for o in OBJECTIVES.values():
+        o.add_flags(p)
 
 
 def setup_distributed():
@@ -316,7 +280,8 @@ class Stage:
     teacher_ids: list | None   # sdft: the teacher's, x with the demonstration in context
     stop_ids: set              # the tokenizer's end-of-turn ids (sdft's sampling)
     has_replay: bool           # the mixture has task and replay examples: their losses are logged apart
-    loss_fn: object            # --objective's loss: a micro-batch -> (loss, [NLL, KL, task NLL, replay NLL] sums)
+    objective: object          # --objective's methods.base.Objective, asked at the loop's moments
+    loss_fn: object            # its loss: a micro-batch -> (loss, [NLL, KL, task NLL, replay NLL] sums)
     steps: list                # the optimizer steps (lists of example indices), cut at --max-steps
     settings: dict             # state_settings(args)
     plan_id: str               # what a resumable training state must have been saved for
@@ -333,6 +298,7 @@ class Stage:
     tokens_seen: int = 0       # tokens trained on in this run
     packed_tokens: int = 0     # tokens in micro-batches ...
     packed_slots: int = 0      # ... of the budget's capacity: the packing efficiency
+    kept: dict = field(default_factory=dict)  # what the objective keeps from earlier stages (ewc: F, theta*)
 
     @property
     def ema_teacher(self):
@@ -398,11 +364,12 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
 
     # 1. data: every rank tokenizes the same mixture and plans the same steps
     tok = ChatTokenizer.from_dir(args.model)
-    examples, dropped, prompt_ids, teacher_ids = tokenize_mixture(
-        args.data.split(","), tok, args.max_len, args.sdft_template if args.objective == "sdft" else None)
+    obj = OBJECTIVES[args.objective]
+    examples, dropped, prompt_ids, teacher_ids = tokenize_mixture(args.data.split(","), tok, args.max_len,
+                                                                  obj.template(args))
     lengths = [len(e.ids) for e in examples]
-    # log the loss per source (sdft trains on the student's own responses, not on the records' answers)
-    has_replay = args.objective != "sdft" and 0 < sum(e.replay for e in examples) < len(examples)
+    # log the loss per source (an on-policy objective trains on the student's own responses, not the records')
+    has_replay = not obj.on_policy and 0 < sum(e.replay for e in examples) < len(examples)
     steps = plan_steps(len(examples), args.global_batch, args.epochs, args.seed)
     total_steps = len(steps)  # the schedule always spans the whole plan, also when --max-steps stops early
     if args.max_steps is not None:
@@ -410,9 +377,11 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     settings = state_settings(args)
     plan_id = hashlib.sha256(json.dumps([settings, lengths], sort_keys=True).encode()).hexdigest()
 
-    # 2. model, and the teacher of sft-kl / sdft
-    model, teacher, ema_rate = build_models(args, device, compute_dtype)
+    # 2. model, and the objective's teacher (sft-kl, sdft) and what it keeps from earlier stages (ewc)
+    model, teacher, ema_rate = build_models(args, device, compute_dtype, obj)
     ema_teacher = teacher if ema_rate is not None else None  # part of the resumable state
+    kept = {}
+    obj.setup(args, model, kept)  # before a resumed state replaces the starting weights
 
     # 3. optimizer and schedule, and where a resumed run starts
     # fused: one kernel over all tensors; with foreach=True FSDP2's DTensors dispatch each op separately, a large
@@ -428,9 +397,9 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     stage = Stage(args=args, rank=rank, world=world, device=device, compute_dtype=compute_dtype, out=out,
                   workdir=workdir, log_path=log_path, examples=examples, dropped=dropped, lengths=lengths,
                   prompt_ids=prompt_ids, teacher_ids=teacher_ids, stop_ids=tok.stop_ids, has_replay=has_replay,
-                  loss_fn=objective(args, model, teacher, has_replay, device),
+                  objective=obj, loss_fn=obj.loss_fn(args, model, teacher, has_replay, device),
                   steps=steps, settings=settings, plan_id=plan_id, model=model, teacher=teacher, ema_rate=ema_rate,
-                  opt=opt, sched=sched, start=start, peak=peak, flops_per_token=flops_per_token)
+                  opt=opt, sched=sched, start=start, peak=peak, flops_per_token=flops_per_token, kept=kept)
     if rank == 0:
         print_stage(stage)
         stage.tb = tensorboard.writer(Path(args.tensorboard), start + 1) if args.tensorboard else None
@@ -459,8 +428,8 @@ def print_stage(s: Stage):
           f"tokens, {len(s.steps)} steps of <= {args.global_batch} sequences on {s.world} rank(s) "
           f"({'FSDP2' if fsdp_units(s.model) else 'unsharded: one CPU rank, fp32'}), {s.device.type}, "
           f"{str(s.compute_dtype).removeprefix('torch.')}{', compiled blocks' if args.compile else ''}, "
-          f"{args.micro_tokens} tokens per micro-batch, objective {args.objective}"
-          + (f" (teacher {args.sdft_teacher}, KL {args.sdft_kl})" if args.objective == "sdft" else ""), flush=True)
+          f"{args.micro_tokens} tokens per micro-batch, objective {args.objective}{s.objective.describe(args)}",
+          flush=True)
     print(f"train.py: kernels: attention {attention.describe()}; cross-entropy {cross_entropy.get_backend()}",
           flush=True)
 
@@ -481,18 +450,16 @@ def resolve_inputs(args, rank: int):
         args.model = str(resolve_model(args.model))
 
 
-def build_models(args, device, compute_dtype):
-    """Step 2: the model, and the teacher of sft-kl / sdft: a copy of the initial weights (an EMA from there on, or
-    frozen); sdft's "student" teacher is the training model itself. -> (model, teacher or None, EMA rate or None)."""
+def build_models(args, device, compute_dtype, obj):
+    """Step 2: the model, and the teacher the objective asks for: a copy of the initial weights (an EMA from there
+    on, or frozen; sdft's "student" teacher is the training model itself, no copy). -> (model, teacher or None, EMA
+    rate or None)."""
     model = build_model(args.model, device, compute_dtype, args.activation_checkpointing, compile=args.compile)
-    teacher, ema_rate = None, None
-    if args.objective == "sft-kl" or (args.objective == "sdft" and args.sdft_teacher != "student"):
+    wants_teacher, ema_rate = obj.teacher(args)
+    teacher = None
+    if wants_teacher:
         teacher = build_model(args.model, device, compute_dtype, compile=args.compile)
         teacher.requires_grad_(False)
-    if args.objective == "sft-kl":
-        ema_rate = 1 - args.sft_kl_ema
-    elif args.objective == "sdft" and args.sdft_teacher == "ema":
-        ema_rate = args.sdft_alpha
     return model, teacher, ema_rate
 
 
@@ -510,50 +477,37 @@ def train_step(s: Stage, step: int) -> dict:
         sums += parts
     dist.all_reduce(sums)
     train_loss, kl_mean, task_nll, replay_nll = (sums / max(n_targets, 1)).tolist()
-    if args.objective == "sdft":
+    if s.objective.on_policy:
         train_loss = kl_mean  # the whole objective: there is no NLL term
     if not math.isfinite(train_loss):
         raise UserError(f"non-finite loss {train_loss} at step {step + 1}; stopping. The last good "
                          f"training state (if any) is intact in {s.workdir / 'state'}")
+    extra = s.objective.after_backward(s, step)  # (ewc: its penalty's gradient; agem: the projection)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
     lr = s.sched.get_last_lr()[0]
     s.opt.step()
     s.sched.step()
     s.opt.zero_grad(set_to_none=True)
-    if s.ema_teacher is not None:
-        # a forward with no backward can leave the teacher's units (always the root: embeddings, norm, lm_head)
-        # unsharded, as plain tensors: reshard so the EMA below updates the sharded parameters
-        for unit in fsdp_units(s.teacher):
-            unit.reshard()
-        with torch.no_grad():  # phi <- rate * theta + (1 - rate) * phi
-            for t_p, s_p in zip(s.teacher.parameters(), model.parameters()):
-                t_p.lerp_(s_p, s.ema_rate)
+    s.objective.after_step(s)  # (an EMA teacher follows the student)
     return dict(loss=train_loss, kl=kl_mean, task_nll=task_nll, replay_nll=replay_nll, grad_norm=grad_norm, lr=lr,
-                tokens=step_tokens, target_tokens=n_targets, gen_seconds=gen_seconds)
+                tokens=step_tokens, target_tokens=n_targets, gen_seconds=gen_seconds, extra=extra)
 
 
 def micro_batches(s: Stage, step: int):
     """Optimizer step `step`'s micro-batches on this rank -> (micro-batches, response tokens of the whole step,
-    tokens of the whole step, seconds spent sampling). sft, sft-kl: lists of the mixture's examples; sdft: the
-    student first answers this rank's prompts, and its responses replace the gold answers as training tokens."""
+    tokens of the whole step, seconds spent sampling). Lists of the mixture's examples; an on-policy objective's
+    (sdft) student first answers this rank's prompts, and its responses replace the gold answers."""
     args, examples, lengths = s.args, s.examples, s.lengths
     batch = s.steps[step]
     micro = pack(batch, lengths, args.micro_tokens, s.world)[s.rank]
-    if args.objective != "sdft":
+    if not s.objective.on_policy:
         micro = [[examples[i] for i in mb] for mb in micro]
         n_targets = sum(examples[i].n_targets for i in batch)  # the global token count: every rank plans it
         step_tokens, gen_seconds = sum(lengths[i] for i in batch), None
         sizes = [sum(len(e.ids) for e in mb) for mb in micro]
     else:
-        mine = [i for mb in micro for i in mb]
-        t_gen = time.perf_counter()
-        seeds = [sample_seed(args.seed, step, i) for i in mine]
-        outs = sample_responses(s.model, [s.prompt_ids[i] for i in mine], seeds, args.sdft_temperature,
-                                args.sdft_max_new_tokens, s.stop_ids, SDFT_GEN_BATCH)
-        gen_seconds = time.perf_counter() - t_gen
-        micro, n_targets, step_tokens = on_policy_batches(mine, outs, s.prompt_ids, s.teacher_ids,
-                                                          args.sdft_skip_tokens, args.micro_tokens, s.device)
+        micro, n_targets, step_tokens, gen_seconds = s.objective.sample_micro_batches(s, step, micro)
         sizes = [sum(len(x.ids) for x, _ in mb) for mb in micro]
     s.packed_tokens += sum(sizes)
     # an example longer than --micro-tokens fills a micro-batch of its own length, not of the budget
@@ -570,7 +524,7 @@ def log_and_save(s: Stage, step: int, numbers: dict, dt: float, bar):
     record = {"step": step + 1, "loss": train_loss, "grad_norm": numbers["grad_norm"], "lr": numbers["lr"],
               "tokens": step_tokens, "target_tokens": n_targets, "tokens_per_s": step_tokens / dt,
               "mfu": step_tokens * s.flops_per_token / dt / s.peak / s.world}
-    if args.objective != "sft":
+    if s.objective.logs_kl:
         record["kl"] = numbers["kl"]
     if s.has_replay:  # per source: that source's NLL per response token of that source
         n_replay = sum(examples[i].n_targets for i in s.steps[step] if examples[i].replay)
@@ -578,8 +532,9 @@ def log_and_save(s: Stage, step: int, numbers: dict, dt: float, bar):
                                else None)
         record["loss_replay"] = numbers["replay_nll"] * n_targets / n_replay if n_replay else None
         record["target_tokens_replay"] = n_replay
-    if args.objective == "sdft":
+    if s.objective.on_policy:
         record["gen_seconds"] = numbers["gen_seconds"]
+    record.update(numbers["extra"])
     if s.rank == 0:
         with open(s.log_path, "a") as f:
             f.write(dumps_strict(record, s.log_path) + "\n")
@@ -598,6 +553,7 @@ def save_final(s: Stage, t_start: float):
     directory with the train log and train_summary.json; every rank learns whether that worked."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     args, steps, workdir = s.args, s.steps, s.workdir
+    kept_files = s.objective.after_training(s)  # what the next stage reads (ewc: the Fisher)
     full = get_model_state_dict(s.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     elapsed = time.perf_counter() - t_start
     # rank 0 writes; every rank learns whether that worked, so none waits forever on a failed rank 0
@@ -613,7 +569,7 @@ def save_final(s: Stage, t_start: float):
             (workdir / "train_summary.json").write_text(dumps_strict(summary, workdir / "train_summary.json", indent=2) + "\n")
             save_dtype = torch.bfloat16 if s.compute_dtype == torch.bfloat16 else torch.float32
             save_checkpoint(full, args.model, s.out, dtype=save_dtype,
-                            extra_files=[s.log_path, workdir / "train_summary.json"])
+                            extra_files=[s.log_path, workdir / "train_summary.json", *kept_files])
             remove_dir(workdir)  # whole or gone: a kill mid-way must not leave a state that looks resumable
             print(f"train.py: {len(steps)} steps, {s.tokens_seen} tokens in {elapsed:.1f}s "
                   f"({summary['tokens_per_s']:.0f} tok/s), dropped {s.dropped} over-long, packing efficiency "

@@ -181,7 +181,8 @@ def save_checkpoint(state_dict: dict, src_dir, out_dir, max_shard_bytes: int = 5
     tokenizer files copied from src_dir.
 
     Shards with a model.safetensors.index.json when the weights exceed max_shard_bytes. Atomic: written to a
-    temporary sibling directory, then renamed over out_dir. `extra_files` (paths) are copied in too (logs).
+    temporary sibling directory, then renamed over out_dir. `extra_files` (paths of files or directories) are copied
+    in too (logs, a method's stage artefacts).
     """
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     cfg = load_config(src_dir)
@@ -215,8 +216,8 @@ def save_checkpoint(state_dict: dict, src_dir, out_dir, max_shard_bytes: int = 5
         for fname in SIDECAR_FILES:
             if (src_dir / fname).is_file():
                 shutil.copy2(src_dir / fname, tmp / fname)
-        for path in extra_files:
-            shutil.copy2(path, tmp / Path(path).name)
+        for path in extra_files:  # a file, or a directory of them (a method's stage artefacts)
+            (shutil.copytree if Path(path).is_dir() else shutil.copy2)(path, tmp / Path(path).name)
         saved_dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
         hf = json.loads((tmp / "config.json").read_text())
         hf["torch_dtype" if "torch_dtype" in hf else "dtype"] = saved_dtype

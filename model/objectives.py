@@ -1,7 +1,6 @@
-"""What train.py minimises (--objective), one loss function each, chosen once:
+"""The losses train.py's objectives (methods/) are made of, each a micro-batch -> sums:
 
-    loss_fn = objective(args, model, teacher, has_replay, device)
-    loss, parts = loss_fn(micro_batch)   # parts: [NLL, KL, task NLL, replay NLL] sums over the micro-batch, detached
+    loss, parts = sft_loss(model, has_replay, device, micro_batch)  # parts: [NLL, KL, task NLL, replay NLL], detached
 
   sft     the response-token NLL (the paper's fine-tuning, and OPR's)
   sft-kl  NLL + beta * KL(student || EMA teacher) on the gold tokens, both models reading the same sequence
@@ -13,8 +12,6 @@ the root unit): nll, nll_kl and kl below are what it is given, functions of the 
 and lm_head's weight.
 """
 import hashlib
-from functools import partial
-
 import torch
 import torch.distributed as dist
 
@@ -36,34 +33,31 @@ def nll(labels, replay_mask=None):
     return loss
 
 
-def kl(labels, teacher_hidden, teacher_weight, direction: str):
+def kl(labels, teacher_hidden, teacher_weight, direction: str, temperature: float = 1.0):
     """The summed KL between the model and a teacher (its hidden states at the non-ignored positions of labels, its
-    lm_head weight) over the full vocabulary at those positions (kernels.kl.chunked_kl)."""
+    lm_head weight) over the full vocabulary at those positions (kernels.kl.chunked_kl), both softmaxes at
+    `temperature` (logits / T: the hidden states scaled, since logits are linear in them)."""
     def loss(h, w):
-        return chunked_kl(h[labels.flatten() != IGNORE], w, teacher_hidden, teacher_weight, direction)
+        h, th = h[labels.flatten() != IGNORE], teacher_hidden
+        if temperature != 1.0:
+            h, th = h / temperature, th / temperature
+        return chunked_kl(h, w, th, teacher_weight, direction)
     return loss
 
 
-def nll_kl(labels, teacher_hidden, teacher_weight, direction: str, replay_mask=None):
+def nll_kl(labels, teacher_hidden, teacher_weight, direction: str, replay_mask=None, temperature: float = 1.0):
     """(nll(labels, replay_mask), kl(...)) from one forward."""
     def loss(h, w):
-        return nll(labels, replay_mask)(h, w), kl(labels, teacher_hidden, teacher_weight, direction)(h, w)
+        return (nll(labels, replay_mask)(h, w),
+                kl(labels, teacher_hidden, teacher_weight, direction, temperature)(h, w))
     return loss
 
 
 # ---- the objectives: a micro-batch -> (loss sum to backpropagate, [NLL, KL, task NLL, replay NLL] sums) -----------
-def objective(args, model, teacher, has_replay: bool, device):
-    """The loss function of --objective."""
-    if args.objective == "sdft":
-        return partial(sdft_loss, model, teacher if teacher is not None else model, args.sdft_kl, device)
-    if args.objective == "sft-kl":
-        return partial(sft_loss, model, has_replay, device, teacher=teacher, beta=args.sft_kl_beta,
-                       direction=args.sft_kl_direction)
-    return partial(sft_loss, model, has_replay, device)
-
-
-def sft_loss(model, has_replay: bool, device, mb: list, teacher=None, beta: float = 0.0, direction: str = "reverse"):
-    """sft (and with a teacher, sft-kl): mb is a list of examples."""
+def sft_loss(model, has_replay: bool, device, mb: list, teacher=None, beta: float = 0.0, direction: str = "reverse",
+             temperature: float = 1.0, nll_weight: float = 1.0):
+    """sft: mb is a list of examples. With a teacher reading the same sequences (sft-kl, lwf):
+    nll_weight * NLL + beta * KL at `temperature`."""
     ids, pos, tgt, cu, max_len = collate(mb, device)
     kw = dict(cu_seqlens=cu, max_seqlen=max_len)
     mask, slot = replay_split(mb, device) if has_replay else (None, 0)
@@ -73,7 +67,8 @@ def sft_loss(model, has_replay: bool, device, mb: list, teacher=None, beta: floa
     else:  # sft-kl: the teacher reads the same gold sequence
         with torch.no_grad():
             t_hidden = teacher(ids, pos, return_hidden=True, **kw)[tgt != IGNORE]
-        loss, kl_sum = model(ids, pos, loss=nll_kl(tgt, t_hidden, teacher.lm_head.weight, direction, mask), **kw)
+        loss, kl_sum = model(ids, pos, loss=nll_kl(tgt, t_hidden, teacher.lm_head.weight, direction, mask,
+                                                   temperature), **kw)
         parts[1] = kl_sum.detach()
     if mask is None:
         parts[2 + slot] = loss.detach()
@@ -81,7 +76,9 @@ def sft_loss(model, has_replay: bool, device, mb: list, teacher=None, beta: floa
         parts[2:] = loss.detach()
         loss = loss.sum()
     parts[0] = loss.detach()
-    return (loss if teacher is None else loss + beta * kl_sum), parts
+    if teacher is None:
+        return loss, parts
+    return (loss if nll_weight == 1.0 else nll_weight * loss) + beta * kl_sum, parts
 
 
 def sdft_loss(model, scorer, direction: str, device, mb: list):

@@ -72,9 +72,10 @@ class Steps:
     def scorers(task_list):  # a user's own scorer is read like a data file by the steps that score with it
         return [f for t in task_list for f in scorer_files(get_task(t))]
 
-    def train(self, prev, stage, task_list, buffer_key, seed, extra=(), n_epochs=None):
+    def train(self, prev, stage, task_list, buffer_key, seed, extra=(), n_epochs=None, memory_key=None):
         """train.py on the checkpoint of `prev` (None: the base) with the train splits of `task_list` and the buffer
-        of `buffer_key` (None: no replay); extra: train.py flags (the objective)."""
+        of `buffer_key` (None: no replay); extra: train.py flags (the objective); memory_key: a buffer given to
+        train.py as --memory, held out of the mixture (agem's episodic memory)."""
         cfg, train_sets, base = self.cfg, self.inputs.train_sets, self.inputs.base
         name = f"s{stage}-train-{task_list[-1] if len(task_list) == 1 else 'joint'}"
         spec = specs.Train(tasks=task_list, seed=seed, lr=cfg["lr"], gb=cfg["global_batch"], extra=list(extra),
@@ -89,16 +90,18 @@ class Steps:
             if buffer and buffer.stat().st_size:  # (empty: score.py found no rollout short enough to train on)
                 records += read_records(buffer, required=("prompt", "response"), types={"prompt": (str, list)})
             write_jsonl(tmp / "mixture.jsonl", records)
+            memory = ["--memory", str(dirs[memory_key] / "buffer.jsonl")] if memory_key else []
             model = dirs[prev] / "ckpt" if prev else base
             return self.trainer + [
                 str(SCRIPTS / "train.py"), "--model", str(model), "--data", str(tmp / "mixture.jsonl"),
                 "--out", str(tmp / "ckpt"), "--epochs", str(spec.ep), "--lr", str(cfg["lr"]),
                 "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
-                "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", str(self.save_every), "--resume",
-                "--warmup", str(cfg["warmup"]), "--lr-schedule", cfg["lr_schedule"], "--quiet", *extra, *self.ac,
+                "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", str(self.save_every),
+                "--resume", "--warmup", str(cfg["warmup"]), "--lr-schedule", cfg["lr_schedule"], "--quiet", *extra,
+                *memory, *self.ac,
                 "--tensorboard", str(self.pipe.run_dir / "tb" / "train" / tmp.name.removesuffix(".tmp")),
                 *(["--wandb", str(self.pipe.run_dir / "wandb" / tmp.name.removesuffix(".tmp"))] if self.wandb else [])]
-        return self.pipe.add("train", name, spec, [d for d in (prev, buffer_key) if d], build,
+        return self.pipe.add("train", name, spec, [d for d in (prev, buffer_key, memory_key) if d], build,
                              reads=self.files("train", task_list) + ([] if prev else self.base_files))
 
     def evaluate(self, train_key, stage, task_list, seed):

@@ -133,6 +133,8 @@ class StepCost:
     exact: bool = True
     mean_doc: float = 0.0
     sdft: bool = False
+    extra_passes: float = 0.0    # the objective's passes per trained token besides the student's (methods/)
+    extra_tokens: float = 0.0    # ... and its once-per-stage work on every GPU (ewc's Fisher)
     prompts: int = 0
     prompt_tokens: int = 0
     new_tokens_max: int = 0
@@ -178,13 +180,15 @@ def price(c: StepCost, cfg, profile: Profile, checkpointing: bool = False):
         c.gpu_hours_max = generation_hours(profile, c.new_tokens_max / profile.gen_tok_s + prefill)[1]
         return
     if c.kind == "train":
-        f = 1 + c.sdft / 3  # (a train tok/s given by the user gets no recomputation factor)
+        f = 1 + c.extra_passes  # (a train tok/s given by the user gets no recomputation factor)
         if not profile.train_tok_s:
             f += recomputes(cfg, profile, checkpointing) / 3
         # sdft's sampling: every rank its share of the step's prompts, at the generation rate of a GPU
         sample = c.prompt_tokens / (PREFILL_FACTOR * tps) if c.sdft else 0.0
-        c.gpu_hours = over + (f * c.train_tokens / tps + sample + c.new_tokens_est / profile.gen_tok_s) / 3600
-        c.gpu_hours_max = over + (f * c.train_tokens_max / tps + sample + c.new_tokens_max / profile.gen_tok_s) / 3600
+        once = c.extra_tokens * profile.gpus / tps
+        c.gpu_hours = over + (f * c.train_tokens / tps + once + sample + c.new_tokens_est / profile.gen_tok_s) / 3600
+        c.gpu_hours_max = over + (f * c.train_tokens_max / tps + once + sample
+                                  + c.new_tokens_max / profile.gen_tok_s) / 3600
     elif c.kind == "buffer-nll":
         c.gpu_hours = c.gpu_hours_max = over + c.prompt_tokens / (PREFILL_FACTOR * tps) / 3600
     c.wall_hours = c.gpu_hours / profile.gpus  # priced as work that every GPU of the node shares

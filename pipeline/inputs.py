@@ -66,9 +66,11 @@ def load_inputs(args, preset: str, cfg: dict, methods: list, engine: str) -> Inp
     check_inputs(base, data_root, tasks, train_sets, tok, cfg["max_len"], args.dry_run)  # before any step runs
     for t in tasks:
         check_scorer(get_task(t), train_sets[t][0])
-    if "sdft" in methods and any(not isinstance(e.prompt, str) for t in tasks for e in train_sets[t]):
-        raise UserError(f"{task_spec or data_root}: sdft puts a prompt into its teacher's user turn: it needs "
-                        f"single-turn prompts, without a system prompt or earlier turns")
+    from methods import METHODS, OBJECTIVES
+    on_policy = [m for m in methods if OBJECTIVES[METHODS[m].objective].on_policy]
+    if on_policy and any(not isinstance(e.prompt, str) for t in tasks for e in train_sets[t]):
+        raise UserError(f"{task_spec or data_root}: {on_policy[0]} puts a prompt into its teacher's user turn: it "
+                        f"needs single-turn prompts, without a system prompt or earlier turns")
     return Inputs(base, data_root, task_spec, tasks, epochs, held, tok, train_sizes, train_sets, layout)
 
 

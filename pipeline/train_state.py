@@ -23,13 +23,13 @@ NOT_PLAN_ARGS = ("out", "resume", "quiet", "debug", "overwrite", "save_every", "
                  "tensorboard", "wandb")
 # ... nor the weights of a training state at a given step: the schedule spans the whole plan whatever --max-steps is
 NOT_STATE_ARGS = NOT_PLAN_ARGS + ("max_steps",)
-OBJECTIVE_PREFIXES = {"sft": (), "sft-kl": ("sft_kl_",), "sdft": ("sdft_",)}
 
 
 def state_settings(args) -> dict:
     """The flags a resumable training state depends on: all of them but NOT_STATE_ARGS and the other objectives'
     flags (which the run never reads), as JSON values."""
-    others = tuple(p for o, ps in OBJECTIVE_PREFIXES.items() if o != args.objective for p in ps)
+    from methods import OBJECTIVES
+    others = tuple(p for o in OBJECTIVES.values() if o.name != args.objective for p in o.prefixes)
     return {k: json.loads(json.dumps(v)) for k, v in vars(args).items()
             if k not in NOT_STATE_ARGS and not k.startswith(others)}
 

@@ -148,7 +148,7 @@ def plot_bwt_acc(summary, path: Path):
     plt = _plt()
     fig, ax = plt.subplots(figsize=(4.5, 3.6))
     for m, s in summary.items():
-        if s["bwt"]["mean"] is None:  # one stage, or an ACC_ONLY method: no BWT
+        if s["bwt"]["mean"] is None:  # one stage, or an acc_only method: no BWT
             continue
         ax.errorbar(s["bwt"]["mean"], s["acc"]["mean"], xerr=s["bwt"]["std"], yerr=s["acc"]["std"], fmt="o",
                     capsize=3, label=m)

@@ -35,8 +35,8 @@ def summarize(results) -> dict:
     {"seeds": [seed, ...], "stages": n,                      # n = stages trained (rows of the matrix)
      "acc": {"mean", "std", "n"}, "bwt": {"mean", "std", "n"},  # std: sample std over seeds, None with one seed;
                                                              # bwt mean/std None when n == 1
-     "per_seed": {seed: {"acc", "bwt"}},                   # bwt None for an ACC_ONLY method
-     "acc_only": bool,                                     # ACC_ONLY: bwt, fwt, forgetting(_mean), bwt_trace undefined
+     "per_seed": {seed: {"acc", "bwt"}},                   # bwt None for an acc_only method
+     "acc_only": bool,                                     # acc_only: bwt, fwt, forgetting(_mean), bwt_trace undefined
      "final": {task: {"mean", "std", "n"}},                # last row, for the n tasks trained so far
      "matrix": [[mean]] and "matrix_std": [[std]],    # ragged like the input (row i has i+1 entries)
      "fwt", "forgetting_mean", "op", "bwt_trace": {"mean", "std", "n"},   # mean None where undefined (FWT: no row 0)
@@ -249,7 +249,7 @@ def diagnostic_flags(results) -> list:
 def drift_numbers(results) -> dict:
     """From the runs' "drift" entries: per method and stage the seed-mean of the mean sequence KL and of the KL per
     token over the prior tasks' prompts, the (KL on task j, a(i, j) - a(i-1, j)) points of every seed, stage i >= 2
-    and prior task j (not of ACC_ONLY methods, whose rows are separate runs), and their Pearson and Spearman
+    and prior task j (not of acc_only methods, whose rows are separate runs), and their Pearson and Spearman
     correlations. Empty when no run has drift entries."""
     tasks = results["tasks"]
     per_stage, points = {}, []

@@ -37,7 +37,7 @@ results.json (written by run.py's collect; JSON):
            "rollout_checks": [{"stage": i, "k", "tokens", "mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "warned"}],
            "loss_sources": [{"task": [per step], "replay": [per step]} or null per stage]}
 
-Methods in ACC_ONLY (mtl) show their ACC, OP and accuracy matrix only: each row of their matrix is a separate joint
+Methods that are acc_only (mtl: Method.acc_only) show their ACC, OP and accuracy matrix only: each row of their matrix is a separate joint
 run from the base, so BWT, FWT and forgetting, which compare rows, measure nothing. summarize() leaves those fields
 undefined for them (results.json keeps its cl_metrics unchanged); the tables print "—" there, and the BWT and
 forgetting figures, the paired ΔBWT and the forgetting-vs-drift points leave them out.
@@ -48,13 +48,15 @@ import statistics
 REFERENCE = "replay"              # the baseline of the "delta vs replay" figure
 REFERENCES = ("replay", "sft")    # paired-difference tables, in this order, for those present in the run
 NOISE_MIN_SEEDS = 3               # "where the seed noise comes from" for methods with at least this many seeds
-ACC_ONLY = ("mtl",)               # rows are independent joint runs: only ACC (and the matrix) is shown
 EXAMPLE_MEAN_TOL = 1e-3           # per-example scores must average to their matrix entry (run.py rounds them to 1e-4)
 
 
 def acc_only(label: str) -> bool:
-    """True for a method (label "method" or "method@rho") whose BWT, FWT and forgetting mean nothing (ACC_ONLY)."""
-    return label.split("@")[0] in ACC_ONLY
+    """True for a method (label "method" or "method@rho") whose BWT, FWT and forgetting mean nothing: the method
+    says so (methods/: Method.acc_only, mtl's)."""
+    from methods import METHODS  # (imports torch: only when a report is made)
+    method = METHODS.get(label.split("@")[0])
+    return method is not None and method.acc_only
 
 
 def _is_number(x) -> bool:

@@ -18,7 +18,7 @@ from reporting.schema import NOISE_MIN_SEEDS, REFERENCE, acc_only
 from reporting.stats import LEVEL
 
 
-NOT_SHOWN = "—"  # an ACC_ONLY method's BWT, FWT, forgetting: defined by the formula, meaningless for it
+NOT_SHOWN = "—"  # an acc_only method's BWT, FWT, forgetting: defined by the formula, meaningless for it
 
 
 def _fmt(ms: dict, with_std: bool = True, undefined: str = "-") -> str:
@@ -99,7 +99,7 @@ def delta_table(summary, unc, ref: str) -> str:
 def noise_tables(tasks, nn: dict) -> list:
     """Two Markdown tables from noise_numbers: per method (and paired difference) the seed std of ACC and BWT, the
     share of their variance that is test-prompt noise and the floor no test-set size goes below; then each task's
-    seed std of its final score (of its difference) with its share of ACC's (ΔACC's) variance. An ACC_ONLY method's
+    seed std of its final score (of its difference) with its share of ACC's (ΔACC's) variance. An acc_only method's
     BWT (and its differences') shows as NOT_SHOWN."""
     def part(ns, label=""):
         if ns is None:

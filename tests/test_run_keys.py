@@ -185,6 +185,34 @@ def test_keys_follow_what_a_setting_changes(setup):
         assert len(portable) == len(auto) and not set(portable) & set(auto)
 
 
+def test_a_methods_settings_key_its_own_train_steps_only(setup):
+    """Each method's settings (methods/: Method.flags) reach train.py and its train steps' keys, and no other
+    method's; agem's stage 2 reads replay's gold buffer as its memory (one step, shared with replay)."""
+    import plan
+
+    def steps(*extra):
+        cmd = command(setup["base"], setup["data"], setup["root"] / "dry", jobs=1) + ["--dry-run", *extra]
+        return plan.parse_plan(run(cmd, setup["env"]).stdout)
+
+    def trains(s, method_free):  # train keys of stage 2 (those after a buffer or a prior stage)
+        return {k for k, x in s.items() if x["kind"] == "train"} - method_free
+
+    base = steps("--methods", "sft")
+    sft_trains = {k for k, x in base.items() if x["kind"] == "train"}
+    for method, flag, value in (("ewc", "--ewc-lambda", "5"), ("ewc", "--ewc-samples", "7"),
+                                ("ewc", "--ewc-gamma", "0.5"), ("lwf", "--lwf-alpha", "0.25"),
+                                ("lwf", "--lwf-temperature", "3"), ("sft-kl", "--sft-kl-beta", "0.1")):
+        a, b = steps("--methods", f"sft,{method}"), steps("--methods", f"sft,{method}", flag, value)
+        assert sft_trains <= set(a) and sft_trains <= set(b), (method, flag)  # sft untouched
+        own_a, own_b = trains(a, sft_trains), trains(b, sft_trains)
+        assert len(own_a) == len(TASKS) and own_a.isdisjoint(own_b), (method, flag)
+    both = steps("--methods", "replay,agem")
+    gold = [k for k, x in both.items() if x["kind"] == "replay"]
+    assert len(gold) == 1  # one gold draw: replay's buffer is agem's memory
+    readers = [k for k, x in both.items() if x["kind"] == "train" and gold[0] in x["deps"]]
+    assert len(readers) == 2  # replay's stage 2 and agem's
+
+
 def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only(monkeypatch):
     """results.json carries the preset's measured seed noise (report.py's one-seed intervals) only for a run that
     is the one measured: other methods or the drift probe do not matter; any other setting, the device, GPUs, the

@@ -21,6 +21,7 @@ from tiny import (MAX_LEN, assert_close_rel, assert_same_weights, kill_once_stat
 
 import train as train_script  # noqa: E402
 from data.packing import plan_steps  # noqa: E402
+from methods import sdft as sdft_method  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.objectives import sample_seed  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
@@ -107,7 +108,7 @@ def reference(path: Path, name: str) -> tuple[list[dict], dict]:
         total, n_tokens = 0.0, 0
         for i in plan[step]:
             x = tok.prompt_ids(kept[i]["prompt"])
-            x_demo = tok.prompt_ids(train_script.SDFT_TEMPLATE.format(prompt=kept[i]["prompt"],
+            x_demo = tok.prompt_ids(sdft_method.TEMPLATE.format(prompt=kept[i]["prompt"],
                                                                       demo=kept[i]["response"]))
             y = naive_sample(student, x, sample_seed(0, step, i), 1.0, tok.stop_ids)
             s = response_logprobs(student, x, y)
