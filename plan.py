@@ -126,7 +126,8 @@ class StepCounts:
         if s["kind"] == "replay":  # gold replay: the draw run.py writes, so exact
             lens = [L.sft(e) for _, e in gold_draw(train_sets, spec.prior, spec.budget, spec.seed)]
             return lens, lens, True
-        prior = self.steps[s["deps"][0]]["spec"].prior  # score <- rollout of the prior tasks
+        # score <- rollout of the prior tasks; ssr: its own (synthetic inputs, priced as the tasks' own examples)
+        prior = spec.prior if s["kind"] == "ssr" else self.steps[s["deps"][0]]["spec"].prior
         counts = replay_counts(spec.budget, {t: len(train_sets[t]) for t in prior})  # one rollout per example
         est, hi = [], []
         for t in prior:
@@ -142,7 +143,7 @@ class StepCounts:
         task_lens = [L.sft(e) for t in spec.tasks for e in train_sets[t]]
         est, hi = list(task_lens), list(task_lens)
         for d in deps:
-            if self.steps[d]["kind"] in ("replay", "score"):
+            if self.steps[d]["kind"] in ("replay", "score", "ssr"):
                 b_est, b_hi, exact = self.buffer_lengths(d)
                 est, hi, c.exact = est + b_est, hi + b_hi, c.exact and exact
         c.train_tokens, c.train_tokens_max = spec.ep * sum(est), spec.ep * sum(hi)
@@ -171,6 +172,17 @@ class StepCounts:
         elif kind == "drift":  # drift.py: sample the first `limit` test prompts of each prior task, then both models
             # teacher-force the samples and the gold answers (priced as prefill in price())
             self.generation(c, [e for t in spec.prior for e in self.test_set(t, limit=spec.limit)])
+        elif kind == "synth":  # synthesize.py: --samples completions of each in-context prompt of two demonstrations,
+            # each at most max_new_tokens (a continuation writes several Input/Output pairs), estimated as two
+            exs = self.train_sets[spec.task]
+            n = min(spec.prompts, spec.demos * (spec.demos - 1)) * spec.samples
+            mean = sum(self.L.sft(e) for e in exs) / max(len(exs), 1)
+            c.prompts, c.prompt_tokens = n, round(n * 2 * mean)
+            c.new_tokens_max, c.new_tokens_est = n * spec.max_new_tokens, round(n * min(2 * mean, spec.max_new_tokens))
+        elif kind == "ssr":  # ssr_buffer.py: the latest checkpoint answers the budget's synthetic inputs
+            from data.replay import replay_counts
+            counts = replay_counts(spec.budget, {t: len(self.train_sets[t]) for t in spec.prior})
+            self.generation(c, [e for t in spec.prior for e in self.train_sets[t][:counts[t]]])
         elif kind == "buffer-nll":  # buffer_nll.py: one teacher-forced forward over the gold buffer
             b_est, _, _ = self.buffer_lengths(s["deps"][1])
             c.prompts, c.prompt_tokens = len(b_est), sum(b_est)

@@ -65,8 +65,9 @@ from pathlib import Path
 import drift
 import plan
 import rollout
+import synthesize
 import train
-from methods import METHODS, ewc, lwf, sdft, sft_kl
+from methods import METHODS, ewc, lwf, sdft, sft_kl, ssr
 
 from data import metrics
 from data.outputs import check_output, claim_dir, write_json, write_text_atomic
@@ -137,6 +138,16 @@ class Settings:
     lwf_alpha: float = setting(lwf.ALPHA, "lwf: weight of the distillation term (EasyCL's default)", float_in(0, 1))
     lwf_temperature: float = setting(lwf.TEMPERATURE, "lwf: softmax temperature (EasyCL's default)",
                                      float_in(0, lo_open=True))
+    ssr_demos: int = setting(synthesize.DEMOS, "ssr: stored demonstrations per task (the official code's)",
+                             int_at_least(2))
+    ssr_prompts: int = setting(synthesize.PROMPTS, "ssr: in-context prompts per task (official: every ordered pair "
+                               "of 20 demonstrations)", int_at_least(1))
+    ssr_samples: int = setting(synthesize.SAMPLES, "ssr: completions per in-context prompt", int_at_least(1))
+    ssr_temperature: float = setting(synthesize.TEMPERATURE, "ssr: the base model's sampling temperature", float_in(0))
+    ssr_template: str = setting(synthesize.TEMPLATE, "ssr: in-context prompt as raw text (the official code's, for "
+                                "a base model) or in a chat user turn (an instruction-tuned model)",
+                                choices=["raw", "chat"])
+    ssr_clusters: int = setting(ssr.CLUSTERS, "ssr: K-means clusters per task", int_at_least(1))
     # None: the task table's [5,3,7,5,3,5,5,7] (or a manifest's); a CPU preset: a dict task -> epochs
     epochs: object = setting(None, "epochs per stage: one int, or a comma list per task (none: the task table's, or "
                              "a manifest's)", comma_list(int_at_least(1)))

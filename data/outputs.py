@@ -152,6 +152,7 @@ OUTPUT_KINDS = {
     "rollout-summary": (False, "a rollout summary written by rollout.py"),
     "buffer": (False, "a replay buffer written by score.py"),
     "buffer-stats": (False, "buffer statistics written by score.py or buffer_nll.py"),
+    "synth": (True, "synthetic inputs written by synthesize.py"),
 }
 
 

@@ -25,7 +25,9 @@ SCRIPTS = Path(__file__).resolve().parents[1]  # train.py, evaluate.py, ... the 
 STEP_OUTPUTS = {"train": ["ckpt/model.safetensors|ckpt/model.safetensors.index.json"],
                 "eval": ["eval/scores.json", "eval/predictions.jsonl"],
                 "rollout": ["rollouts.jsonl"], "score": ["buffer.jsonl"], "replay": ["buffer.jsonl"],
-                "drift": ["drift/drift.json"], "buffer-nll": ["buffer_stats.json"]}
+                "drift": ["drift/drift.json"], "buffer-nll": ["buffer_stats.json"],
+                "synth": ["synth/synth.jsonl", "synth/embeddings.safetensors", "synth/info.json"],
+                "ssr": ["buffer.jsonl"]}
 
 # what --keep-checkpoints last|final deletes of a committed step: a stage checkpoint's weights (one file, or the shards
 # and their index of one over 5 GiB); its logs and config stay, and results.json reads its train_log.jsonl
@@ -181,6 +183,44 @@ class Steps:
                             task_fields=step_fields(prior, "data"))
         return self.pipe.add("replay", f"s{stage}-gold", spec, [], build,
                              reads=self.files("train", prior) + self.base_files)
+
+    def synthesize(self, task, seed):
+        """synthesize.py: the base model writes synthetic inputs of `task` from its stored demonstrations (ssr);
+        one step per task and seed, shared by every stage and method that reads it."""
+        cfg = self.cfg
+        spec = specs.Synth(task=task, seed=seed, demos=cfg["ssr_demos"], prompts=cfg["ssr_prompts"],
+                           samples=cfg["ssr_samples"], temperature=cfg["ssr_temperature"],
+                           template=cfg["ssr_template"],
+                           max_new_tokens=cfg["max_new_tokens"], max_len=cfg["max_len"], max_train=cfg["max_train"],
+                           engine=self.engine, task_fields=step_fields([task], "data"))
+
+        def build(tmp, dirs):
+            return self.gen_py + [str(SCRIPTS / "synthesize.py"), "--ckpt", str(self.inputs.base), *self.common_data,
+                                  "--tasks", task, "--out", str(tmp / "synth"), "--seed", str(seed),
+                                  "--demos", str(spec.demos), "--prompts", str(spec.prompts),
+                                  "--samples", str(spec.samples), "--temperature", str(spec.temperature),
+                                  "--template", spec.template,
+                                  "--max-new-tokens", str(spec.max_new_tokens), "--max-train", str(spec.max_train),
+                                  "--quiet", *self.engine]
+        return self.pipe.add("synth", f"synth-{task}", spec, [], build,
+                             reads=self.files("train", [task]) + self.base_files)
+
+    def ssr_buffer(self, train_key, synth_keys, stage, prior, seed, next_task, rho):
+        """ssr_buffer.py: SSR's buffer after stage `stage`: each prior task's synthetic inputs (synth_keys, in task
+        order) chosen by K-means and answered by the checkpoint of `train_key`. It reads no training file."""
+        cfg = self.cfg
+        flags, budget = self.budget_args(prior, next_task, rho)
+        draw = f"{seed}{stage:03d}"  # the K-means start drawn anew at every stage, as gold replay draws its examples
+        spec = specs.Ssr(prior=prior, seed=int(draw), budget=budget, clusters=cfg["ssr_clusters"], gen=self.gen_spec,
+                         task_fields=step_fields(prior, "data"))
+
+        def build(tmp, dirs):
+            return self.gen_py + [str(SCRIPTS / "ssr_buffer.py"), "--ckpt", str(dirs[train_key] / "ckpt"),
+                                  "--synth", ",".join(str(dirs[k] / "synth") for k in synth_keys), *flags,
+                                  "--clusters", str(spec.clusters), "--max-new-tokens", str(cfg["max_new_tokens"]),
+                                  "--max-len", str(cfg["max_len"]), "--seed", draw, "--out", str(tmp / "buffer.jsonl"),
+                                  "--quiet", *self.engine]
+        return self.pipe.add("ssr", f"s{stage}-ssr", spec, [train_key, *synth_keys], build)
 
     def drift(self, cur_key, prev_key, stage, prior, seed):
         """drift.py: KL(pi_cur || pi_prev) per update on the test prompts of tasks `prior`."""

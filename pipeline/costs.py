@@ -172,7 +172,7 @@ def price(c: StepCost, cfg, profile: Profile, checkpointing: bool = False):
     (generation_hours)."""
     over = profile.overhead_s * profile.gpus / 3600
     tps = train_tok_s(cfg, c.mean_doc or 512, profile)
-    if c.kind in ("eval", "rollout", "drift"):
+    if c.kind in ("eval", "rollout", "drift", "synth", "ssr"):
         prefill = c.prompt_tokens / (PREFILL_FACTOR * tps)
         if c.kind == "drift":  # + two models teacher-forced on the samples and on the gold answers
             prefill += 4 * (c.prompt_tokens + c.new_tokens_est) / (PREFILL_FACTOR * tps)

@@ -86,6 +86,32 @@ class BufferNll:
     max_len: int
 
 
+@dataclass(frozen=True)
+class Synth:
+    task: str            # the task whose inputs the base model synthesizes (ssr)
+    seed: int
+    demos: int           # stored demonstrations
+    prompts: int         # in-context prompts
+    samples: int         # completions per prompt
+    temperature: float
+    template: str        # raw | chat
+    max_new_tokens: int
+    max_len: int
+    max_train: int
+    engine: list
+    task_fields: dict
+
+
+@dataclass(frozen=True)
+class Ssr:
+    prior: list          # the tasks whose synthetic inputs it selects and answers
+    seed: int
+    budget: dict         # data.replay.replay_budget
+    clusters: int
+    gen: dict
+    task_fields: dict
+
+
 def fields_of(spec) -> dict:
     """A spec's fields as the key hashes them (a plain dict passes as it is: the tests' stand-in steps)."""
     return spec if isinstance(spec, dict) else asdict(spec)
