@@ -441,8 +441,11 @@ def configure(args):
 
 def engine_of(args) -> str:
     """The generating steps' engine: "auto" resolved here, so the keys say which engine sampled (vLLM needs GPUs: a
-    CPU run samples natively)."""
+    CPU run samples natively). A --dry-run with --gpus plans the GPU machine it prices, not the one it runs on: its
+    "auto" is vLLM there (README's GPU setup installs it), so a laptop plans the steps and keys the node will run."""
     from model.sampling import resolve_engine
+    if args.engine == "auto" and args.gpus and args.dry_run:
+        return "vllm"
     return resolve_engine(args.engine, check=False) if args.gpus or args.engine != "auto" else "native"
 
 

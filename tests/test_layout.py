@@ -204,3 +204,12 @@ def test_dry_run_from_config_json_alone_prices_the_layout(tmp_path, config_only)
     assert {a["kind"] for a, _ in generating} == {"eval", "rollout", "drift"}
     for a, b in generating:  # (printed to 0.01)
         assert a["gpu_hours"] == pytest.approx(b["gpu_hours"] + 4 * STEP_OVERHEAD_S / 3600, abs=0.021)
+
+
+def test_dry_run_with_gpus_plans_the_gpu_machines_engine(tmp_path, config_only):
+    """--engine auto in a --dry-run with --gpus is what the GPU machine would pick (vLLM), not this CPU machine's
+    native engine: --tp 4 plans, where a real run here is refused (no CUDA, no vLLM)."""
+    r = run_py(tmp_path, config_only, "--gpus", "8", "--tp", "4", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "generation: DP 2 x TP 4 on 8 GPUs (--tp 4)" in r.stdout
+    assert run_py(tmp_path, config_only, "--gpus", "8", "--tp", "4", "--engine", "native", "--dry-run").returncode == 2
