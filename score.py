@@ -142,10 +142,21 @@ def read_rollouts(path: Path) -> list[dict]:
         if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in r["logprobs"]):
             raise InputError(f"{r['_where']}: field 'logprobs' must be a list of numbers")
         # a NaN or infinite log-prob (Python's JSON reads NaN/Infinity) would rank first or poison the stats
-        bad = next((x for x in r["logprobs"] if not math.isfinite(x)), None)
+        bad = next((x for x in r["logprobs"] if not math.isfinite(x) or x > 0), None)
         if bad is not None:
-            raise InputError(f"{r['_where']}: field 'logprobs' holds {bad}; log-probs must be finite numbers "
+            raise InputError(f"{r['_where']}: field 'logprobs' holds {bad}; log-probs must be finite numbers <= 0 "
                              f"(re-run rollout.py for this file)")
+        if "token_ids" in r and (not isinstance(r["token_ids"], list) or len(r["token_ids"]) != len(r["logprobs"])):
+            n = len(r["token_ids"]) if isinstance(r["token_ids"], list) else type(r["token_ids"]).__name__
+            raise InputError(f"{r['_where']}: {n} token_ids but {len(r['logprobs'])} logprobs; each sampled token "
+                             f"has one log-prob (re-run rollout.py for this file)")
+    first = {}
+    for r in records:  # one rollout per training prompt: a second would be scored and replayed twice
+        key = (r["task"], r["idx"])
+        if key in first:
+            raise InputError(f"{r['_where']}: task {r['task']!r} idx {r['idx']} again (first at {first[key]}); a "
+                             f"rollout file holds one rollout per training prompt")
+        first[key] = r["_where"]
     return records
 
 

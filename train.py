@@ -410,6 +410,9 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
 def already_final(args, rank: int, out: Path, workdir: Path) -> bool:
     """True when --resume finds OUT already the final checkpoint of these settings (said on rank 0: nothing to do);
     otherwise OUT and its .partial directory are checked as outputs (only train.py's own are replaced)."""
+    if out.resolve() == Path(args.model).resolve():
+        raise UserError(f"--out {out}: is --model's checkpoint; train.py would replace its own input with its "
+                        f"fine-tune: choose another --out")
     if args.resume and not (workdir / "state").exists() and (out / "train_summary.json").is_file():
         if final_with_same_settings(out, args):
             if rank == 0:

@@ -31,9 +31,25 @@ def _int(s: str) -> int:
         raise NonFiniteError(f"an integer of {len(s)} digits is too large; write a smaller number") from None
 
 
+class DuplicateKeyError(ValueError):
+    """A JSON object that names a key twice (loads_strict)."""
+
+
+def _unique_keys(pairs: list) -> dict:
+    """An object's members, refusing a key given twice (Python's reader keeps the last one without a word)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKeyError(f"key {k!r} appears twice in one object; keep one")
+        out[k] = v
+    return out
+
+
 # Python's JSON reader takes NaN, Infinity and -Infinity (and 1e999 as an infinity), none of which is JSON; a NaN
-# passes every range check written as `x < lo`, so input must refuse them where it is parsed
-STRICT = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_int)
+# passes every range check written as `x < lo`, so input must refuse them where it is parsed; and it keeps the last
+# of two equal keys, so a record or a manifest could say two things and mean one
+STRICT = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_int,
+                          object_pairs_hook=_unique_keys)
 
 
 def loads_strict(text: str, where) -> object:
@@ -45,6 +61,8 @@ def loads_strict(text: str, where) -> object:
     except NonFiniteError as e:
         field = _non_finite_field(text)
         raise InputError(f"{where}: {f'field {field!r}: ' if field else ''}{e}") from None
+    except DuplicateKeyError as e:
+        raise InputError(f"{where}: {e}") from None
 
 
 def _non_finite_field(text: str) -> str | None:

@@ -32,11 +32,14 @@ def expand(parser: argparse.ArgumentParser, argv: list[str] | None) -> list[str]
         return argv
     path = Path(known.config)
     flags = {a.dest: a for a in parser._actions if a.option_strings}
-    tokens = []
+    tokens, named = [], {}
     for key, value in load(path).items():
         action = flags.get(str(key).replace("-", "_"))
         if action is None or action.dest in NOT_SAVED:
             raise InputError(f"{path}: {key!r} is not a setting of this script (see --help for the flag names)")
+        if action.dest in named:  # lr-schedule and lr_schedule: one setting, said twice
+            raise InputError(f"{path}: {key!r} and {named[action.dest]!r} are the same setting; keep one")
+        named[action.dest] = key
         flag = next(o for o in action.option_strings if o.startswith("--"))
         if isinstance(value, float) and not math.isfinite(value):
             raise InputError(f"{path}: {key}: {value} is not a finite number")
@@ -52,6 +55,27 @@ def expand(parser: argparse.ArgumentParser, argv: list[str] | None) -> list[str]
     return tokens + rest
 
 
+def yaml_unique_keys(text: str):
+    """yaml.safe_load, refusing a mapping that names a key twice (PyYAML keeps the last without a word)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=Loader)
+
+
 def load(path: Path) -> dict:
     try:
         text = path.read_text(encoding="utf-8")
@@ -62,8 +86,7 @@ def load(path: Path) -> dict:
             import tomllib
             doc = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
-            import yaml
-            doc = yaml.safe_load(text)
+            doc = yaml_unique_keys(text)
         else:
             raise InputError(f"--config {path}: name a .yaml, .yml or .toml file")
     except InputError:

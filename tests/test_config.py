@@ -70,7 +70,10 @@ def test_each_setting_is_declared_once_and_its_flag_help_and_presets_follow(caps
     given = {"methods": "sft", "rho": "0.3", "lr": "0.001", "warmup": "0.1", "lr_schedule": "linear",
              "global_batch": "2", "max_new_tokens": "7", "max_train": "9", "eval_limit": "5", "eval_repeats": "3",
              "scoring": "trace", "replay_budget": "per-task", "sft_kl_beta": "0.25", "sdft_teacher": "base",
-             "sdft_max_new_tokens": "11", "epochs": "2", "drift_limit": "0", "n_train": "64", "n_test": "16"}
+             "sdft_max_new_tokens": "11", "epochs": "2", "drift_limit": "0", "n_train": "64", "n_test": "16",
+             "ewc_lambda": "3.0", "ewc_samples": "7", "ewc_gamma": "0.5", "lwf_alpha": "0.25", "lwf_temperature": "3.0",
+             "ssr_demos": "5", "ssr_prompts": "9", "ssr_samples": "2", "ssr_temperature": "0.7", "ssr_template": "chat",
+             "ssr_clusters": "4"}
     assert set(given) == {f.name for f in flagged}  # a new flagged setting gets a value here
     argv = [a for k, v in given.items() for a in (f"--{k.replace('_', '-')}", v)]
     _, cfg, *_ = run.configure(run.parse_args(argv))

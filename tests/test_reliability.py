@@ -286,6 +286,29 @@ CASES = [
     ("score-out-foreign-file", "score", lambda env, tmp: (
         score_args(env, tmp)[:-1] + [foreign_file(tmp)], str(tmp / "mine.jsonl"))),
     ("run-out-foreign-dir", "run", lambda env, tmp: (run_args(env, tmp)[:-1] + [foreign_dir(tmp)], str(tmp / "mine"))),
+    # --- issue 64, classes 3 and 5: the user's input overwritten; inputs accepted that cannot be right -------------
+    ("train-out-is-model", "train", lambda env, tmp: (
+        train_args(env, tmp, model=copy_ckpt(env, tmp))[:-3] + ["--out", tmp / "ck", "--quiet"],
+        f"--out {tmp / 'ck'}: is --model's checkpoint")),
+    ("score-positive-logprob", "score", lambda env, tmp: (score_args(env, tmp, "--scorer", "sc", rollouts=write(
+        tmp, "r.jsonl", '{"task": "FOMC", "idx": 0, "prompt": "p", "response": "A", "logprobs": [-1, 0.5]}\n')),
+        str(tmp / "r.jsonl") + ": record 0 (line 1): field 'logprobs' holds 0.5; log-probs must be finite numbers <= 0")),
+    ("score-token-logprob-lengths", "score", lambda env, tmp: (score_args(env, tmp, "--scorer", "sc", rollouts=write(
+        tmp, "r.jsonl", '{"task": "FOMC", "idx": 0, "prompt": "p", "response": "A", "token_ids": [5, 6, 7], '
+                        '"logprobs": [-1, -2]}\n')),
+        str(tmp / "r.jsonl") + ": record 0 (line 1): 3 token_ids but 2 logprobs")),
+    ("score-duplicate-idx", "score", lambda env, tmp: (score_args(env, tmp, "--scorer", "sc", rollouts=write(
+        tmp, "r.jsonl", '{"task": "FOMC", "idx": 0, "prompt": "p", "response": "A", "logprobs": [-1]}\n' * 2)),
+        str(tmp / "r.jsonl") + ": record 1 (line 2): task 'FOMC' idx 0 again (first at ")),
+    ("score-duplicate-json-key", "score", lambda env, tmp: (score_args(env, tmp, "--scorer", "sc", rollouts=write(
+        tmp, "r.jsonl", '{"task": "FOMC", "idx": 0, "idx": 1, "prompt": "p", "response": "A", "logprobs": [-1]}\n')),
+        str(tmp / "r.jsonl") + ": record 0 (line 1): key 'idx' appears twice in one object")),
+    ("run-config-duplicate-key", "run", lambda env, tmp: (
+        run_args(env, tmp, "--config", write(tmp, "exp.yaml", "lr: 1.0e-4\nlr: 2.0e-4\n")),
+        f"--config {tmp / 'exp.yaml'}: not valid YAML: key 'lr' appears twice")),
+    ("run-config-two-spellings", "run", lambda env, tmp: (
+        run_args(env, tmp, "--config", write(tmp, "exp.yaml", "lr-schedule: linear\nlr_schedule: cosine\n")),
+        f"{tmp / 'exp.yaml'}: 'lr_schedule' and 'lr-schedule' are the same setting; keep one")),
     # --- drift.py follows the same rules ---------------------------------------------------------------------------
     flag("drift", drift_args, "--limit", "-1"),
     flag("drift", drift_args, "--max-new-tokens", "0"),

@@ -203,9 +203,9 @@ def test_score_ru_against_real_trace_gold(tmp_path):
     from data.trace import load_task
     rows = []
     for task in ("FOMC", "NumGLUE-ds"):
-        for ex in load_task(SHARED_TRACE, task, "train")[:4]:
-            rows.append(rollout(task, ex.idx, ex.prompt, ex.answer, [-0.1]))
-            rows.append(rollout(task, ex.idx, ex.prompt, "", [-0.1]))
+        exs = load_task(SHARED_TRACE, task, "train")[:8]  # one rollout per prompt: 4 copy the gold, 4 are empty
+        for i, ex in enumerate(exs):
+            rows.append(rollout(task, ex.idx, ex.prompt, ex.answer if i < 4 else "", [-0.1]))
     path = tmp_path / "rollouts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     buf = read(score.main(["--rollouts", str(path), "--data", str(SHARED_TRACE), "--scorer", "ru", "--budget", "8",
