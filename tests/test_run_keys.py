@@ -213,6 +213,43 @@ def test_a_methods_settings_key_its_own_train_steps_only(setup):
     assert len(readers) == 2  # replay's stage 2 and agem's
 
 
+# every setting of run.Settings with a flag, and another value for it; n_train / n_test size the embedded benchmark
+# (refused with --data: their effect is the data files' content, which every key hashes: the edited-answer test)
+OTHER_VALUE = {"methods": None, "rho": "0.25", "lr": "3e-4", "warmup": "0.1", "lr_schedule": "linear",
+               "global_batch": "2", "max_new_tokens": "5", "max_train": "6", "eval_limit": "3", "eval_repeats": "2",
+               "scoring": "trace", "replay_budget": "per-task", "sft_kl_beta": "0.25", "sdft_teacher": "base",
+               "sdft_max_new_tokens": "7", "epochs": "2", "drift_limit": "2", "n_train": None, "n_test": None,
+               "ewc_lambda": "3.0", "ewc_samples": "7", "ewc_gamma": "0.5", "lwf_alpha": "0.25",
+               "lwf_temperature": "3.0", "ssr_demos": "5", "ssr_prompts": "9", "ssr_samples": "2",
+               "ssr_temperature": "0.7", "ssr_template": "chat", "ssr_clusters": "4"}
+ALL_METHODS = "sft,replay,opr-ru,opr-sc,opr-low,opr-random,mtl,sdft,sft-kl,ewc,lwf,agem,ssr"
+
+
+def test_every_setting_changes_the_keys_of_the_steps_it_changes(setup, capsys, monkeypatch):
+    """Issue 59's flag-key rule at run.py's level: a setting that reaches a step's command but not its key would let
+    a run reuse another run's cached steps. For every flagged setting of run.Settings, the dry run's step keys with
+    another value differ from the default's (every method in the run, so each method's settings act)."""
+    import dataclasses
+
+    import run
+    flagged = {f.name for f in dataclasses.fields(run.Settings) if f.metadata.get("help")}
+    assert flagged == set(OTHER_VALUE), "a new setting gets a value in OTHER_VALUE"
+
+    def keys(*extra):
+        argv = [str(a) for a in command(setup["base"], setup["data"], setup["root"] / "dry", jobs=1)[2:]]
+        costs = run.main([*argv, "--methods", ALL_METHODS, "--dry-run", *extra])
+        capsys.readouterr()
+        return {c.key for c in costs}
+
+    monkeypatch.setenv("OPR_CACHE", setup["env"]["OPR_CACHE"])
+    monkeypatch.setattr(run.faulthandler, "register", lambda *a, **k: None)  # (pytest's captured stderr has no fd)
+    base = keys()
+    for name, value in OTHER_VALUE.items():
+        if value is None:
+            continue
+        assert keys(f"--{name.replace('_', '-')}", value) != base, f"--{name} {value} changed no step key"
+
+
 def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only(monkeypatch):
     """results.json carries the preset's measured seed noise (report.py's one-seed intervals) only for a run that
     is the one measured: other methods or the drift probe do not matter; any other setting, the device, GPUs, the
