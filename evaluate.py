@@ -9,7 +9,7 @@ For each task (in order):
 Then, for all tasks at once:
   3. sample --repeats responses per prompt in ONE generate call (temperature 0.1, top-p 1, <= 512 new tokens, stop at
      end-of-turn/EOS); the K copies of a prompt are independent draws from the one seeded sampler of the call
-  4. score every response against its gold answer with the task's metric (data.metrics.score, 0..100) under the
+  4. score every response against its gold answer with the task's metric (data.conventions.score, 0..100) under the
      --scoring convention: lenient (default: reads the answer a small model means), paper (the official OPR code's
      tools/eval.py) or trace (TRACE's metrics.py); see data/metrics.py
   5. write (atomically, only once everything above succeeded)
@@ -85,7 +85,7 @@ def score_all(jobs, outs, tok, root, args) -> list[dict]:
     """predictions.jsonl's records: each response decoded and scored by its task's metric (--scoring); a scorer that
     fails on one names its test file and record."""
     from tqdm import tqdm
-    from data.metrics import score
+    from data.conventions import score
     from data.trace import task_file
     records = []
     for (ex, k), o in tqdm(list(zip(jobs, outs)), desc="score", unit="response", disable=args.quiet):

@@ -6,7 +6,7 @@
   1. read the rollouts written by rollout.py (one per historical training prompt)
   2. score each one; with --max-len and --tokenizer, a rollout whose chat-templated prompt + response is longer than
      --max-len tokens is no candidate (train.py would drop it, leaving the buffer short of b): counted as over-long
-       ru (OPR-RU): the task's own metric (data.metrics.score, 0..100) of the response against the gold answer of the
+       ru (OPR-RU): the task's own metric (data.conventions.score, 0..100) of the response against the gold answer of the
                     same training record (looked up by task + idx in <data>/<task>/train.json), under --scoring:
                     lenient (default), paper (the official code's generate_opr_ru.py rules) or trace (TRACE's)
        sc (OPR-SC): self-confidence = mean raw log-prob of the sampled tokens
@@ -174,7 +174,7 @@ def sc_score(r: dict) -> float:
 def ru_scores(records: list[dict], root: Path, scoring: str = SCORING) -> list[float]:
     """Task metric (0..100, convention `scoring`) of each response against the gold answer of its training record;
     0 for an empty response under lenient scoring (paper / trace: whatever their metric gives)."""
-    from data.metrics import score
+    from data.conventions import score
     from data.trace import load_task
     gold = {}
     for task in dict.fromkeys(r["task"] for r in records):

@@ -1,8 +1,8 @@
 """The scoring conventions of other codebases, reproduced exactly, per example, and the table of all three by task.
 
 data/metrics.py holds the project's own (lenient) scorers; this module holds ports of other code's scorers, kept
-literal, quirks included, so that our numbers can be set beside the sources' (`score(..., scoring=...)` in
-data/metrics.py picks one; evaluate.py, score.py and run.py: --scoring). They are kept apart because they are
+literal, quirks included, so that our numbers can be set beside the sources' (`score(..., scoring=...)` at
+the end of this module picks one; evaluate.py, score.py and run.py: --scoring). They are kept apart because they are
 reproductions, not rules of ours: each stays as its source has it, whatever the lenient rules become.
   paper  the OPR paper's official code (Yancey2024/OnPolicyReplay tools/eval.py; tools/generate_opr_ru.py scores
          OPR-RU rollouts with the same rules): classification = first character of the raw response equals the
@@ -22,8 +22,8 @@ score 0; a 20Minuten prompt without "Paragraph:\\n" under `paper` is an error, a
 import re
 
 from data.errors import InputError
-from data.metrics import METRICS, _rouge_scorer, prompt_text, sari
-from data.tasks import TASKS
+from data.metrics import METRICS, _rouge_scorer, prompt_text, sari, task_metric
+from data.tasks import TASKS, get_task
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def trace_sari(prediction: str, gold: str, prompt: str = "") -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The three conventions by task (data.metrics.score dispatches on this table)
+# The three conventions by task (score() below dispatches on this table)
 
 # TRACE's own table (TASKS), not the active one: this module is first imported by score(), maybe after a manifest
 # made its tasks the active ones, and score() uses these rows only for TRACE tasks with their TRACE metric
@@ -176,3 +176,23 @@ CONVENTIONS = {  # scoring -> task -> fn(prediction, gold, prompt) -> float in [
               "ScienceQA": trace_first_char, "NumGLUE-cm": trace_exact, "NumGLUE-ds": trace_exact,
               "20Minuten": trace_sari},
 }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dispatch by convention and task (the conventions' table CONVENTIONS above)
+
+SCORINGS = ("lenient", "paper", "trace")
+SCORING = "lenient"  # the default everywhere: reads what a small model means; `paper` / `trace` reproduce sources
+
+
+def score(task: str, prediction: str, gold: str, prompt: str = "", scoring: str = SCORING, record=None) -> float:
+    """Per-example score in [0, 100] of `prediction` for a task under a scoring convention (lenient | paper |
+    trace, see data/conventions.py). The prompt is only used by SARI, the record (the source record) only by a
+    user's scorer. The conventions are TRACE's: a manifest's task follows them where it is a TRACE task with its
+    TRACE metric, else its own metric scores it whatever the convention."""
+    t = get_task(task)  # unknown task -> ValueError listing the valid ones
+    if scoring not in CONVENTIONS:
+        raise ValueError(f"unknown scoring {scoring!r}; choose one of {', '.join(SCORINGS)}")
+    if task in TASKS and t.metric == TASKS[task].metric:
+        return CONVENTIONS[scoring][task](prediction, gold, prompt)
+    return task_metric(t)(prediction, gold, prompt, record)

@@ -318,7 +318,7 @@ def check_scorer(task: Task, example):
     stops the run before any step."""
     if ":" not in task.metric:
         return
-    from data.metrics import score
+    from data.conventions import score
     try:
         score(task.name, example.answer, example.answer, example.prompt, record=example.record)
     except InputError as e:  # a scorer that raised or returned a non-number: data.metrics names no record

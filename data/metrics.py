@@ -11,8 +11,8 @@ Like TRACE's `if prediction == "" ...: continue`, an empty (all-whitespace) pred
 
 These are the LENIENT rules (the default, `scoring="lenient"`): they read the answer a small model means ("Answer: B"
 -> B, " A" -> A, "12.0" = 12). Two more conventions reproduce other code exactly, per example (means over examples
-are taken by the caller, as both sources do); choose one with `score(..., scoring=...)` (evaluate.py, score.py and
-run.py: --scoring):
+are taken by the caller, as both sources do); choose one with data.conventions.score(..., scoring=...) (evaluate.py,
+score.py and run.py: --scoring):
   paper  the OPR paper's official code (Yancey2024/OnPolicyReplay tools/eval.py)
   trace  TRACE's metrics.py + evaluations/eval_*.py
 Their scorers, and CONVENTIONS, the table of all three by task, are in data/conventions.py, which gives their rules.
@@ -334,27 +334,6 @@ METRICS = {  # metric name (data.tasks.Task.metric) -> fn(prediction, gold, prom
     "exact_match": exact_match,
     "token_f1": token_f1,
 }
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Dispatch by convention and task (the conventions and their table CONVENTIONS: data/conventions.py)
-
-SCORINGS = ("lenient", "paper", "trace")
-SCORING = "lenient"  # the default everywhere: reads what a small model means; `paper` / `trace` reproduce sources
-
-
-def score(task: str, prediction: str, gold: str, prompt: str = "", scoring: str = SCORING, record=None) -> float:
-    """Per-example score in [0, 100] of `prediction` for a task under a scoring convention (lenient | paper |
-    trace, see data/conventions.py). The prompt is only used by SARI, the record (the source record) only by a
-    user's scorer. The conventions are TRACE's: a manifest's task follows them where it is a TRACE task with its
-    TRACE metric, else its own metric scores it whatever the convention."""
-    t = get_task(task)  # unknown task -> ValueError listing the valid ones
-    from data.conventions import CONVENTIONS  # here, not at the top: data.conventions imports this module
-    if scoring not in CONVENTIONS:
-        raise ValueError(f"unknown scoring {scoring!r}; choose one of {', '.join(SCORINGS)}")
-    if task in TASKS and t.metric == TASKS[task].metric:
-        return CONVENTIONS[scoring][task](prediction, gold, prompt)
-    return task_metric(t)(prediction, gold, prompt, record)
 
 
 # ---------------------------------------------------------------------------------------------------------------

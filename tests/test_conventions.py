@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from data.conventions import fuzzywuzzy_ratio, literal_py150_postprocess, pltrdy_rouge_l_f
-from data.metrics import SCORINGS, sari, score
+from data.conventions import SCORINGS, score
+from data.metrics import sari
 
 
 # --- scoring conventions: lenient (default) / paper (official OPR code) / trace (TRACE) -------------------------
@@ -121,7 +122,7 @@ def test_conventions_first_imported_under_a_manifest():
     """score() imports data.conventions on first use, maybe after a manifest made its tasks the active ones: its
     lenient row comes from TRACE's own table, so a manifest without the TRACE tasks still scores."""
     code = ("from data.tasks import Task, use_tasks; use_tasks({'qa': Task('qa', 'exact_match', 1)}); "
-            "from data.metrics import score; print(score('qa', 'Paris', 'paris'))")
+            "from data.conventions import score; print(score('qa', 'Paris', 'paris'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "100.0", out.stderr[-2000:]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from data import embedded
-from data.metrics import score
+from data.conventions import score
 from data.tasks import TASK_ORDER
 from data.trace import load_task
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from data.embedded import write_benchmark
-from data.metrics import score
+from data.conventions import score
 from data.tasks import TASK_ORDER
 from data.trace import load_task
 from model.tokenizer import ChatTokenizer
@@ -42,7 +42,7 @@ def evaluate(*args) -> Path:
 
 def test_evaluate_script_end_to_end(tiny_ckpt, data_root):
     """Subprocess, default tasks and output dir, 2 repeats at temperature 1: every number in scores.json is
-    recomputed here from predictions.jsonl with data.metrics.score."""
+    recomputed here from predictions.jsonl with data.conventions.score."""
     r = subprocess.run([sys.executable, "evaluate.py", "--ckpt", str(tiny_ckpt), "--data", str(data_root),
                         "--max-new-tokens", "8", "--repeats", "2", "--temperature", "1.0", "--engine", "native",
                         "--quiet"], cwd=REPO, capture_output=True, text=True, timeout=300,

@@ -20,7 +20,8 @@ import pytest
 
 from data import manifest
 from data.manifest import check_scorer, load_manifest, use_manifest
-from data.metrics import exact_match, label_accuracy, score, token_f1
+from data.conventions import score
+from data.metrics import exact_match, label_accuracy, token_f1
 from data.tasks import TASKS, get_task, parse_tasks, use_tasks
 from data.trace import load_task, task_file
 from data.errors import InputError

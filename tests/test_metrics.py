@@ -7,7 +7,8 @@ import pytest
 
 from data.metrics import (acc_bwt, bwt_over_all_tasks, cl_metrics, code_fuzz, forgetting, forward_transfer,
                           last_number, letter_accuracy, number_accuracy, overall_performance, py150_postprocess, rouge_l,
-                          sari, sari_metric, score, simplification_source)
+                          sari, sari_metric, simplification_source)
+from data.conventions import score
 
 
 # --- letter accuracy -------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import pytest
 
 from reporting.diagnostics import diagnose
 from data.metrics import acc_bwt, cl_metrics
-from data.metrics import score as metric
+from data.conventions import score as metric
 from data.replay import allocate, buffer_size, select
 from report import FIGURES, format_table, summarize, warning_lines
 from data.trace import load_task

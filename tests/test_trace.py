@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from data.metrics import score
+from data.conventions import score
 from data.trace import Example, filter_overlong, filter_report, load_task
 
 REPO = Path(__file__).resolve().parents[1]
