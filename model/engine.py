@@ -9,7 +9,9 @@ The cache. Keys and values live in one preallocated tensor per layer, [max_seqs,
 sequence owns one slot (row) from its admission to its last token, its token at position p in column p; the
 scheduler (model/scheduler.py) keeps the live sequences in slots 0..n-1, so a decode step reads the views [:n] (no
 gather, no copy). The KV cache is allocated once per engine (grown when a call needs longer sequences), so CUDA
-graphs captured in one call serve the next.
+graphs captured in one of its calls serve the next. model.native.sample, the scripts' entry, builds an engine per
+call and keeps none: an engine packs the weights it reads once, and sdft samples from training weights that change
+between calls; a caller generating repeatedly from fixed weights keeps its own Engine to reuse the cache and graphs.
 
 The model. The engine runs the model's own blocks (model/transformer.py), plugging its cache into their attention
 (`attend`); on the CPU in fp32 their products read weights packed once for oneDNN (transformer.Packed), and each
@@ -217,7 +219,8 @@ class Engine:
 
     def allocate(self, cols: int):
         """The KV cache for sequences of up to `cols` tokens (and no CUDA graphs yet: they capture its addresses). It
-        stays with the engine: the next call reuses it, and the graphs captured over it, when its sequences fit."""
+        stays with the engine: the engine's next run() reuses it, and the graphs captured over it, when its
+        sequences fit (model.native.sample makes a new engine per call: see the module docstring)."""
         shape = (self.cfg.num_hidden_layers, self.max_seqs, self.cfg.num_key_value_heads, cols, self.cfg.head_dim)
         # zeros, not empty: a masked column still enters attention's weighted sum (0 * NaN would be NaN)
         self.K = torch.zeros(shape, device=self.device, dtype=self.dtype)

@@ -58,7 +58,8 @@ def sample(model: Transformer, prompts: list[list[int]], *, temperature: float =
            max_new_tokens: int | list[int] = 512, stop_ids=(), seed: int = 0, seeds: list[int] | None = None,
            batch_size: int | None = None, progress: bool = True) -> list[dict]:
     """One response per prompt (token id lists), returned in the input order. See the module docstring.
-    max_new_tokens: one cap, or one per prompt. seeds: one seed per prompt (then `seed` is unused)."""
+    max_new_tokens: one cap, or one per prompt. seeds: one seed per prompt (then `seed` is unused). A new Engine per
+    call: it packs the model's weights as they are now (sdft's training weights change between calls)."""
     if batch_size is None and prompts:
         caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else max_new_tokens
         batch_size = default_batch_size(model, max(len(p) + c for p, c in zip(prompts, caps)))
