@@ -321,8 +321,15 @@ def write_benchmark(out, *, n_train: int = 128, n_eval: int = 32, n_test: int = 
 
 
 def cache_dir() -> Path:
-    """Where generated data and base models are cached: $OPR_CACHE, default ~/.cache/opr."""
-    return Path(os.environ.get("OPR_CACHE", Path.home() / ".cache" / "opr"))
+    """Where generated data and base models are cached: $OPR_CACHE, default ~/.cache/opr; refused in one line when it
+    names something that is not a directory."""
+    path = Path(os.environ.get("OPR_CACHE", Path.home() / ".cache" / "opr"))
+    if path.exists() and not path.is_dir():
+        from data.errors import InputError
+        where = f"$OPR_CACHE={path}" if "OPR_CACHE" in os.environ else str(path)
+        raise InputError(f"{where}: is a file, not a directory: the cache of generated data and base models needs a "
+                         f"directory (set OPR_CACHE to one)")
+    return path
 
 
 def ensure_embedded(root=None, *, n_train: int = 128, n_eval: int = 32, n_test: int = 32, seed: int = 0) -> Path:

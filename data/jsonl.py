@@ -155,6 +155,21 @@ def _encodable(s: str) -> bool:
     return True
 
 
+def what_it_is(path: Path) -> str:
+    """Why `path` is no regular file to read, in words: missing, a directory, a named pipe (a FIFO, or a shell's
+    process substitution: read once, so it cannot be read as a data file), a socket or a device."""
+    import stat as st
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "file not found"
+    for test, kind in ((st.S_ISDIR, "a directory"), (st.S_ISFIFO, "a named pipe (FIFO or process substitution)"),
+                       (st.S_ISSOCK, "a socket"), (st.S_ISCHR, "a character device"), (st.S_ISBLK, "a block device")):
+        if test(mode):
+            return f"is {kind}, not a regular file: give the data as a file"
+    return "not a regular file"
+
+
 def read_records(path, required=("prompt",), types=None, any_of=(), locate=False, nonblank=(), convert=None) -> list:
     """Records of a JSON list file or a JSON Lines file (whichever the text is: a list starts with '['), or of a
     Parquet file (.parquet, with pyarrow).
@@ -172,7 +187,7 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
     if not path.is_file():
         with contextlib.suppress(FileNotFoundError):
             path.stat()  # a symlink loop or a denied directory raises its own error naming the path
-        raise InputError(f"{path}: file not found" + (" (it is a directory)" if path.is_dir() else ""))
+        raise InputError(f"{path}: {what_it_is(path)}")
     located = _parse_records(path)  # (record number, " (line n)" or "", record)
     if not located:
         raise InputError(f"{path}: file holds no records")

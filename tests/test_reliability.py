@@ -13,6 +13,7 @@ read back in test_collect.py.
 """
 import hashlib
 import json
+import os
 import resource
 import shutil
 import signal
@@ -309,6 +310,9 @@ CASES = [
     ("run-config-two-spellings", "run", lambda env, tmp: (
         run_args(env, tmp, "--config", write(tmp, "exp.yaml", "lr-schedule: linear\nlr_schedule: cosine\n")),
         f"{tmp / 'exp.yaml'}: 'lr_schedule' and 'lr-schedule' are the same setting; keep one")),
+    ("train-data-fifo", "train", lambda env, tmp: (
+        train_args(env, tmp, data=(os.mkfifo(tmp / "d.jsonl"), tmp / "d.jsonl")[1]),
+        f"{tmp / 'd.jsonl'}: is a named pipe (FIFO or process substitution), not a regular file")),
     # --- drift.py follows the same rules ---------------------------------------------------------------------------
     flag("drift", drift_args, "--limit", "-1"),
     flag("drift", drift_args, "--max-new-tokens", "0"),
@@ -428,3 +432,13 @@ def test_help_works(script):
     made run.py --help a traceback)."""
     r = subprocess.run([sys.executable, str(REPO / script), "--help"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("usage:") and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_opr_cache_naming_a_file_is_one_line(tiny_env, tmp_path):
+    """$OPR_CACHE names the cache directory: a file there is said to be one (it was "File exists")."""
+    (tmp_path / "cache").write_text("")
+    r = run(T["run"], ["--dry-run", "--out", tmp_path / "run"], dict(tiny_env, env={**tiny_env["env"],
+                                                                                  "OPR_CACHE": str(tmp_path / "cache")}))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (f"run.py: error: $OPR_CACHE={tmp_path / 'cache'}: is a file, not a directory: the "
+                                f"cache of generated data and base models needs a directory (set OPR_CACHE to one)")
