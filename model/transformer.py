@@ -148,7 +148,9 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         packed = _PACKED.get(self) if _PACKED else None
-        return linear(x, self.weight, self.bias) if packed is None else packed(x, self.bias)
+        y = linear(x, self.weight, self.bias) if packed is None else packed(x, self.bias)
+        lora = self._modules.get("lora")  # model/lora.py's adapters, when added (a dict look-up: the hot path)
+        return y if lora is None else y + lora(x)
 
 
 class RMSNorm(nn.Module):
