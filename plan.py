@@ -256,7 +256,9 @@ def format_plan(costs: list[StepCost], model_cfg, profile: Profile, micro_tokens
                  f"{'total_max':>10} {'wall_h':>8}")
     for label, subset in [(m, [c for c in costs if m in c.methods]) for m in methods] + [("ALL (each step once)",
                                                                                         costs)]:
-        by = {k: sum(c.gpu_hours for c in subset if c.kind == k) for k in ("train", "rollout", "eval")}
+        by = {k: sum(c.gpu_hours for c in subset if c.kind == k) for k in ("train", "eval")}
+        # the buffers' generation: OPR's rollouts, SSR's synthesis and its answers
+        by["rollout"] = sum(c.gpu_hours for c in subset if c.kind in ("rollout", "synth", "ssr"))
         probes = sum(c.gpu_hours for c in subset if c.kind in ("drift", "buffer-nll"))  # run.py's mechanism probes
         lines.append(f"{label:<28} {by['train']:>8.2f} {by['rollout']:>8.2f} {by['eval']:>8.2f} {probes:>8.2f} "
                      f"{sum(c.gpu_hours for c in subset):>8.2f} {sum(c.gpu_hours_max for c in subset):>10.2f} "

@@ -9,6 +9,9 @@ def test_state_settings_are_every_flag_but_the_listed_ones():
     got = train_state.state_settings(args)
     assert "weight_decay" in got and "sft_kl_beta" in got and "sdft_alpha" not in got and "max_steps" not in got
     assert got["lr_schedule"] == "cosine"  # the schedule changes the weights: a state of another one is refused
-    assert set(got) | set(train_state.NOT_STATE_ARGS) | {k for k in vars(args) if k.startswith(("sdft_", "ewc_"))} \
+    from methods import OBJECTIVES
+    others = tuple(p for o in OBJECTIVES.values() if o.name != "sft-kl" for p in o.prefixes)  # sdft_, ewc_, lwf_, ...
+    assert set(got) | set(train_state.NOT_STATE_ARGS) | {k for k in vars(args) if k.startswith(others)} \
         == set(vars(args))
+    assert not {k for k in got if k.startswith(others)}  # the other objectives' flags are no part of the state
     assert "ewc_lambda" in train_state.state_settings(train_script.parse_args(["--objective", "ewc"]))
