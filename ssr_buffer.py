@@ -48,12 +48,14 @@ def budgets(args, available: dict) -> dict:
     from data.replay import replay_counts
     if args.budget is not None:
         return replay_counts({"total": args.budget}, available)
-    per = {}
-    for item in args.task_budgets.split(","):
-        name, _, k = item.partition("=")
-        if name not in available or not k.isdigit():
-            raise UserError(f"--task-budgets: bad item {item!r} (want TASK=COUNT for a task of --synth)")
-        per[name] = int(k)
+    from score import parse_task_budgets
+
+    def refuse(message):
+        raise UserError(message)
+    per = parse_task_budgets(args.task_budgets, refuse)
+    unknown = sorted(set(per) - set(available))
+    if unknown:
+        raise UserError(f"--task-budgets: {', '.join(unknown)} has no synthetic inputs in --synth")
     return replay_counts({"per_task": {t: per.get(t, 0) for t in available}}, available)
 
 

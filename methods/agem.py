@@ -18,8 +18,7 @@ import torch.distributed as dist
 from data.mixture import tokenize_mixture
 from data.packing import collate, pack
 from methods.base import Method, Objective
-from methods.ewc import local
-from model.objectives import nll
+from model.objectives import local, nll
 
 
 class Agem(Method):
@@ -73,6 +72,7 @@ class AgemObjective(Objective):
         if args.memory:
             from model.tokenizer import ChatTokenizer
             kept["memory"] = tokenize_mixture([args.memory], ChatTokenizer.from_dir(args.model), args.max_len)[0]
+        kept["memory_lengths"] = [len(e.ids) for e in kept["memory"]]
 
     def after_backward(self, stage, step):
         memory = stage.kept["memory"]
@@ -82,10 +82,9 @@ class AgemObjective(Objective):
         params = list(model.parameters())
         g = [local(p.grad).clone() for p in params]
         batch = memory_batch(args.seed, step, len(memory), args.agem_batch or args.global_batch)
-        lengths = [len(e.ids) for e in memory]
         n_ref = sum(memory[i].n_targets for i in batch)
         model.zero_grad(set_to_none=True)
-        for mb in pack(batch, lengths, args.micro_tokens, stage.world)[stage.rank]:
+        for mb in pack(batch, stage.kept["memory_lengths"], args.micro_tokens, stage.world)[stage.rank]:
             ids, pos, tgt, cu, max_len = collate([memory[i] for i in mb], stage.device)
             loss = model(ids, pos, loss=nll(tgt), cu_seqlens=cu, max_seqlen=max_len)
             (loss / max(n_ref, 1)).backward()

@@ -5,8 +5,7 @@
     Objective  train.py's side: the loss of a micro-batch, the models it needs besides the student (a teacher),
                and hooks at the loop's moments (after the gradients, after the optimizer step, after training)
 
-A method's file (methods/<name>.py) holds both, its defaults and its paper. This module imports no torch, so that
-run.py's planner and the report can ask a method without loading it.
+A method's file (methods/<name>.py) holds both, its defaults and its paper.
 """
 
 

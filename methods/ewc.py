@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from data.packing import collate
 from methods.base import Method, Objective
-from model.objectives import nll
+from model.checkpoint import local_rows
+from model.objectives import local, nll
 
 LAMBDA = 1e4        # EasyCL finetuning_args.ewc_lambda
 SAMPLES = 100       # EasyCL finetuning_args.ewc_num_samples: training examples per Fisher
@@ -36,11 +37,6 @@ FISHER = "ewc/fisher.safetensors"  # in the checkpoint directory (a subdirectory
 class Ewc(Method):
     name = objective = "ewc"
     flags = ("ewc_lambda", "ewc_samples", "ewc_gamma")
-
-
-def local(t):
-    """A parameter's (or its gradient's) own rows on this rank: a DTensor's local shard, a plain tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def penalty(params, fisher, star, lam: float):
@@ -81,10 +77,7 @@ def read_fisher(ckpt_dir, model) -> list | None:
     out = []
     with safe_open(path, framework="pt") as f:
         for name, p in model.named_parameters():
-            sl, mine = f.get_slice(name), local(p)
-            start = 0
-            if isinstance(p, DTensor):  # fully_shard splits dim 0 like torch.chunk
-                start = p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size())
+            sl, (mine, start) = f.get_slice(name), local_rows(p)
             rows = sl[start:start + mine.shape[0]] if mine.shape[0] else torch.zeros(0)
             out.append(torch.as_tensor(rows, dtype=torch.float32).reshape(mine.shape).to(mine.device))
     return out

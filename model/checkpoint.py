@@ -141,20 +141,23 @@ def load_model(ckpt_dir, device="cpu", dtype=torch.float32) -> Transformer:
     return model.eval().requires_grad_(False)
 
 
+def local_rows(t) -> tuple:
+    """(this rank's rows of t, the index of its first row): a DTensor that fully_shard split on dim 0 like
+    torch.chunk, or a plain tensor (all of it, from row 0)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(t, DTensor):
+        return t.to_local(), t.device_mesh.get_local_rank() * -(-t.shape[0] // t.device_mesh.size())
+    return t, 0
+
+
 def load_into(model: Transformer, ckpt_dir):
     """Copy checkpoint weights into a materialised model, possibly FSDP-sharded (parameters are DTensors
     sharded on dim 0): each rank reads only its own rows of each tensor."""
-    from torch.distributed.tensor import DTensor
-
     targets = {hf: (t, a) for name, t in model.state_dict().items() for hf, a, _ in hf_parts(model.cfg, name)}
     with torch.no_grad():
         for path, name, sl in _located_slices(model, ckpt_dir):
             t, offset = targets[name]  # this HF tensor is rows offset.. of our (possibly fused) tensor t
-            if isinstance(t, DTensor):  # fully_shard splits dim 0 like torch.chunk
-                local = t.to_local()
-                start = t.device_mesh.get_local_rank() * -(-t.shape[0] // t.device_mesh.size())
-            else:
-                local, start = t, 0
+            local, start = local_rows(t)
             # the rows of the HF tensor this rank holds, in the HF tensor's numbering
             lo, hi = max(start - offset, 0), min(start + local.shape[0] - offset, sl.get_shape()[0])
             if hi > lo:

@@ -113,6 +113,12 @@ def sample_seed(seed: int, step: int, idx: int) -> int:
     return int(hashlib.sha256(f"{seed}:{step}:{idx}".encode()).hexdigest()[:15], 16)
 
 
+def local(t):
+    """A parameter's (or its gradient's) own rows on this rank: a DTensor's local shard, a plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def fsdp_units(model) -> list:
     """The FSDP2 units of a model from train.py's build_model (blocks, then the root); [] when it is not sharded."""
     from torch.distributed.fsdp import FSDPModule

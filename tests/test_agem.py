@@ -77,8 +77,8 @@ def test_gradient_given_to_the_optimizer_is_the_naive_projection(train_ckpt, tmp
     if sum(float((a * b).sum()) for a, b in zip(g, g_ref)) > 0:
         g = [-x for x in g]  # the step's gradient the hook finds: one that conflicts, then one that agrees
     args = SimpleNamespace(seed=0, agem_batch=8, global_batch=8, micro_tokens=96)
-    stage = SimpleNamespace(args=args, model=model, kept={"memory": memory}, world=1, rank=0,
-                            device=torch.device("cpu"))
+    kept = {"memory": memory, "memory_lengths": [len(e.ids) for e in memory]}  # as the objective's setup keeps
+    stage = SimpleNamespace(args=args, model=model, kept=kept, world=1, rank=0, device=torch.device("cpu"))
     for step_grad, conflicts in ((g, True), ([-x for x in g], False)):
         for p, x in zip(model.parameters(), step_grad):
             p.grad = x.clone()
