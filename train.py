@@ -56,8 +56,11 @@ import kernels
 from kernels import attention, cross_entropy
 from model.checkpoint import load_config, load_into, remove_dir, save_checkpoint
 from model.hub import resolve_model
+from model.lora import (TARGETS, LoraConfig, attach_lora, init_lora, merge_state, read_adapter, read_config,
+                        save_adapter, set_adapters)
+import methods.lora
 from methods import OBJECTIVES
-from model.objectives import fsdp_units
+from model.objectives import fsdp_units, trained
 from model.tokenizer import ChatTokenizer
 from model.transformer import Transformer
 from pipeline import costs
@@ -78,6 +81,7 @@ MICRO_TOKENS = 16384     # tokens per packed micro-batch (per rank) on the CPU; 
                          # (pipeline.costs.micro_tokens_that_fit: 90 % of it, with/without --activation-checkpointing)
 SAVE_EVERY = 50          # optimizer steps between resumable training states (0: never)
 OBJECTIVE = "sft"        # a name in methods.OBJECTIVES (see the docstring)
+LORA_RANK = 0            # LoRA off: the paper fine-tunes every weight (the other LoRA defaults: methods/lora.py's)
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -127,6 +131,7 @@ def parse_args(argv=None):
     p.add_argument("--memory", help="records held out of the training mixture, in --data's formats, for an objective "
                                     "that reads them (agem: its episodic memory)")
     add_objective_flags(p)
+    add_lora_flags(p)
     p.add_argument("--peak-tflops", type=float_in(0, lo_open=True), help="device peak for the MFU estimate (default: H100 bf16 dense "
                                                      "on CUDA, a measured fp32 matmul on CPU)")
     p.add_argument("--max-steps", type=int_at_least(1), help="stop after this many optimizer steps (for smoke tests)")
@@ -134,6 +139,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.memory and not OBJECTIVES[args.objective].reads_memory:
         p.error(f"--memory: --objective {args.objective} does not read a memory (agem does)")
+    if args.lora_init and not args.lora_rank:
+        p.error("--lora-init: needs --lora-rank (the adapter's rank)")
     if args.wandb and importlib.util.find_spec("wandb") is None:  # before any work, not after the model is built
         p.error("--wandb: needs the wandb package; pip install wandb")
     return args
@@ -146,6 +153,38 @@ def add_objective_flags(p):
                    help="what a step minimises; see above (default: %(default)s)")
     for o in OBJECTIVES.values():
         o.add_flags(p)
+
+
+def add_lora_flags(p):
+    g = p.add_argument_group("LoRA (model/lora.py): a frozen --model, adapters trained; OUT holds the merged weights "
+                             "and the adapter in PEFT's layout (OUT/adapter/)")
+    g.add_argument("--lora-rank", type=int_at_least(0), default=LORA_RANK,
+                   help="adapter rank r; 0 = full fine-tuning (default: %(default)s)")
+    g.add_argument("--lora-alpha", type=float_in(0, lo_open=True), default=methods.lora.ALPHA,
+                   help="scale alpha / r (default: %(default)s, TRACE's)")
+    g.add_argument("--lora-dropout", type=float_in(0, 0.99), default=methods.lora.DROPOUT,
+                   help="dropout on the adapters' input (default: %(default)s, TRACE's); its masks are seeded by "
+                        "--seed, step and rank, so a resumed run draws the same ones")
+    g.add_argument("--lora-targets", type=lora_targets, default=methods.lora.TARGETS,
+                   help=f"comma-separated modules of every block, from {','.join(TARGETS)} (default: %(default)s, "
+                        f"PEFT's for Llama/Qwen)")
+    g.add_argument("--lora-init", metavar="DIR", help="start from this PEFT adapter (a LoRA stage's OUT/adapter: "
+                   "sequential LoRA fine-tuning) instead of a new one; its r, alpha and targets must be the flags'")
+
+
+def lora_targets(text: str) -> str:
+    """--lora-targets: one spelling of a set of TARGETS (sorted, no repeats)."""
+    names = sorted({t.strip() for t in text.split(",") if t.strip()})
+    bad = [t for t in names if t not in TARGETS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r} is not a module of a block "
+                                         f"({', '.join(TARGETS)})")
+    return ",".join(names)
+
+
+def lora_config(args) -> LoraConfig | None:
+    return (LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                       targets=tuple(args.lora_targets.split(","))) if args.lora_rank else None)
 
 
 def setup_distributed():
@@ -164,9 +203,12 @@ def setup_distributed():
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False, shard=None, compile=False):
-    """meta -> compile(each block) -> fully_shard(each block) -> fully_shard(root) -> materialise -> load. lm_head
-    and the final norm stay in the root unit, where forward computes the loss.
+def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False, shard=None, compile=False,
+                lora=None, lora_init=None, seed=0):
+    """meta -> LoRA adapters -> compile(each block) -> fully_shard(each block) -> fully_shard(root) -> materialise ->
+    load (-> the adapters' values: --lora-init's, or new ones seeded by `seed`). lm_head and the final norm stay in
+    the root unit, where forward computes the loss. With `lora` (a LoraConfig) only the adapters are trainable;
+    they live inside their block, so FSDP2 shards them with it.
 
     compile: each block's forward through torch.compile(fullgraph=True), before fully_shard as torchtitan orders it
     (FSDP2's hooks run outside the compiled region); the token dimension is dynamic (dynamic=True), so packed
@@ -184,6 +226,8 @@ def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False,
 
     with torch.device("meta"):
         model = Transformer(load_config(ckpt_dir))
+        if lora is not None:
+            attach_lora(model, lora)
     model.activation_checkpointing = activation_checkpointing
     if compile:
         for block in model.model.layers:
@@ -203,6 +247,8 @@ def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False,
     if not fsdp_units(model):
         model.tie_weights()  # to_empty gives every parameter new storage, a tied pair two (FSDP2 keeps the pair one)
     load_into(model, ckpt_dir)
+    if lora is not None:
+        set_adapters(model, read_adapter(lora_init, model)) if lora_init else init_lora(model, seed)
     return model
 
 
@@ -386,7 +432,7 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     # 3. optimizer and schedule, and where a resumed run starts
     # fused: one kernel over all tensors; with foreach=True FSDP2's DTensors dispatch each op separately, a large
     # share of a tiny model's CPU step (BENCHMARKS.md, "The default `python run.py`", fused AdamW)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay,
+    opt = torch.optim.AdamW([p for _, p in trained(model)], lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay,
                             fused=True)
     schedule = SCHEDULES[args.lr_schedule]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, total_steps, args.warmup))
@@ -433,6 +479,11 @@ def print_stage(s: Stage):
           f"{str(s.compute_dtype).removeprefix('torch.')}{', compiled blocks' if args.compile else ''}, "
           f"{args.micro_tokens} tokens per micro-batch, objective {args.objective}{s.objective.describe(args)}",
           flush=True)
+    if args.lora_rank:
+        n = sum(p.numel() for _, p in trained(s.model))
+        print(f"train.py: LoRA r {args.lora_rank}, alpha {args.lora_alpha:g}, dropout {args.lora_dropout:g} on "
+              f"{args.lora_targets}: {n:,} trainable parameters of {sum(p.numel() for p in s.model.parameters()):,}"
+              f"{', from ' + args.lora_init if args.lora_init else ''}", flush=True)
     print(f"train.py: kernels: attention {attention.describe()}; cross-entropy {cross_entropy.get_backend()}",
           flush=True)
 
@@ -451,18 +502,31 @@ def resolve_inputs(args, rank: int):
         args.data = args.data or str(ensure_embedded() / "C-STANCE" / "train.json")
     if not Path(args.model).is_dir():  # a model id: its snapshot in the local Hugging Face cache
         args.model = str(resolve_model(args.model))
+    if args.lora_init:
+        if not (Path(args.lora_init) / "adapter_config.json").is_file():
+            raise UserError(f"--lora-init {args.lora_init}: not a PEFT adapter directory (no adapter_config.json)")
+        try:
+            saved = read_config(args.lora_init)
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"--lora-init {args.lora_init}: {e}") from None
+        ours = lora_config(args)
+        for flag, a, b in (("rank", saved.rank, ours.rank), ("alpha", saved.alpha, ours.alpha),
+                           ("targets", ",".join(saved.targets), args.lora_targets)):
+            if a != b:
+                raise UserError(f"--lora-init {args.lora_init}: its adapter has {flag} {a}, --lora-{flag} is {b}")
 
 
 def build_models(args, device, compute_dtype, obj):
     """Step 2: the model, and the teacher the objective asks for: a copy of the initial weights (an EMA from there
     on, or frozen; sdft's "student" teacher is the training model itself, no copy). -> (model, teacher or None, EMA
     rate or None)."""
-    model = build_model(args.model, device, compute_dtype, args.activation_checkpointing, compile=args.compile)
+    lora = dict(lora=lora_config(args), lora_init=args.lora_init, seed=args.seed)
+    model = build_model(args.model, device, compute_dtype, args.activation_checkpointing, compile=args.compile, **lora)
     wants_teacher, ema_rate = obj.teacher(args)
     teacher = None
-    if wants_teacher:
-        teacher = build_model(args.model, device, compute_dtype, compile=args.compile)
-        teacher.requires_grad_(False)
+    if wants_teacher:  # the student's starting point: with LoRA, the same base and adapters (no dropout: eval mode)
+        teacher = build_model(args.model, device, compute_dtype, compile=args.compile, **lora)
+        teacher.requires_grad_(False).eval()
     return model, teacher, ema_rate
 
 
@@ -473,6 +537,8 @@ def train_step(s: Stage, step: int) -> dict:
     tokens, target_tokens and (sdft) gen_seconds."""
     args, model = s.args, s.model
     micro, n_targets, step_tokens, gen_seconds = micro_batches(s, step)
+    # the step's random draws (LoRA's dropout masks) from its own seed: a resumed run draws what an unbroken one does
+    torch.manual_seed(int.from_bytes(hashlib.sha256(f"{args.seed}/{step}/{s.rank}".encode()).digest()[:8], "little"))
     sums = torch.zeros(4, device=s.device)  # NLL, KL, task NLL, replay NLL
     for mb in micro:
         loss, parts = s.loss_fn(mb)
@@ -571,6 +637,11 @@ def save_final(s: Stage, t_start: float):
                        "world_size": s.world, "args": vars(args)}
             (workdir / "train_summary.json").write_text(dumps_strict(summary, workdir / "train_summary.json", indent=2) + "\n")
             save_dtype = torch.bfloat16 if s.compute_dtype == torch.bfloat16 else torch.float32
+            lora = lora_config(args)
+            if lora is not None:  # the merged weights for every reader of a checkpoint, the adapter for PEFT and vLLM
+                full, adapter = merge_state(full, s.model, lora)
+                save_adapter(None, lora, workdir / "adapter", base=args.model, state=adapter)
+                kept_files = [*kept_files, workdir / "adapter"]
             save_checkpoint(full, args.model, s.out, dtype=save_dtype,
                             extra_files=[s.log_path, workdir / "train_summary.json", *kept_files])
             remove_dir(workdir)  # whole or gone: a kill mid-way must not leave a state that looks resumable

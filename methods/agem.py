@@ -18,7 +18,7 @@ import torch.distributed as dist
 from data.mixture import tokenize_mixture
 from data.packing import collate, pack
 from methods.base import Method, Objective
-from model.objectives import local, nll
+from model.objectives import local, nll, trained
 
 
 class Agem(Method):
@@ -79,7 +79,7 @@ class AgemObjective(Objective):
         if not memory:
             return {"agem_projected": 0}
         args, model = stage.args, stage.model
-        params = list(model.parameters())
+        params = [p for _, p in trained(model)]
         g = [local(p.grad).clone() for p in params]
         batch = memory_batch(args.seed, step, len(memory), args.agem_batch or args.global_batch)
         n_ref = sum(memory[i].n_targets for i in batch)

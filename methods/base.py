@@ -16,6 +16,7 @@ class Method:
     flags = ()           # run.py settings passed to train.py as --<flag> (Settings field names, in this order)
     acc_only = False     # each row of its matrix is a separate run: BWT, FWT and forgetting mean nothing
     uses_buffer = False  # builds a replay buffer of b = rho * n after each stage: one chain per --rho
+    lora = False         # its stages train LoRA adapters on the frozen base (methods/lora.py: <name>+lora)
 
     def label(self, rho: float, n_rhos: int) -> str:
         """The method's name in the report: with "@rho" when a sweep over --rho gives it several chains."""
@@ -26,6 +27,11 @@ class Method:
         out = ["--objective", self.objective] if self.objective != "sft" else []
         for f in self.flags:
             out += ["--" + f.replace("_", "-"), str(cfg[f])]
+        if self.lora:  # (Steps.train then starts stage i+1 from stage i's adapter on the base)
+            from methods.lora import FLAGS
+            out += ["--lr", str(cfg["lora_lr"])]
+            for f in FLAGS:
+                out += ["--" + f.replace("_", "-"), str(cfg[f])]
         return out
 
     def plan_train(self, steps, prev, stage: int, tasks: list, buffer_key, seed: int):

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from data.packing import collate
 from methods.base import Method, Objective
 from model.checkpoint import local_rows
-from model.objectives import local, nll
+from model.objectives import local, nll, trained
 
 LAMBDA = 1e4        # EasyCL finetuning_args.ewc_lambda
 SAMPLES = 100       # EasyCL finetuning_args.ewc_num_samples: training examples per Fisher
@@ -53,8 +53,8 @@ def add_penalty_grad(params, fisher, star, lam: float):
 
 def empirical_fisher(model, examples, device, world: int):
     """The mean over `examples` of each parameter's squared gradient of the example's mean response-token NLL ->
-    a list of local tensors in model.parameters() order. Gradients are zeroed before and after."""
-    params = list(model.parameters())
+    a list of local tensors in the order of the trained parameters. Gradients are zeroed before and after."""
+    params = [p for _, p in trained(model)]
     fisher = [torch.zeros_like(local(p), dtype=torch.float32) for p in params]
     for e in examples:
         model.zero_grad(set_to_none=True)
@@ -76,7 +76,7 @@ def read_fisher(ckpt_dir, model) -> list | None:
         return None
     out = []
     with safe_open(path, framework="pt") as f:
-        for name, p in model.named_parameters():
+        for name, p in trained(model):
             sl, (mine, start) = f.get_slice(name), local_rows(p)
             rows = sl[start:start + mine.shape[0]] if mine.shape[0] else torch.zeros(0)
             out.append(torch.as_tensor(rows, dtype=torch.float32).reshape(mine.shape).to(mine.device))
@@ -86,7 +86,7 @@ def read_fisher(ckpt_dir, model) -> list | None:
 def full_tensors(model, tensors) -> dict:
     """{parameter name: the whole tensor} of local shards laid out like the model's parameters (collective)."""
     out = {}
-    for (name, p), t in zip(model.named_parameters(), tensors):
+    for (name, p), t in zip(trained(model), tensors):
         if isinstance(p, DTensor):
             t = DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
         out[name] = t.detach().cpu().contiguous()
@@ -120,15 +120,17 @@ class EwcObjective(Objective):
 
     def setup(self, args, model, kept):
         """theta* = the weights the stage starts from (--model, before a resumed state replaces them) and the
-        Fisher --model carries (none at the chain's first stage: no penalty)."""
-        kept["star"] = [local(p).detach().clone() for p in model.parameters()]
-        kept["fisher"] = read_fisher(args.model, model)
+        Fisher the previous stage's checkpoint carries (none at the chain's first stage: no penalty)."""
+        kept["star"] = [local(p).detach().clone() for _, p in trained(model)]
+        # the previous stage's checkpoint: --model, or on LoRA (methods/lora.py) the one whose adapter --lora-init is
+        prev = Path(args.lora_init).parent if args.lora_init else args.model
+        kept["fisher"] = read_fisher(prev, model)
 
     def after_backward(self, stage, step):
         fisher, star = stage.kept["fisher"], stage.kept["star"]
         if fisher is None:
             return {"ewc_penalty": 0.0}
-        params = list(stage.model.parameters())
+        params = [p for _, p in trained(stage.model)]
         with torch.no_grad():
             value = penalty([local(p) for p in params], fisher, star, stage.args.ewc_lambda).reshape(1)
         if dist.is_initialized():

@@ -18,7 +18,7 @@ from data.errors import InputError, MissingFileError, MissingWeightError
 from data.jsonl import dumps_strict, loads_strict, read_text
 from data.outputs import claim_dir, fsync_dir, fsync_tree, remove_stale_temporaries, temp_prefix
 from model.config import ModelConfig
-from model.transformer import Transformer, hf_parts, to_hf
+from model.transformer import Transformer, hf_parts, is_adapter, to_hf
 
 # Everything besides the weights that makes a directory loadable as a model with its tokenizer.
 SIDECAR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -80,7 +80,8 @@ def expected_state(model: Transformer) -> dict:
     """HF name -> shape of every tensor the checkpoint must provide (tied lm_head is not stored)."""
     # by arithmetic, not by slicing: load_into calls this on FSDP2 models, whose DTensors are sharded on dim 0
     shapes = {hf: torch.Size([(t.shape[0] if b is None else b) - a, *t.shape[1:]])
-              for name, t in model.state_dict().items() for hf, a, b in hf_parts(model.cfg, name)}
+              for name, t in model.state_dict().items() if not is_adapter(name)
+              for hf, a, b in hf_parts(model.cfg, name)}
     if model.cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight")
     return shapes

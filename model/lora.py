@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model.transformer import FUSED, Linear, hf_parts
+from model.checkpoint import local_rows
+from model.transformer import FUSED, Linear, hf_parts, is_adapter
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PREFIX = "base_model.model."  # PEFT's key prefix around the transformers model's own names
@@ -75,41 +76,82 @@ def lora_linears(model):
             yield name, mod, parts
 
 
-def add_lora(model, cfg: LoraConfig, seed: int = 0) -> list:
-    """Adapters on every block linear layer that holds a target, A initialised as PEFT does (from a generator seeded
-    with `seed`, layer by layer in model order), B zero; every other parameter frozen. -> the adapters' parameters."""
+def attach_lora(model, cfg: LoraConfig) -> list:
+    """Adapters (zeros, on the model's device: `meta` before FSDP2 shards it) on every block linear layer that holds
+    a target; every other parameter frozen. -> the adapters' parameters. init_lora gives them their values."""
     bad = sorted(set(cfg.targets) - set(TARGETS))
     if bad or not cfg.targets:
         raise ValueError(f"LoRA targets {bad or '(none)'}: choose from {', '.join(TARGETS)}")
     if cfg.rank < 1:
         raise ValueError(f"LoRA rank {cfg.rank}: must be at least 1")
     model.requires_grad_(False)
-    g = torch.Generator().manual_seed(seed)
     params = []
     for _, lin, parts in list(lora_linears(model)):
         spec = [(leaf, a, b, leaf in cfg.targets) for _, leaf, a, b in parts]
-        if not any(on for *_, on in spec):
-            continue
-        lin.lora = LoraSlices(lin, spec, cfg)
-        for m in lin.lora.A:
-            a = torch.empty(lin.lora.A[m].shape)
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=g)
-            with torch.no_grad():
-                lin.lora.A[m].copy_(a)
-        params += list(lin.lora.parameters())
+        if any(on for *_, on in spec):
+            lin.lora = LoraSlices(lin, spec, cfg)
+            params += list(lin.lora.parameters())
     return params
 
 
-def adapter_state(model) -> dict:
-    """{PEFT key: tensor} of the model's adapters (lora_A [r, in], lora_B [rows, r])."""
+def _set(t, full: torch.Tensor):
+    """t (a plain tensor, or a DTensor sharded on dim 0) <- full: each rank writes only its own rows."""
+    mine, start = local_rows(t)
+    with torch.no_grad():
+        mine.copy_(full[start:start + mine.shape[0]])
+
+
+def init_lora(model, seed: int = 0):
+    """PEFT's initialisation of every adapter: A kaiming-uniform from a generator seeded with `seed`, layer by layer
+    in model order (the same values whatever the sharding), B zero."""
+    g = torch.Generator().manual_seed(seed)
+    for _, lin, _ in lora_linears(model):
+        lora = getattr(lin, "lora", None)
+        for m in (lora.A if lora is not None else ()):
+            a = torch.empty(lora.A[m].shape)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=g)
+            _set(lora.A[m], a)
+            _set(lora.B[m], torch.zeros(lora.B[m].shape))
+
+
+def add_lora(model, cfg: LoraConfig, seed: int = 0) -> list:
+    """attach_lora, then init_lora: a materialised model with new adapters (B zero: it computes what it did)."""
+    params = attach_lora(model, cfg)
+    init_lora(model, seed)
+    return params
+
+
+def peft_names(model) -> dict:
+    """{our parameter name: PEFT key} of the model's adapters (lora_A [r, in], lora_B [rows, r])."""
     out = {}
-    for _, lin, parts in lora_linears(model):
+    for name, lin, parts in lora_linears(model):
         lora = getattr(lin, "lora", None)
         for path, leaf, _, _ in parts:
             if lora is not None and leaf in lora.A:
-                out[f"{PREFIX}{path}.lora_A.weight"] = lora.A[leaf].detach()
-                out[f"{PREFIX}{path}.lora_B.weight"] = lora.B[leaf].detach()
+                out[f"{name}.lora.A.{leaf}"] = f"{PREFIX}{path}.lora_A.weight"
+                out[f"{name}.lora.B.{leaf}"] = f"{PREFIX}{path}.lora_B.weight"
     return out
+
+
+def adapter_state(model) -> dict:
+    """{PEFT key: tensor} of the model's adapters."""
+    params = dict(model.named_parameters())
+    return {key: params[ours].detach() for ours, key in peft_names(model).items()}
+
+
+def merge_state(state: dict, model, cfg: LoraConfig) -> tuple[dict, dict]:
+    """A full state dict (our names, adapters included: train.py's gathered one) -> (the dense state with
+    W[rows] += scale * B @ A merged in fp64 and cast back, the adapters under their PEFT keys)."""
+    names = peft_names(model)
+    dense = {k: v for k, v in state.items() if not is_adapter(k)}
+    for name, lin, _ in lora_linears(model):
+        lora = getattr(lin, "lora", None)
+        for m, a, b, on in (lora.parts if lora is not None else ()):
+            if on:
+                A, B = state[f"{name}.lora.A.{m}"].double(), state[f"{name}.lora.B.{m}"].double()
+                w = dense[f"{name}.weight"] = dense[f"{name}.weight"].clone()
+                w[a:b] = (w[a:b].double() + cfg.scale * (B @ A)).to(w.dtype)
+    return dense, {names[k]: v for k, v in state.items() if is_adapter(k)}
 
 
 def adapter_config(cfg: LoraConfig, base: str) -> dict:
@@ -140,22 +182,35 @@ def read_config(adapter_dir) -> LoraConfig:
                       targets=tuple(targets), use_rslora=bool(d.get("use_rslora", False)))
 
 
-def load_adapter(model, adapter_dir) -> LoraConfig:
-    """Adapters from a PEFT directory onto the model (add_lora, then its tensors; every key must match)."""
+def read_adapter(adapter_dir, model) -> dict:
+    """{our parameter name: tensor} of a PEFT adapter directory for a model with attach_lora's adapters of its
+    configuration: every key must match, with its shape."""
     from safetensors.torch import load_file
-    cfg = read_config(adapter_dir)
-    add_lora(model, cfg)
     tensors = load_file(Path(adapter_dir) / "adapter_model.safetensors")
-    ours = adapter_state(model)
-    if set(tensors) != set(ours):
-        missing, extra = sorted(set(ours) - set(tensors)), sorted(set(tensors) - set(ours))
+    names, params = peft_names(model), dict(model.named_parameters())
+    if set(tensors) != set(names.values()):
+        missing, extra = sorted(set(names.values()) - set(tensors)), sorted(set(tensors) - set(names.values()))
         raise ValueError(f"{adapter_dir}: adapter keys differ from the model's targets (missing {missing[:2]}, "
                          f"unexpected {extra[:2]})")
-    with torch.no_grad():
-        for k, t in ours.items():
-            if tuple(tensors[k].shape) != tuple(t.shape):
-                raise ValueError(f"{adapter_dir}: {k} has shape {tuple(tensors[k].shape)}, expected {tuple(t.shape)}")
-            t.copy_(tensors[k])
+    for ours, key in names.items():
+        if tuple(tensors[key].shape) != tuple(params[ours].shape):
+            raise ValueError(f"{adapter_dir}: {key} has shape {tuple(tensors[key].shape)}, expected "
+                             f"{tuple(params[ours].shape)}")
+    return {ours: tensors[key] for ours, key in names.items()}
+
+
+def set_adapters(model, tensors: dict):
+    """read_adapter's tensors into the model's adapters (sharded or not: each rank its own rows)."""
+    params = dict(model.named_parameters())
+    for name, t in tensors.items():
+        _set(params[name], t.to(params[name].dtype))
+
+
+def load_adapter(model, adapter_dir) -> LoraConfig:
+    """Adapters from a PEFT directory onto a materialised model (attach_lora, then its tensors)."""
+    cfg = read_config(adapter_dir)
+    attach_lora(model, cfg)
+    set_adapters(model, read_adapter(adapter_dir, model))
     return cfg
 
 
@@ -175,5 +230,5 @@ def merge_lora(model):
     return model
 
 
-__all__ = ["FUSED", "LoraConfig", "TARGETS", "add_lora", "adapter_state", "save_adapter", "load_adapter",
-           "merge_lora"]
+__all__ = ["FUSED", "LoraConfig", "TARGETS", "add_lora", "attach_lora", "init_lora", "adapter_state", "merge_state",
+           "save_adapter", "load_adapter", "read_adapter", "set_adapters", "merge_lora"]

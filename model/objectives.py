@@ -119,6 +119,11 @@ def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def trained(model) -> list:
+    """(name, parameter) of the parameters a stage trains: all of them, or a LoRA stage's adapters (the base frozen)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
 def fsdp_units(model) -> list:
     """The FSDP2 units of a model from train.py's build_model (blocks, then the root); [] when it is not sharded."""
     from torch.distributed.fsdp import FSDPModule

@@ -153,6 +153,11 @@ class Linear(nn.Linear):
         return y if lora is None else y + lora(x)
 
 
+def is_adapter(name: str) -> bool:
+    """A state-dict name of a LoRA adapter's tensor (Linear.lora, model/lora.py): no checkpoint of a base holds one."""
+    return ".lora." in f".{name}"
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -79,6 +79,7 @@ class Steps:
         of `buffer_key` (None: no replay); extra: train.py flags (the objective); memory_key: a buffer given to
         train.py as --memory, held out of the mixture (agem's episodic memory)."""
         cfg, train_sets, base = self.cfg, self.inputs.train_sets, self.inputs.base
+        lora = "--lora-rank" in extra  # a LoRA method's stage (methods/lora.py)
         name = f"s{stage}-train-{task_list[-1] if len(task_list) == 1 else 'joint'}"
         spec = specs.Train(tasks=task_list, seed=seed, lr=cfg["lr"], gb=cfg["global_batch"], extra=list(extra),
                            ep=n_epochs or self.inputs.epochs[task_list[-1]], max_len=cfg["max_len"],
@@ -93,18 +94,20 @@ class Steps:
                 records += read_records(buffer, required=("prompt", "response"), types={"prompt": (str, list)})
             write_jsonl(tmp / "mixture.jsonl", records)
             memory = ["--memory", str(dirs[memory_key] / "buffer.jsonl")] if memory_key else []
-            model = dirs[prev] / "ckpt" if prev else base
+            model = dirs[prev] / "ckpt" if prev and not lora else base
+            # adapters on the base throughout: a stage continues the previous stage's adapter
+            init = ["--lora-init", str(dirs[prev] / "ckpt" / "adapter")] if prev and lora else []
             return self.trainer + [
                 str(SCRIPTS / "train.py"), "--model", str(model), "--data", str(tmp / "mixture.jsonl"),
                 "--out", str(tmp / "ckpt"), "--epochs", str(spec.ep), "--lr", str(cfg["lr"]),
                 "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
                 "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", str(self.save_every),
                 "--resume", "--warmup", str(cfg["warmup"]), "--lr-schedule", cfg["lr_schedule"], "--quiet", *extra,
-                *memory, *self.ac,
+                *memory, *init, *self.ac,
                 "--tensorboard", str(self.pipe.run_dir / "tb" / "train" / tmp.name.removesuffix(".tmp")),
                 *(["--wandb", str(self.pipe.run_dir / "wandb" / tmp.name.removesuffix(".tmp"))] if self.wandb else [])]
         return self.pipe.add("train", name, spec, [d for d in (prev, buffer_key, memory_key) if d], build,
-                             reads=self.files("train", task_list) + ([] if prev else self.base_files))
+                             reads=self.files("train", task_list) + ([] if prev and not lora else self.base_files))
 
     def evaluate(self, train_key, stage, task_list, seed):
         """Row `stage` of the matrix: the checkpoint of `train_key` (None: the base model, row 0) on `task_list`."""

@@ -25,11 +25,21 @@ NOT_PLAN_ARGS = ("out", "resume", "quiet", "debug", "overwrite", "save_every", "
 NOT_STATE_ARGS = NOT_PLAN_ARGS + ("max_steps",)
 
 
+def _trained(load=False):
+    """The state's model part holds the trained parameters only: a LoRA stage's frozen base is --model's, read
+    again on resume, not a second copy per saved state (full fine-tuning freezes nothing: all of them). Loading,
+    the frozen ones are absent by design (not strict); dcp.load has already required every saved one."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(ignore_frozen_params=True, strict=not load)
+
+
 def state_settings(args) -> dict:
     """The flags a resumable training state depends on: all of them but NOT_STATE_ARGS and the other objectives'
     flags (which the run never reads), as JSON values."""
     from methods import OBJECTIVES
     others = tuple(p for o in OBJECTIVES.values() if o.name != args.objective for p in o.prefixes)
+    if not getattr(args, "lora_rank", 0):  # full fine-tuning reads no other LoRA flag
+        others += ("lora_alpha", "lora_dropout", "lora_targets", "lora_init")
     return {k: json.loads(json.dumps(v)) for k, v in vars(args).items()
             if k not in NOT_STATE_ARGS and not k.startswith(others)}
 
@@ -65,7 +75,7 @@ def save_state(model, opt, sched, step, workdir: Path, rank: int, plan_id: str, 
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    msd, osd = get_state_dict(model, opt)
+    msd, osd = get_state_dict(model, opt, options=_trained())
     state = {"model": msd, "optim": osd}
     if teacher is not None:
         state["teacher"] = get_model_state_dict(teacher)
@@ -95,12 +105,12 @@ def load_state(model, opt, sched, workdir: Path, plan_id: str, teacher=None, set
                 else "it predates the per-flag check")
         raise UserError(f"{state} was saved for a different run ({what}); refusing to --resume from it: drop "
                         f"--resume to start over, or choose another --out")
-    msd, osd = get_state_dict(model, opt)
+    msd, osd = get_state_dict(model, opt, options=_trained())
     sd = {"model": msd, "optim": osd}
     if teacher is not None:
         sd["teacher"] = get_model_state_dict(teacher)
     dcp.load(sd, checkpoint_id=str(state))
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=_trained(load=True))
     if teacher is not None:
         set_model_state_dict(teacher, sd["teacher"])
     sched.load_state_dict(progress["sched"])

@@ -35,3 +35,44 @@ def test_a_train_steps_key_holds_its_settings_and_they_reach_train_py(tmp_path):
         (tmp_path / "s1-train.tmp").mkdir(exist_ok=True)
         cmd = build(tmp_path / "s1-train.tmp", {})
         assert cmd[cmd.index("--lr-schedule") + 1] == schedule
+
+
+def test_a_lora_methods_stage_trains_the_base_from_the_previous_stages_adapter(tmp_path):
+    """methods/lora.py's chain: every stage of a +lora method trains adapters on the base (never on the previous
+    stage's merged checkpoint), stage i+1 starting from stage i's adapter; its LoRA settings and lr reach train.py
+    and its key."""
+    from methods import METHODS
+
+    class Pipe:
+        run_dir = tmp_path
+        added = {}
+
+        def add(self, kind, name, spec, deps, build, reads=()):
+            self.added[name] = (spec, deps, build, reads)
+            return name
+
+    inputs = SimpleNamespace(base=tmp_path / "base", data_root=tmp_path, task_spec=None, tasks=["FOMC", "C-STANCE"],
+                             epochs={"FOMC": 3, "C-STANCE": 2}, train_sets={"FOMC": [], "C-STANCE": []},
+                             layout=SimpleNamespace(dp=1, tp=1))
+    args = SimpleNamespace(gpus=0, launcher=None, save_every=50, task_spec=None, wandb=False)
+    cfg = asdict(PRESETS["tiny"])
+    steps = Steps(Pipe(), cfg, inputs, args, "native", drift.TEMPERATURE)
+    steps.files = lambda kind, tasks: []
+    steps.base_files = ["base-files"]
+    m = METHODS["lora-seqft"]
+    first = m.plan_train(steps, None, 1, inputs.tasks, None, 0)
+    second = m.plan_train(steps, first, 2, inputs.tasks, None, 0)
+    spec, deps, build, reads = Pipe.added[second]
+    assert deps == [first] and reads == ["base-files"]  # the base is read again, and its key says so
+    assert spec.extra == ["--lr", str(cfg["lora_lr"]), "--lora-rank", "8", "--lora-alpha", "32.0",
+                          "--lora-dropout", "0.1", "--lora-targets", "q_proj,v_proj"]
+    (tmp_path / "s2.tmp").mkdir()
+    cmd = build(tmp_path / "s2.tmp", {first: tmp_path / "s1"})
+    assert cmd[cmd.index("--model") + 1] == str(inputs.base)
+    assert cmd[cmd.index("--lora-init") + 1] == str(tmp_path / "s1" / "ckpt" / "adapter")
+    assert cmd[len(cmd) - 1 - cmd[::-1].index("--lr") + 1] == str(cfg["lora_lr"])  # the last --lr wins
+    cmd1 = Pipe.added[first][2](tmp_path / "s2.tmp", {})
+    assert "--lora-init" not in cmd1 and cmd1[cmd1.index("--model") + 1] == str(inputs.base)
+    full = METHODS["sft"].plan_train(steps, first, 2, inputs.tasks, None, 0)  # full fine-tuning: the last checkpoint
+    cmd = Pipe.added[full][2](tmp_path / "s2.tmp", {first: tmp_path / "s1"})
+    assert cmd[cmd.index("--model") + 1] == str(tmp_path / "s1" / "ckpt") and "--lora-init" not in cmd
