@@ -36,7 +36,8 @@ from pipeline.cli import Parser, float_in, int_at_least, main_cli
 from pipeline import keep
 from pipeline.costs import (CHARS_PER_TOKEN, GEN_TOK_S, GPUS, MEMORY_SHARE, PEAK_TFLOPS, PREFILL_FACTOR,
                             STEP_OVERHEAD_S, TEMPLATE_ANSWER, TEMPLATE_PROMPT, TRAIN_MFU, Profile, StepCost,
-                            memory_per_gpu, micro_tokens_that_fit, needs_checkpointing, price, recomputes, train_tok_s)
+                            lora_params, memory_per_gpu, micro_tokens_that_fit, needs_checkpointing, price, recomputes,
+                            train_tok_s)
 from pipeline.layout import GPU_MEMORY_GB, Layout, generation_layout
 from methods import OBJECTIVES
 
@@ -150,6 +151,9 @@ class StepCounts:
         c.mean_doc = sum(est) / max(len(est), 1)
         obj = OBJECTIVES[spec.extra[spec.extra.index("--objective") + 1] if "--objective" in spec.extra else "sft"]
         c.extra_passes, c.extra_tokens = obj.extra_passes, obj.extra_tokens(spec.extra, c.mean_doc)
+        if "--lora-rank" in spec.extra:  # a LoRA method's stage (methods/lora.py)
+            c.lora_rank = int(spec.extra[spec.extra.index("--lora-rank") + 1])
+            c.lora_targets = tuple(spec.extra[spec.extra.index("--lora-targets") + 1].split(","))
         c.sdft = obj.on_policy  # the student samples on the training GPUs
         if c.sdft:
             cap = int(spec.extra[spec.extra.index("--sdft-max-new-tokens") + 1])  # the step's own cap
@@ -326,21 +330,31 @@ def print_plan(steps, runs, cfg_run, train_sets, tok, data_root, base, args, lay
     chains = [[t for t, _ in chain] for by_seed in runs.values() for chain in by_seed.values()]
     kept = None if policy == "all" else keep.simulate(policy, chains, {k: s["deps"] for k, s in steps.items()})
     print(format_disk(costs, model_cfg, gpus=bool(args.gpus), policy=policy, kept=kept))
-    extras = method_memory(runs, model_cfg, profile.gpus)
+    extras = method_memory(runs, model_cfg, profile.gpus, cfg_run["micro_tokens"], cfg_run)
     if extras:
         print(extras)
     return costs
 
 
-def method_memory(runs, model_cfg, gpus: int) -> str:
-    """What each method's train steps hold per GPU besides the memory table's (methods/: Objective.state_bytes)."""
+def method_memory(runs, model_cfg, gpus: int, micro_tokens: int = 0, cfg_run: dict | None = None) -> str:
+    """What each method's train steps hold per GPU besides the memory table's (methods/: Objective.state_bytes),
+    and a LoRA method's own total (the table is full fine-tuning's)."""
     from methods import METHODS
     lines = []
     for label in runs:
-        obj = OBJECTIVES[METHODS[label.split("@")[0]].objective]
+        m = METHODS[label.split("@")[0]]
+        obj = OBJECTIVES[m.objective]
         if obj.state_bytes:
             gb = obj.state_bytes * model_cfg.num_params(embeddings=True) / gpus / 1e9
             lines.append(f"  {label}: +{gb:.1f} GB per GPU ({obj.state_what}, sharded over {gpus} GPUs)")
+        if m.lora and cfg_run:
+            n = lora_params(model_cfg, cfg_run["lora_rank"], cfg_run["lora_targets"].split(","))
+            mem = memory_per_gpu(model_cfg, gpus, micro_tokens, n)
+            fits = lambda k: "fits" if mem[k] <= GPU_MEMORY_GB * 1e9 else "does NOT fit"  # noqa: E731
+            lines.append(f"  {label}: LoRA r {cfg_run['lora_rank']} on {cfg_run['lora_targets']} ({n / 1e6:.1f}M "
+                         f"parameters): {mem['total'] / 1e9:.1f} GB per GPU without activation checkpointing "
+                         f"({fits('total')}), {mem['total_checkpointed'] / 1e9:.1f} GB with ({fits('total_checkpointed')}"
+                         f" in {GPU_MEMORY_GB:g} GB)")
     return "\n".join(["memory per GPU besides the table, by method:", *lines]) if lines else ""
 
 

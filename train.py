@@ -376,7 +376,8 @@ def device_defaults(args, device, rank: int, world: int, compute_dtype, saved: d
     free, total = torch.cuda.mem_get_info(device)
     budget = min(free, costs.MEMORY_SHARE * total)
     cfg = load_config(args.model)
-    fit = costs.micro_tokens_that_fit(cfg, world, budget, args.activation_checkpointing)
+    lora = costs.lora_params(cfg, args.lora_rank, args.lora_targets.split(",")) if args.lora_rank else 0
+    fit = costs.micro_tokens_that_fit(cfg, world, budget, args.activation_checkpointing, lora)
     if compute_dtype == torch.float32:  # the memory model is bf16 training's: fp32 activations (and gathered
         fit = fit // 2048 * 1024          # weights, within the headroom) take twice the bytes
     if dist.is_initialized():  # every rank packs with the same budget (FSDP's collectives)
@@ -439,7 +440,8 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     start = resume(args, rank, model, opt, sched, workdir, plan_id, ema_teacher, settings, total_steps)
 
     peak = (args.peak_tflops * 1e12) if args.peak_tflops else measured_peak_flops(device, compute_dtype)
-    flops_per_token = costs.flops_per_token(model.cfg, sum(lengths) / len(lengths))
+    lora = sum(p.numel() for _, p in trained(model)) if args.lora_rank else 0  # (DTensors: their global size)
+    flops_per_token = costs.flops_per_token(model.cfg, sum(lengths) / len(lengths), lora)
     stage = Stage(args=args, rank=rank, world=world, device=device, compute_dtype=compute_dtype, out=out,
                   workdir=workdir, log_path=log_path, examples=examples, dropped=dropped, lengths=lengths,
                   prompt_ids=prompt_ids, teacher_ids=teacher_ids, stop_ids=tok.stop_ids, has_replay=has_replay,

@@ -10,6 +10,11 @@ the padded loss); train.py draws its own sample order, so its loss is close, not
     python bench/bench_train.py                          # tiny base config + SmolLM2-135M, 1 thread
     python bench/bench_train.py --models tiny --threads 2 --repeats 5
     python bench/bench_train.py --threads 2 --repeats 3 --with-compile --no-hf   # compiled vs eager blocks
+    python bench/bench_train.py --models smollm2 --threads 2 --repeats 3 --with-lora --no-hf   # LoRA vs full
+
+--with-lora adds train.py --lora-rank 8 (TRACE's LoRA: alpha 32, dropout 0.1, q_proj and v_proj; lr 1e-4); every
+train.py run also reports its process's peak resident memory (ru_maxrss: weights, optimizer state, activations and
+the Python runtime).
 
 All run as fresh subprocesses with OMP_NUM_THREADS=--threads, alternating, so a busy shared machine slows both
 alike; we report medians over --repeats. Startup (imports, model load, tokenization) is excluded: tokens/s is
@@ -175,22 +180,32 @@ FSDP_WRAPPER = ["-c", "import sys, train; build = train.build_model; "
                       "train.build_model = lambda *a, **k: build(*a, **{**k, 'shard': True}); train.main(sys.argv[1:])"]
 
 
-def run_ours(ckpt, data, cfg, work: Path, threads, fsdp=False, compile=False) -> dict:
+# train.py, printing its peak resident set size at exit (Linux: ru_maxrss in KiB)
+RSS_WRAPPER = ["-c", "import atexit, resource, runpy, sys; atexit.register(lambda: print('PEAK_RSS_KIB', "
+                     "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)); "
+                     "sys.argv = ['train.py', *sys.argv[1:]]; runpy.run_path('train.py', run_name='__main__')"]
+LORA = ["--lora-rank", "8", "--lora-alpha", "32", "--lora-dropout", "0.1", "--lora-targets", "q_proj,v_proj",
+        "--lr", "1e-4"]
+
+
+def run_ours(ckpt, data, cfg, work: Path, threads, fsdp=False, compile=False, lora=False) -> dict:
     out = work / "ours-out"
-    script = FSDP_WRAPPER if fsdp else [str(REPO / "train.py")]
-    run_child([sys.executable, *script, "--model", str(ckpt), "--data", str(data), "--out", str(out),
+    script = FSDP_WRAPPER if fsdp else RSS_WRAPPER
+    stdout = run_child([sys.executable, *script, "--model", str(ckpt), "--data", str(data), "--out", str(out),
                "--epochs", "1", "--max-steps", str(cfg["steps"]), "--global-batch", str(cfg["global_batch"]),
                "--max-len", str(cfg["max_len"]), "--micro-tokens", "16384", "--lr", str(HP["lr"]),
                "--betas", *map(str, HP["betas"]), "--weight-decay", str(HP["weight_decay"]),
                "--grad-clip", str(HP["grad_clip"]), "--save-every", "0", "--dtype", "fp32", "--quiet",
-               "--peak-tflops", "1", "--compile" if compile else "--no-compile"], threads)
+               "--peak-tflops", "1", "--compile" if compile else "--no-compile", *(LORA if lora else [])], threads)
+    rss = [int(line.split()[1]) * 1024 for line in stdout.splitlines() if line.startswith("PEAK_RSS_KIB")]
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     timed = log[1:]  # drop warm-up (and, compiled, the compilation)
     tokens = sum(x["tokens"] for x in timed)
     seconds = sum(x["tokens"] / x["tokens_per_s"] for x in timed)
     # step 1's excess over a steady step of its size: the compilation (compiled) or the first-call costs (eager)
     first = log[0]["tokens"] / log[0]["tokens_per_s"] - log[0]["tokens"] * seconds / tokens
-    return {"tokens_per_s": tokens / seconds, "padding": 0.0, "loss1": log[0]["loss"], "first_step_extra_s": first}
+    return {"tokens_per_s": tokens / seconds, "padding": 0.0, "loss1": log[0]["loss"], "first_step_extra_s": first,
+            "peak_rss": rss[0] if rss else None}
 
 
 def run_hf(ckpt, data, cfg, work: Path, threads, flat: bool) -> dict:
@@ -213,6 +228,7 @@ def main():
                     help="also run train.py with its model FSDP2-wrapped (as one process was before it skipped it)")
     ap.add_argument("--with-compile", action="store_true",
                     help="also run train.py --compile (each block compiled; step 1's extra seconds: the compilation)")
+    ap.add_argument("--with-lora", action="store_true", help="also run train.py on LoRA adapters (r 8 on q, v)")
     ap.add_argument("--no-hf", action="store_true", help="leave out the two Hugging Face Trainer runs")
     ap.add_argument("--child", choices=["peak", "hf", "hf-flat"], help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -246,13 +262,16 @@ def main():
             mean_len = statistics.mean(len(e.ids) for e in examples)
             fpt = flops_per_token(ckpt, mean_len)
             res = {"ours": []} | ({} if args.no_hf else {"hf": [], "hf-flat": []}) \
-                | ({"ours-fsdp": []} if args.with_fsdp else {}) | ({"ours-compiled": []} if args.with_compile else {})
+                | ({"ours-fsdp": []} if args.with_fsdp else {}) | ({"ours-compiled": []} if args.with_compile else {}) \
+                | ({"ours-lora": []} if args.with_lora else {})
             for _ in range(repeats):  # alternate so load on a shared machine hits all alike
                 res["ours"].append(run_ours(ckpt, data, cfg, work, args.threads))
                 if args.with_fsdp:
                     res["ours-fsdp"].append(run_ours(ckpt, data, cfg, work, args.threads, fsdp=True))
                 if args.with_compile:
                     res["ours-compiled"].append(run_ours(ckpt, data, cfg, work, args.threads, compile=True))
+                if args.with_lora:
+                    res["ours-lora"].append(run_ours(ckpt, data, cfg, work, args.threads, lora=True))
                 if not args.no_hf:
                     res["hf"].append(run_hf(ckpt, data, cfg, work, args.threads, flat=False))
                     res["hf-flat"].append(run_hf(ckpt, data, cfg, work, args.threads, flat=True))
@@ -265,10 +284,10 @@ def main():
     print(f"\n`{command}` — {args.threads} thread(s), fp32 sgemm peak {pk / 1e9:.1f} GFLOP/s "
           f"(median of {len(peaks)}: {', '.join(f'{p / 1e9:.0f}' for p in peaks)})\n")
     label = {"ours": "train.py", "hf": "HF padded", "hf-flat": "HF padding-free", "ours-fsdp": "train.py FSDP2-wrapped",
-             "ours-compiled": "train.py --compile"}
+             "ours-compiled": "train.py --compile", "ours-lora": "train.py LoRA r 8 (q, v)"}
     print("| model | data | steps x seqs (timed) | mean len | trainer | tok/s | train.py / it | MFU | padding | "
-          "step-1 loss | step-1 extra s |")
-    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+          "step-1 loss | step-1 extra s | peak RSS GB |")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, cfg, repeats, mean_len, fpt, source, res in rows:
         tps = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in res.items()}
         for k, v in res.items():
@@ -276,7 +295,8 @@ def main():
                   f"median of {repeats} | {mean_len:.0f} | {label[k]} | {tps[k]:.0f} | {tps['ours'] / tps[k]:.2f}x | "
                   f"{tps[k] * fpt / pk:.1%} | {statistics.median(r['padding'] for r in v):.0%} | {v[0]['loss1']:.5f} | "
                   + (f"{statistics.median(r['first_step_extra_s'] for r in v):.1f} |" if "first_step_extra_s" in v[0]
-                     else "|"))
+                     else "|")
+                  + (f" {statistics.median(r['peak_rss'] for r in v) / 1e9:.2f} |" if v[0].get("peak_rss") else " |"))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ lm_head -- for the whole step, two blocks at a time: current + prefetch) with th
 reduce-scatter; the loss kernel's fp32 [V, H] weight-gradient accumulator and one chunk of logits; activations at
 the micro-batch's tokens with and without activation checkpointing (the tensors autograd keeps per token and layer,
 listed in activation_bytes_per_token_layer). train.py sizes its micro-batches by it (micro_tokens_that_fit).
+A LoRA stage (lora: its adapters' parameter count, lora_params) keeps the base as train.py does (fp32, sharded,
+frozen: no gradient, no AdamW state, no gathered bf16 gradients, no lm_head gradient) and gradients and AdamW for the
+adapters only; its FLOPs per token drop the frozen weights' gradient products (4 instead of 6 per weight).
 """
 import math
 from dataclasses import dataclass, field
@@ -59,18 +62,29 @@ class Profile:
                    args.plan_peak_tflops, micro_tokens, layout)
 
 
-def flops_per_token(cfg, mean_doc: float) -> float:
+def flops_per_token(cfg, mean_doc: float, lora: int = 0) -> float:
     """Training FLOPs per token, train.py's MFU count: 6 x (non-embedding parameters) + 6 V H (lm_head) + causal
-    attention 6 L Hq D x mean document length."""
-    return (6 * cfg.num_params(embeddings=False) + 6 * cfg.vocab_size * cfg.hidden_size
+    attention 6 L Hq D x mean document length. A LoRA stage (lora: its adapters' parameters) computes no gradient of
+    a frozen weight: 4 per weight (forward and the input's gradient), 6 per adapter parameter."""
+    w = 4 if lora else 6
+    return (w * cfg.num_params(embeddings=False) + w * cfg.vocab_size * cfg.hidden_size + 6 * lora
             + 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * mean_doc)
 
 
-def train_tok_s(cfg, mean_doc: float, profile: Profile) -> float:
+def lora_params(cfg, rank: int, targets) -> int:
+    """Parameters of rank-`rank` adapters on `targets` (HF module names) of every block: r x (in + out) each."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    shape = {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H), "gate_proj": (H, I),
+             "up_proj": (H, I), "down_proj": (I, H)}
+    return cfg.num_hidden_layers * sum(rank * sum(shape[t]) for t in targets)
+
+
+def train_tok_s(cfg, mean_doc: float, profile: Profile, lora: int = 0) -> float:
     """Training tokens/s per GPU: the profile's own, else MFU x peak over flops_per_token."""
     if profile.train_tok_s:
         return profile.train_tok_s
-    return profile.mfu * profile.peak_tflops * 1e12 / flops_per_token(cfg, mean_doc)
+    return profile.mfu * profile.peak_tflops * 1e12 / flops_per_token(cfg, mean_doc, lora)
 
 
 def activation_bytes_per_token_layer(cfg) -> int:
@@ -87,22 +101,24 @@ def activation_bytes_per_token_layer(cfg) -> int:
     return norms + attn + mlp
 
 
-def memory_per_gpu(cfg, gpus: int, micro_tokens: int) -> dict:
-    """Bytes per GPU of train.py's FSDP2 bf16 training (see the module docstring). Keys: each component, and
-    'total' / 'total_checkpointed' (with --activation-checkpointing)."""
+def memory_per_gpu(cfg, gpus: int, micro_tokens: int, lora: int = 0) -> dict:
+    """Bytes per GPU of train.py's FSDP2 bf16 training (see the module docstring); lora: a LoRA stage's adapter
+    parameters (0: full fine-tuning). Keys: each component, and 'total' / 'total_checkpointed' (with
+    --activation-checkpointing)."""
     P = cfg.num_params(embeddings=True)
     V, H, L = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
     root = V * H * (1 if cfg.tie_word_embeddings else 2) + H  # embeddings (+ lm_head) + final norm
     block = (P - root) / L
     act_layer = activation_bytes_per_token_layer(cfg) * micro_tokens
     chunk_rows = max(1, 128 * 2**20 // (4 * V))  # kernels/cross_entropy.py's chunk (liger's is similar)
+    trained = lora or P  # what has gradients and AdamW moments
     m = {
-        "master weights fp32 (sharded)": 4 * P / gpus,
-        "gradients fp32 (sharded)": 4 * P / gpus,
-        "AdamW moments fp32 (sharded)": 8 * P / gpus,
+        "master weights fp32 (sharded)": 4 * (P + lora) / gpus,
+        "gradients fp32 (sharded)": 4 * trained / gpus,
+        "AdamW moments fp32 (sharded)": 8 * trained / gpus,
         "bf16 root unit, all-gathered": 2 * root,
-        "bf16 blocks in flight (2) + their grads": 2 * 2 * block * 2,
-        "loss: fp32 lm_head grad + logits chunk": 4 * V * H + 4 * chunk_rows * V,
+        "bf16 blocks in flight (2) + their grads": 2 * 2 * block * (1 if lora else 2),
+        "loss: fp32 lm_head grad + logits chunk": (0 if lora else 4 * V * H) + 4 * chunk_rows * V,
         "activations": L * act_layer + 2 * H * micro_tokens,
         "activations, checkpointed": L * 2 * H * micro_tokens + act_layer + 2 * H * micro_tokens,
     }
@@ -112,12 +128,12 @@ def memory_per_gpu(cfg, gpus: int, micro_tokens: int) -> dict:
     return m
 
 
-def micro_tokens_that_fit(cfg, gpus: int, budget_bytes: float, checkpointing: bool) -> int:
+def micro_tokens_that_fit(cfg, gpus: int, budget_bytes: float, checkpointing: bool, lora: int = 0) -> int:
     """train.py's --micro-tokens when not given on a GPU (and plan.py's): the most tokens per micro-batch, in
     multiples of 1024, whose memory_per_gpu total (with or without activation checkpointing) stays within
     budget_bytes; 0 when not even 1024 fit."""
     key = "total_checkpointed" if checkpointing else "total"
-    fixed, per_1024 = memory_per_gpu(cfg, gpus, 0)[key], memory_per_gpu(cfg, gpus, 1024)[key]
+    fixed, per_1024 = memory_per_gpu(cfg, gpus, 0, lora)[key], memory_per_gpu(cfg, gpus, 1024, lora)[key]
     per_1024 -= fixed  # memory is affine in the micro-batch's tokens
     return max(0, int((budget_bytes - fixed) // per_1024)) * 1024
 
@@ -135,6 +151,8 @@ class StepCost:
     sdft: bool = False
     extra_passes: float = 0.0    # the objective's passes per trained token besides the student's (methods/)
     extra_tokens: float = 0.0    # ... and its once-per-stage work on every GPU (ewc's Fisher)
+    lora_rank: int = 0           # a LoRA stage's adapters (0: full fine-tuning) ...
+    lora_targets: tuple = ()     # ... on these modules of every block
     prompts: int = 0
     prompt_tokens: int = 0
     new_tokens_max: int = 0
@@ -145,14 +163,14 @@ class StepCost:
     methods: list = field(default_factory=list)
 
 
-def needs_checkpointing(cfg, profile: Profile) -> bool:
+def needs_checkpointing(cfg, profile: Profile, lora: int = 0) -> bool:
     """True when train.py's memory without activation checkpointing exceeds GPU_MEMORY_GB."""
-    return memory_per_gpu(cfg, profile.gpus, profile.micro_tokens)["total"] > GPU_MEMORY_GB * 1e9
+    return memory_per_gpu(cfg, profile.gpus, profile.micro_tokens, lora)["total"] > GPU_MEMORY_GB * 1e9
 
 
-def recomputes(cfg, profile: Profile, checkpointing: bool) -> bool:
+def recomputes(cfg, profile: Profile, checkpointing: bool, lora: int = 0) -> bool:
     """Training pays activation checkpointing's second forward: the command turns it on, or only it fits."""
-    return checkpointing or needs_checkpointing(cfg, profile)
+    return checkpointing or needs_checkpointing(cfg, profile, lora)
 
 
 def generation_hours(profile: Profile, gpu_seconds: float) -> tuple[float, float]:
@@ -171,7 +189,8 @@ def price(c: StepCost, cfg, profile: Profile, checkpointing: bool = False):
     at the generation rate (train.py samples on the training GPUs). Generation steps run on profile.layout
     (generation_hours)."""
     over = profile.overhead_s * profile.gpus / 3600
-    tps = train_tok_s(cfg, c.mean_doc or 512, profile)
+    lora = lora_params(cfg, c.lora_rank, c.lora_targets) if c.lora_rank else 0
+    tps = train_tok_s(cfg, c.mean_doc or 512, profile, lora)
     if c.kind in ("eval", "rollout", "drift", "synth", "ssr"):
         prefill = c.prompt_tokens / (PREFILL_FACTOR * tps)
         if c.kind == "drift":  # + two models teacher-forced on the samples and on the gold answers
@@ -181,8 +200,8 @@ def price(c: StepCost, cfg, profile: Profile, checkpointing: bool = False):
         return
     if c.kind == "train":
         f = 1 + c.extra_passes  # (a train tok/s given by the user gets no recomputation factor)
-        if not profile.train_tok_s:
-            f += recomputes(cfg, profile, checkpointing) / 3
+        if not profile.train_tok_s:  # the second forward: 2 of the 6 (full) or of the 4 (LoRA) FLOPs per weight
+            f += recomputes(cfg, profile, checkpointing, lora) * (0.5 if lora else 1 / 3)
         # sdft's sampling: every rank its share of the step's prompts, at the generation rate of a GPU
         sample = c.prompt_tokens / (PREFILL_FACTOR * tps) if c.sdft else 0.0
         once = c.extra_tokens * profile.gpus / tps

@@ -105,7 +105,7 @@ def test_micro_tokens_rule_is_the_most_that_fit_and_train_py_uses_it(monkeypatch
     def args(**kw):
         return argparse.Namespace(**{**dict(compile=None, micro_tokens=None, model=str(
             REPO / "bench" / "configs" / "qwen2.5-7b"), activation_checkpointing=True,
-            max_len=2048, resume=False), **kw})
+            max_len=2048, resume=False, lora_rank=0, lora_targets="q_proj,v_proj"), **kw})
 
     a = args()
     train.device_defaults(a, torch.device("cpu"), 0, 1, torch.float32, {})
@@ -116,6 +116,11 @@ def test_micro_tokens_rule_is_the_most_that_fit_and_train_py_uses_it(monkeypatch
     a = args()
     train.device_defaults(a, torch.device("cuda"), 0, 8, torch.bfloat16, {})
     assert a.compile is True and a.micro_tokens == micro_tokens_that_fit(cfg, 8, 0.9 * 80e9, True)
+    a = args(lora_rank=8)  # a LoRA stage on one GPU: LoRA's memory model (full fine-tuning would not fit)
+    train.device_defaults(a, torch.device("cuda"), 0, 1, torch.bfloat16, {})
+    from pipeline.costs import lora_params
+    assert a.micro_tokens == micro_tokens_that_fit(cfg, 1, 0.9 * 80e9, True, lora_params(cfg, 8, ["q_proj", "v_proj"]))
+    assert a.micro_tokens >= 16384 and micro_tokens_that_fit(cfg, 1, 0.9 * 80e9, True) == 0
     a = args(compile=None, micro_tokens=4096)
     train.device_defaults(a, torch.device("cuda"), 0, 8, torch.float32, {})  # fp32 on CUDA: the SDPA loop
     assert a.compile is False
@@ -130,3 +135,30 @@ def test_micro_tokens_rule_is_the_most_that_fit_and_train_py_uses_it(monkeypatch
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20e9, 80e9))  # another process holds 60 GB
     with pytest.raises(train.UserError, match="fit 20.0 GB per GPU on 8 GPU.*--max-len 2048"):
         train.device_defaults(args(), torch.device("cuda"), 0, 8, torch.bfloat16, {})
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj")])
+def test_lora_memory_and_flops_on_one_gpu(targets):
+    """lora_params counts the adapters model/lora.py attaches (Qwen2.5-7B on meta); a LoRA stage's memory keeps the
+    fp32 base (sharded, frozen) and gradients and AdamW for the adapters only, so 7B trains on one 80 GB GPU with
+    activation checkpointing, where full fine-tuning needs more than one; its FLOPs drop the frozen weights'
+    gradient products (4 per weight, not 6)."""
+    from model.checkpoint import load_config
+    from model.lora import LoraConfig, attach_lora
+    from model.transformer import Transformer
+    from pipeline.costs import flops_per_token, lora_params
+    cfg = load_config(REPO / "bench" / "configs" / "qwen2.5-7b")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    n = lora_params(cfg, 8, targets)
+    assert n == sum(p.numel() for p in attach_lora(model, LoraConfig(rank=8, alpha=32, targets=targets)))
+    P = cfg.num_params(embeddings=True)
+    lora, full = memory_per_gpu(cfg, 1, 16384, n), memory_per_gpu(cfg, 1, 16384)
+    assert lora["master weights fp32 (sharded)"] == 4 * (P + n)
+    assert lora["gradients fp32 (sharded)"] == 4 * n and lora["AdamW moments fp32 (sharded)"] == 8 * n
+    assert lora["total_checkpointed"] < 0.9 * 80e9 < full["total_checkpointed"]
+    assert micro_tokens_that_fit(cfg, 1, 0.9 * 80e9, True, n) >= 16384 > micro_tokens_that_fit(cfg, 1, 0.9 * 80e9, True)
+    attention = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * 300
+    assert flops_per_token(cfg, 300, n) - attention == pytest.approx(
+        (flops_per_token(cfg, 300) - attention) * 4 / 6 + 6 * n)
