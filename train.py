@@ -187,6 +187,11 @@ def lora_config(args) -> LoraConfig | None:
                        targets=tuple(args.lora_targets.split(","))) if args.lora_rank else None)
 
 
+def stacked_rank(args) -> int:
+    """The rank of the frozen stack under a new adapter: --lora-init's, when the objective stacks (olora), else 0."""
+    return read_config(args.lora_init).rank if args.lora_init and OBJECTIVES[args.objective].stacks else 0
+
+
 def setup_distributed():
     """One code path for every launch: under torchrun its env:// rendezvous; as a plain process, a world of one
     with an in-process store (no TCP port, so parallel single-process runs can never join each other)."""
@@ -204,11 +209,12 @@ def setup_distributed():
 
 
 def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False, shard=None, compile=False,
-                lora=None, lora_init=None, seed=0):
+                lora=None, lora_init=None, seed=0, old_rank=0):
     """meta -> LoRA adapters -> compile(each block) -> fully_shard(each block) -> fully_shard(root) -> materialise ->
     load (-> the adapters' values: --lora-init's, or new ones seeded by `seed`). lm_head and the final norm stay in
     the root unit, where forward computes the loss. With `lora` (a LoraConfig) only the adapters are trainable;
-    they live inside their block, so FSDP2 shards them with it.
+    they live inside their block, so FSDP2 shards them with it. old_rank > 0: --lora-init's adapters (of that rank)
+    are a frozen stack under a new trained adapter (O-LoRA), not its start.
 
     compile: each block's forward through torch.compile(fullgraph=True), before fully_shard as torchtitan orders it
     (FSDP2's hooks run outside the compiled region); the token dimension is dynamic (dynamic=True), so packed
@@ -227,7 +233,7 @@ def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False,
     with torch.device("meta"):
         model = Transformer(load_config(ckpt_dir))
         if lora is not None:
-            attach_lora(model, lora)
+            attach_lora(model, lora, old_rank)
     model.activation_checkpointing = activation_checkpointing
     if compile:
         for block in model.model.layers:
@@ -248,7 +254,9 @@ def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False,
         model.tie_weights()  # to_empty gives every parameter new storage, a tied pair two (FSDP2 keeps the pair one)
     load_into(model, ckpt_dir)
     if lora is not None:
-        set_adapters(model, read_adapter(lora_init, model)) if lora_init else init_lora(model, seed)
+        init_lora(model, seed + old_rank)  # (a stacked stage's new adapter: a draw of its own)
+        if lora_init:
+            set_adapters(model, read_adapter(lora_init, model))
     return model
 
 
@@ -512,6 +520,13 @@ def resolve_inputs(args, rank: int):
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"--lora-init {args.lora_init}: {e}") from None
         ours = lora_config(args)
+        if OBJECTIVES[args.objective].stacks:  # a stack of k adapters of rank r: rank k r, alpha k alpha (one scale)
+            k = saved.rank // ours.rank
+            if saved.rank % ours.rank or saved.alpha != k * ours.alpha:
+                raise UserError(f"--lora-init {args.lora_init}: its adapter (rank {saved.rank}, alpha {saved.alpha:g}) "
+                                f"is not a stack of adapters of --lora-rank {ours.rank}, --lora-alpha "
+                                f"{ours.alpha:g}")
+            saved = ours
         for flag, a, b in (("rank", saved.rank, ours.rank), ("alpha", saved.alpha, ours.alpha),
                            ("targets", ",".join(saved.targets), args.lora_targets)):
             if a != b:
@@ -522,7 +537,7 @@ def build_models(args, device, compute_dtype, obj):
     """Step 2: the model, and the teacher the objective asks for: a copy of the initial weights (an EMA from there
     on, or frozen; sdft's "student" teacher is the training model itself, no copy). -> (model, teacher or None, EMA
     rate or None)."""
-    lora = dict(lora=lora_config(args), lora_init=args.lora_init, seed=args.seed)
+    lora = dict(lora=lora_config(args), lora_init=args.lora_init, seed=args.seed, old_rank=stacked_rank(args))
     model = build_model(args.model, device, compute_dtype, args.activation_checkpointing, compile=args.compile, **lora)
     wants_teacher, ema_rate = obj.teacher(args)
     teacher = None
@@ -641,7 +656,9 @@ def save_final(s: Stage, t_start: float):
             save_dtype = torch.bfloat16 if s.compute_dtype == torch.bfloat16 else torch.float32
             lora = lora_config(args)
             if lora is not None:  # the merged weights for every reader of a checkpoint, the adapter for PEFT and vLLM
-                full, adapter = merge_state(full, s.model, lora)
+                full, adapter = merge_state(full, s.model)
+                k = 1 + stacked_rank(args) // lora.rank  # a stack of k: one adapter of rank k r at the same scale
+                lora = LoraConfig(rank=k * lora.rank, alpha=k * lora.alpha, dropout=lora.dropout, targets=lora.targets)
                 save_adapter(None, lora, workdir / "adapter", base=args.model, state=adapter)
                 kept_files = [*kept_files, workdir / "adapter"]
             save_checkpoint(full, args.model, s.out, dtype=save_dtype,

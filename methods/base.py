@@ -51,6 +51,7 @@ class Objective:
     logs_kl = False      # train_log.jsonl has a "kl" field
     on_policy = False    # trains on the student's own samples: micro-batches come from sample_micro_batches
     reads_memory = False  # reads train.py's --memory (records held out of the mixture)
+    stacks = False       # LoRA: --lora-init's adapters are frozen under a new one each stage (olora), not continued
     # its cost for the planner (plan.py): forward-backward passes per trained token besides the student's own (a
     # teacher's forward ~1/3), and bytes per parameter it keeps besides the weights and AdamW, sharded over the GPUs
     extra_passes = 0.0

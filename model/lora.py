@@ -46,23 +46,35 @@ class LoraConfig:
 
 class LoraSlices(nn.Module):
     """The adapters of one Linear: for each targeted HF module, A [r, in] and B [rows, r] writing its rows of the
-    output (all of it for an unfused layer). forward(x) -> the adapters' sum [..., out], zero in untargeted rows."""
+    output (all of it for an unfused layer). forward(x) -> the adapters' sum [..., out], zero in untargeted rows.
 
-    def __init__(self, linear: Linear, parts: list, cfg: LoraConfig):
+    old_rank > 0 adds earlier adapters, frozen (A0 [old_rank, in], B0 [rows, old_rank]; O-LoRA's stack): both act at
+    the same scale, and to PEFT they are one adapter of rank old_rank + r, A = [A0; A], B = [B0, B]."""
+
+    def __init__(self, linear: Linear, parts: list, cfg: LoraConfig, old_rank: int = 0):
         super().__init__()
         self.parts = parts  # [(HF leaf name, first row, end row, targeted)], in row order
         self.scale = cfg.scale
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
-        dev, dt = linear.weight.device, linear.weight.dtype
-        self.A = nn.ParameterDict({m: nn.Parameter(torch.zeros(cfg.rank, linear.in_features, device=dev, dtype=dt))
-                                   for m, _, _, on in parts if on})
-        self.B = nn.ParameterDict({m: nn.Parameter(torch.zeros(b - a, cfg.rank, device=dev, dtype=dt))
-                                   for m, a, b, on in parts if on})
+        dev, dt, on = linear.weight.device, linear.weight.dtype, [(m, b - a) for m, a, b, t in parts if t]
+
+        def params(shape, grad=True):
+            return nn.ParameterDict({m: nn.Parameter(torch.zeros(shape(rows), device=dev, dtype=dt),
+                                                     requires_grad=grad) for m, rows in on})
+        self.A = params(lambda rows: (cfg.rank, linear.in_features))
+        self.B = params(lambda rows: (rows, cfg.rank))
+        if old_rank:
+            self.A0 = params(lambda rows: (old_rank, linear.in_features), grad=False)
+            self.B0 = params(lambda rows: (rows, old_rank), grad=False)
 
     def forward(self, x):
         h = self.dropout(x)
-        pieces = [(h @ self.A[m].T) @ self.B[m].T * self.scale if on else x.new_zeros(*x.shape[:-1], b - a)
-                  for m, a, b, on in self.parts]
+        old = "A0" in self._modules
+
+        def piece(m):
+            y = (h @ self.A[m].T) @ self.B[m].T
+            return (y + (h @ self.A0[m].T) @ self.B0[m].T if old else y) * self.scale
+        pieces = [piece(m) if on else x.new_zeros(*x.shape[:-1], b - a) for m, a, b, on in self.parts]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
 
 
@@ -76,9 +88,10 @@ def lora_linears(model):
             yield name, mod, parts
 
 
-def attach_lora(model, cfg: LoraConfig) -> list:
+def attach_lora(model, cfg: LoraConfig, old_rank: int = 0) -> list:
     """Adapters (zeros, on the model's device: `meta` before FSDP2 shards it) on every block linear layer that holds
-    a target; every other parameter frozen. -> the adapters' parameters. init_lora gives them their values."""
+    a target (with frozen earlier ones of rank old_rank: LoraSlices); every other parameter frozen. -> the trained
+    adapters' parameters. init_lora gives them their values, set_adapters a file's."""
     bad = sorted(set(cfg.targets) - set(TARGETS))
     if bad or not cfg.targets:
         raise ValueError(f"LoRA targets {bad or '(none)'}: choose from {', '.join(TARGETS)}")
@@ -89,8 +102,8 @@ def attach_lora(model, cfg: LoraConfig) -> list:
     for _, lin, parts in list(lora_linears(model)):
         spec = [(leaf, a, b, leaf in cfg.targets) for _, leaf, a, b in parts]
         if any(on for *_, on in spec):
-            lin.lora = LoraSlices(lin, spec, cfg)
-            params += list(lin.lora.parameters())
+            lin.lora = LoraSlices(lin, spec, cfg, old_rank)
+            params += [*lin.lora.A.values(), *lin.lora.B.values()]
     return params
 
 
@@ -122,36 +135,41 @@ def add_lora(model, cfg: LoraConfig, seed: int = 0) -> list:
 
 
 def peft_names(model) -> dict:
-    """{our parameter name: PEFT key} of the model's adapters (lora_A [r, in], lora_B [rows, r])."""
+    """{PEFT key: (our parameter names, stacked in this order, the dimension they stack on)} of the model's adapters:
+    lora_A [r, in] (a frozen stack's A0 rows first), lora_B [rows, r] (B0's columns first)."""
     out = {}
     for name, lin, parts in lora_linears(model):
         lora = getattr(lin, "lora", None)
+        old = lora is not None and "A0" in lora._modules
         for path, leaf, _, _ in parts:
             if lora is not None and leaf in lora.A:
-                out[f"{name}.lora.A.{leaf}"] = f"{PREFIX}{path}.lora_A.weight"
-                out[f"{name}.lora.B.{leaf}"] = f"{PREFIX}{path}.lora_B.weight"
+                for k, dim in (("A", 0), ("B", 1)):
+                    out[f"{PREFIX}{path}.lora_{k}.weight"] = (
+                        [f"{name}.lora.{k}0.{leaf}"] * old + [f"{name}.lora.{k}.{leaf}"], dim)
     return out
 
 
-def adapter_state(model) -> dict:
-    """{PEFT key: tensor} of the model's adapters."""
-    params = dict(model.named_parameters())
-    return {key: params[ours].detach() for ours, key in peft_names(model).items()}
+def adapter_state(model, state: dict | None = None) -> dict:
+    """{PEFT key: tensor} of the model's adapters (a frozen stack and the trained adapter as one), from `state` (our
+    names: a gathered full state dict) or the model's own parameters."""
+    state = state if state is not None else {n: p.detach() for n, p in model.named_parameters()}
+    return {key: torch.cat([state[n] for n in names], dim) if len(names) > 1 else state[names[0]]
+            for key, (names, dim) in peft_names(model).items()}
 
 
-def merge_state(state: dict, model, cfg: LoraConfig) -> tuple[dict, dict]:
+def merge_state(state: dict, model) -> tuple[dict, dict]:
     """A full state dict (our names, adapters included: train.py's gathered one) -> (the dense state with
     W[rows] += scale * B @ A merged in fp64 and cast back, the adapters under their PEFT keys)."""
-    names = peft_names(model)
+    peft = adapter_state(model, state)
     dense = {k: v for k, v in state.items() if not is_adapter(k)}
-    for name, lin, _ in lora_linears(model):
+    for name, lin, parts in lora_linears(model):
         lora = getattr(lin, "lora", None)
-        for m, a, b, on in (lora.parts if lora is not None else ()):
-            if on:
-                A, B = state[f"{name}.lora.A.{m}"].double(), state[f"{name}.lora.B.{m}"].double()
+        for path, leaf, a, b in parts:
+            if lora is not None and leaf in lora.A:
+                A, B = (peft[f"{PREFIX}{path}.lora_{k}.weight"].double() for k in "AB")
                 w = dense[f"{name}.weight"] = dense[f"{name}.weight"].clone()
-                w[a:b] = (w[a:b].double() + cfg.scale * (B @ A)).to(w.dtype)
-    return dense, {names[k]: v for k, v in state.items() if is_adapter(k)}
+                w[a:b] = (w[a:b].double() + lora.scale * (B @ A)).to(w.dtype)
+    return dense, peft
 
 
 def adapter_config(cfg: LoraConfig, base: str) -> dict:
@@ -184,19 +202,22 @@ def read_config(adapter_dir) -> LoraConfig:
 
 def read_adapter(adapter_dir, model) -> dict:
     """{our parameter name: tensor} of a PEFT adapter directory for a model with attach_lora's adapters of its
-    configuration: every key must match, with its shape."""
+    configuration: every key must match, with its shape. Into the frozen stack (A0, B0) when the model has one (the
+    file is the earlier adapters; the trained ones start new), else into the trained adapters."""
     from safetensors.torch import load_file
     tensors = load_file(Path(adapter_dir) / "adapter_model.safetensors")
     names, params = peft_names(model), dict(model.named_parameters())
-    if set(tensors) != set(names.values()):
-        missing, extra = sorted(set(names.values()) - set(tensors)), sorted(set(tensors) - set(names.values()))
+    if set(tensors) != set(names):
+        missing, extra = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
         raise ValueError(f"{adapter_dir}: adapter keys differ from the model's targets (missing {missing[:2]}, "
                          f"unexpected {extra[:2]})")
-    for ours, key in names.items():
-        if tuple(tensors[key].shape) != tuple(params[ours].shape):
+    out = {}
+    for key, (ours, _) in names.items():
+        if tuple(tensors[key].shape) != tuple(params[ours[0]].shape):
             raise ValueError(f"{adapter_dir}: {key} has shape {tuple(tensors[key].shape)}, expected "
-                             f"{tuple(params[ours].shape)}")
-    return {ours: tensors[key] for ours, key in names.items()}
+                             f"{tuple(params[ours[0]].shape)}")
+        out[ours[0]] = tensors[key]
+    return out
 
 
 def set_adapters(model, tensors: dict):
@@ -207,7 +228,7 @@ def set_adapters(model, tensors: dict):
 
 
 def load_adapter(model, adapter_dir) -> LoraConfig:
-    """Adapters from a PEFT directory onto a materialised model (attach_lora, then its tensors)."""
+    """Adapters from a PEFT directory onto a materialised model (attach_lora, then its tensors) as trained ones."""
     cfg = read_config(adapter_dir)
     attach_lora(model, cfg)
     set_adapters(model, read_adapter(adapter_dir, model))
@@ -217,16 +238,12 @@ def load_adapter(model, adapter_dir) -> LoraConfig:
 def merge_lora(model):
     """W[rows] += scale * B @ A for every adapter (in fp64, cast back), then the adapters are removed: the dense
     model that computes what the adapted one does (up to the weights' rounding)."""
+    dense, _ = merge_state({k: v.detach() for k, v in model.state_dict().items()}, model)
     with torch.no_grad():
-        for _, lin, _ in list(lora_linears(model)):
-            lora = getattr(lin, "lora", None)
-            if lora is None:
-                continue
-            for m, a, b, on in lora.parts:
-                if on:
-                    delta = lora.scale * (lora.B[m].double() @ lora.A[m].double())
-                    lin.weight[a:b] = (lin.weight[a:b].double() + delta).to(lin.weight.dtype)
-            del lin.lora
+        for name, lin, _ in list(lora_linears(model)):
+            if getattr(lin, "lora", None) is not None:
+                lin.weight.copy_(dense[f"{name}.weight"])
+                del lin.lora
     return model
 
 
