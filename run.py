@@ -67,7 +67,7 @@ import plan
 import rollout
 import synthesize
 import train
-from methods import FULL, METHODS, ewc, lora, lwf, sdft, sft_kl, ssr
+from methods import FULL, METHODS, ewc, lora, lwf, olora, sdft, sft_kl, ssr
 
 from data import metrics
 from data.outputs import check_output, claim_dir, write_json, write_text_atomic
@@ -96,7 +96,7 @@ class Settings:
     """Every setting that changes what a run computes, declared once: its paper value (the scripts' own defaults,
     train.py and rollout.py, not a second copy of them), and the flag that sets it (pipeline/settings.py). A preset
     replaces some values; a flag, or an experiment file naming it, replaces a preset's."""
-    methods: str = setting("sft,replay,opr-ru,opr-sc", f"comma-separated, from {', '.join(FULL)}, lora-seqft; each "
+    methods: str = setting("sft,replay,opr-ru,opr-sc", f"comma-separated, from {', '.join(FULL)}, lora-seqft, olora; each "
                            f"also on LoRA adapters as NAME+lora (methods/lora.py)")
     rho: float = setting(0.01, "replay ratio(s) in (0, 1]: b = rho * n_next; a comma list sweeps (e.g. "
                                "0.01,0.02,0.05,0.1)", comma_list(float_in(0, 1, lo_open=True), unique=True))
@@ -158,6 +158,9 @@ class Settings:
                                 train.lora_targets)
     lora_lr: float = setting(lora.LR, "LoRA methods: peak learning rate, in place of --lr (TRACE's)",
                              float_in(0, lo_open=True))
+    olora_lambda1: float = setting(olora.LAMBDA1, "olora: weight of sum |A_old A_new^T| (O-LoRA's code)", float_in(0))
+    olora_lambda2: float = setting(olora.LAMBDA2, "olora: weight of the new adapter's norms (O-LoRA's code)",
+                                   float_in(0))
     # None: the task table's [5,3,7,5,3,5,5,7] (or a manifest's); a CPU preset: a dict task -> epochs
     epochs: object = setting(None, "epochs per stage: one int, or a comma list per task (none: the task table's, or "
                              "a manifest's)", comma_list(int_at_least(1)))
