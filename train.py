@@ -64,7 +64,8 @@ from model.objectives import fsdp_units, trained
 from model.tokenizer import ChatTokenizer
 from model.transformer import Transformer
 from pipeline import costs
-from pipeline.train_state import final_with_same_settings, resume, save_state, saved_settings, state_settings
+from pipeline.train_state import (final_with_same_settings, hold, resume, save_state, saved_settings,
+                                  state_settings)
 from reporting import tensorboard, wandb_run
 
 # ---- defaults: the paper's hyperparameters (7-8B models, 8xH100) ------------------------------------------
@@ -313,6 +314,8 @@ def main(argv=None):
     if stage.wb is not None:
         stage.wb.finish()
     save_final(stage, t_start)  # 5. the final weights
+    if stage.lock is not None:
+        os.close(stage.lock)
     dist.destroy_process_group()
 
 
@@ -353,6 +356,7 @@ class Stage:
     packed_tokens: int = 0     # tokens in micro-batches ...
     packed_slots: int = 0      # ... of the budget's capacity: the packing efficiency
     kept: dict = field(default_factory=dict)  # what the objective keeps from earlier stages (ewc: F, theta*)
+    lock: int | None = None    # rank 0: the fd of OUT.partial's flock (pipeline.train_state.hold)
 
     @property
     def ema_teacher(self):
@@ -416,6 +420,7 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     log_path = workdir / "train_log.jsonl"
     if already_final(args, rank, out, workdir):
         return None
+    lock = hold(workdir, rank, device)  # one writer per --out: a second train.py there is refused before it reads
 
     # 1. data: every rank tokenizes the same mixture and plans the same steps
     tok = ChatTokenizer.from_dir(args.model)
@@ -455,7 +460,8 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
                   prompt_ids=prompt_ids, teacher_ids=teacher_ids, stop_ids=tok.stop_ids, has_replay=has_replay,
                   objective=obj, loss_fn=obj.loss_fn(args, model, teacher, has_replay, device),
                   steps=steps, settings=settings, plan_id=plan_id, model=model, teacher=teacher, ema_rate=ema_rate,
-                  opt=opt, sched=sched, start=start, peak=peak, flops_per_token=flops_per_token, kept=kept)
+                  opt=opt, sched=sched, start=start, peak=peak, flops_per_token=flops_per_token, kept=kept,
+                  lock=lock)
     if rank == 0:
         print_stage(stage)
         stage.tb = tensorboard.writer(Path(args.tensorboard), start + 1) if args.tensorboard else None

@@ -44,6 +44,31 @@ def state_settings(args) -> dict:
             if k not in NOT_STATE_ARGS and not k.startswith(others)}
 
 
+def hold(workdir: Path, rank: int, device) -> int | None:
+    """Make OUT.partial (train.py's own) and hold an exclusive flock on it for the rest of the run (rank 0), so that a
+    second train.py on the same --out is refused in one line before it reads or writes anything there. Every rank
+    learns whether rank 0 got it. -> the lock's fd (rank 0), kept open until the process exits."""
+    import fcntl
+    import os
+    fd, error = None, None
+    if rank == 0:
+        try:
+            claim_dir(workdir, "train-state")
+            fd = os.open(workdir, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            error = UserError(f"--out {workdir.with_name(workdir.name.removesuffix('.partial'))}: another train.py is "
+                              f"writing it ({workdir} is locked); wait for it to finish, or choose another --out")
+    ok = torch.tensor(float(error is None), device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if error is not None:
+        raise error
+    if not ok.item():
+        raise UserError("rank 0 could not lock --out's .partial directory (its error is above)")
+    return fd
+
+
 def final_with_same_settings(out: Path, args) -> bool:
     """--resume found a final checkpoint at OUT: True when it was trained with these settings (nothing to do);
     a UserError naming the first differing flag otherwise (resuming cannot turn it into another run)."""

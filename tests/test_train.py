@@ -550,3 +550,26 @@ def test_sigterm_during_the_final_save_leaves_no_temporary(tiny_env, tmp_path):
         p.kill()
     assert p.returncode == 143 and "Traceback" not in err and "train.py: stopped by SIGTERM" in err, err[-3000:]
     assert sorted(n.name for n in tmp_path.iterdir()) == ["ck.partial"], "a hidden temporary was left behind"
+
+
+def test_a_second_train_py_on_the_same_out_is_refused_in_one_line(train_ckpt, ref, tmp_path):
+    """Issue 64, class 1: one writer per --out. A second train.py started while the first trains is refused before
+    it reads or writes there; the first finishes with the weights it would have had alone."""
+    out = tmp_path / "busy"
+    first = subprocess.Popen(train_cmd(train_ckpt, out), cwd=REPO, env=train_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out.with_name("busy.partial") / "train_log.jsonl").exists() and first.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first.send_signal(signal.SIGSTOP)  # paused mid-run (holding its lock), however fast the machine is
+        assert first.poll() is None, "the first train.py ended before the second started"
+        second = train(train_ckpt, out, ok=False)
+    finally:
+        first.send_signal(signal.SIGCONT)
+        output = first.communicate(timeout=600)[0]
+    assert second.returncode != 0 and "another train.py is writing it" in second.stderr, second.stderr[-2000:]
+    assert len(second.stderr.strip().splitlines()) == 1
+    assert first.returncode == 0, output[-3000:]
+    assert_same_weights(weights(out), weights(ref), 0.0)
