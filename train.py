@@ -435,7 +435,7 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     if args.max_steps is not None:
         steps = steps[:args.max_steps]
     settings = state_settings(args)
-    plan_id = hashlib.sha256(json.dumps([settings, lengths], sort_keys=True).encode()).hexdigest()
+    plan_id = plan_digest(settings, examples)
 
     # 2. model, and the objective's teacher (sft-kl, sdft) and what it keeps from earlier stages (ewc)
     model, teacher, ema_rate = build_models(args, device, compute_dtype, obj)
@@ -467,6 +467,17 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
         stage.tb = tensorboard.writer(Path(args.tensorboard), start + 1) if args.tensorboard else None
         stage.wb = wandb_run.start(Path(args.wandb), vars(args)) if args.wandb else None
     return stage
+
+
+def plan_digest(settings: dict, examples: list) -> str:
+    """What a resumable training state must have been saved for: the flags that change the weights and the tokens of
+    every example, with their loss mask and source (a data file edited between a save and a --resume, even to the
+    same lengths, is another run)."""
+    from array import array
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for e in examples:
+        h.update(array("q", [len(e.ids), e.replay, *e.ids, *e.targets]).tobytes())
+    return h.hexdigest()
 
 
 def already_final(args, rank: int, out: Path, workdir: Path) -> bool:

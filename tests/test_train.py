@@ -27,7 +27,7 @@ from model.checkpoint import load_model  # noqa: E402
 from model.objectives import nll  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
 import train as train_script  # noqa: E402
-from tiny import (MAX_LEN, N_STEPS, REPO, assert_close_rel, assert_same_weights, foreign_dir, foreign_file,  # noqa: E402
+from tiny import (MAX_LEN, N_STEPS, REPO, WORDS, assert_close_rel, assert_same_weights, foreign_dir, foreign_file,  # noqa: E402
                   free_port, kill_once_state_is_saved, log, tiny_train, train, train_cmd, train_env, weights)
 
 
@@ -283,6 +283,36 @@ def test_resume_refuses_a_state_saved_for_another_plan(train_ckpt, tmp_path):
     r = train(train_ckpt, out, "--resume", "--seed", "7", ok=False)  # another data order: another plan
     assert r.returncode != 0 and "different run" in r.stdout + r.stderr
     assert not out.exists() and progress.exists()
+
+
+def test_resume_refuses_a_state_whose_data_changed_to_the_same_lengths(train_ckpt, tmp_path):
+    """Issue 64, class 2: a state is keyed by the tokens it trained on, not their lengths: one record's response
+    edited to another word of the same token length, between the save and the --resume, is refused."""
+    data = tmp_path / "data.jsonl"
+    records = [json.loads(line) for line in (train_ckpt / "data.jsonl").read_text().splitlines()]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "k"
+    state = out.with_name("k.partial") / "state" / "progress.pt"
+    p = subprocess.Popen(train_cmd(train_ckpt, out, data=data), cwd=REPO, env=train_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not state.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        p.send_signal(signal.SIGKILL)
+    finally:
+        p.communicate()
+    assert state.exists()
+    tok = ChatTokenizer.from_dir(train_ckpt)
+    r0 = records[0]
+    n = lambda response: len(tok.encode_sft(r0["prompt"], response)[0])  # noqa: E731
+    first, *rest = r0["response"].split()
+    swap = next(w for w in WORDS if w != first and n(" ".join([w, *rest])) == n(r0["response"]))
+    records[0] = {**r0, "response": " ".join([swap, *rest])}
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    r = train(train_ckpt, out, "--resume", data=data, ok=False)
+    assert r.returncode != 0 and "different run" in r.stderr and "data's content" in r.stderr, r.stderr[-2000:]
+    assert not out.exists() and state.exists()
 
 
 def test_resume_refuses_any_flag_that_changes_the_weights(train_ckpt, tmp_path):
