@@ -188,7 +188,10 @@ PRESETS = {
                     sdft_max_new_tokens=32, n_train=256, n_test=128, first_epochs=24, eval_repeats=1,
                     epochs={"C-STANCE": 10, "FOMC": 6, "MeetingBank": 3, "Py150": 3, "ScienceQA": 6,
                             "NumGLUE-cm": 10, "NumGLUE-ds": 10, "20Minuten": 3},
-                    drift_limit=16, scoring="lenient", activation_checkpointing=False),
+                    drift_limit=16, scoring="lenient", activation_checkpointing=False,
+                    # LoRA methods: TRACE's adapter at 4x the full lr (TRACE: 10x); on stage 1, 1e-3 and 2e-3 learn
+                    # C-STANCE, 5e-3 and more stall at chance (BENCHMARKS.md, "LoRA methods on the default")
+                    lora_lr=2e-3),
     # SmolLM2-135M-Instruct on the embedded benchmark, sized for CPU (48 training and 32 test prompts per task,
     # 2 epochs of 12 updates of 4). Stage 1 trains 8 epochs: at 12-24 updates (lr 5e-5-2e-4) the first letter task
     # collapsed to one label, at 96 updates of lr 2e-4 it reached 100 and FOMC then learned in 24 (BENCHMARKS.md).
