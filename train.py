@@ -420,7 +420,6 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     log_path = workdir / "train_log.jsonl"
     if already_final(args, rank, out, workdir):
         return None
-    lock = hold(workdir, rank, device)  # one writer per --out: a second train.py there is refused before it reads
 
     # 1. data: every rank tokenizes the same mixture and plans the same steps
     tok = ChatTokenizer.from_dir(args.model)
@@ -450,6 +449,9 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
                             fused=True)
     schedule = SCHEDULES[args.lr_schedule]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, total_steps, args.warmup))
+    # one writer per --out: a second train.py there is refused before it writes (nothing is made before this line:
+    # bad inputs leave no OUT.partial behind)
+    lock = hold(workdir, rank, device)
     start = resume(args, rank, model, opt, sched, workdir, plan_id, ema_teacher, settings, total_steps)
 
     peak = (args.peak_tflops * 1e12) if args.peak_tflops else measured_peak_flops(device, compute_dtype)

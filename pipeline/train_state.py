@@ -46,8 +46,8 @@ def state_settings(args) -> dict:
 
 def hold(workdir: Path, rank: int, device) -> int | None:
     """Make OUT.partial (train.py's own) and hold an exclusive flock on it for the rest of the run (rank 0), so that a
-    second train.py on the same --out is refused in one line before it reads or writes anything there. Every rank
-    learns whether rank 0 got it. -> the lock's fd (rank 0), kept open until the process exits."""
+    second train.py on the same --out is refused in one line before it writes anything there (it has only read its
+    inputs). Every rank learns whether rank 0 got it. -> the lock's fd (rank 0), to close when the run ends."""
     import fcntl
     import os
     fd, error = None, None

@@ -584,7 +584,7 @@ def test_sigterm_during_the_final_save_leaves_no_temporary(tiny_env, tmp_path):
 
 def test_a_second_train_py_on_the_same_out_is_refused_in_one_line(train_ckpt, ref, tmp_path):
     """Issue 64, class 1: one writer per --out. A second train.py started while the first trains is refused before
-    it reads or writes there; the first finishes with the weights it would have had alone."""
+    it writes there; the first finishes with the weights it would have had alone."""
     out = tmp_path / "busy"
     first = subprocess.Popen(train_cmd(train_ckpt, out), cwd=REPO, env=train_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
