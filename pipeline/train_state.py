@@ -51,6 +51,7 @@ def hold(workdir: Path, rank: int, device) -> int | None:
     import fcntl
     import os
     fd, error = None, None
+    dist.barrier()  # every rank has checked --out's directories (already_final) before rank 0 makes one of them
     if rank == 0:
         try:
             claim_dir(workdir, "train-state")
