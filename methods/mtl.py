@@ -10,7 +10,7 @@ class MTL(Method):
     def plan_train(self, steps, prev, stage, tasks, buffer_key, seed):
         seen, epochs = tasks[:stage], steps.inputs.epochs
         n_ep = round(sum(epochs[t] for t in seen) / len(seen))
-        return steps.train(None, stage, seen, None, seed, n_epochs=n_ep)
+        return steps.train(None, stage, seen, None, seed, self.train_flags(steps.cfg), n_epochs=n_ep)
 
 
 METHOD = MTL()

@@ -73,6 +73,8 @@ def test_a_lora_methods_stage_trains_the_base_from_the_previous_stages_adapter(t
     assert cmd[len(cmd) - 1 - cmd[::-1].index("--lr") + 1] == str(cfg["lora_lr"])  # the last --lr wins
     cmd1 = Pipe.added[first][2](tmp_path / "s2.tmp", {})
     assert "--lora-init" not in cmd1 and cmd1[cmd1.index("--model") + 1] == str(inputs.base)
+    joint = METHODS["mtl+lora"].plan_train(steps, None, 2, inputs.tasks, None, 0)  # its own plan, on adapters too
+    assert "--lora-rank" in Pipe.added[joint][0].extra and Pipe.added[joint][1] == []
     full = METHODS["sft"].plan_train(steps, first, 2, inputs.tasks, None, 0)  # full fine-tuning: the last checkpoint
     cmd = Pipe.added[full][2](tmp_path / "s2.tmp", {first: tmp_path / "s1"})
     assert cmd[cmd.index("--model") + 1] == str(tmp_path / "s1" / "ckpt") and "--lora-init" not in cmd
