@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="generated tokens/s per GPU for rollouts and evaluation (default: %(default)s)")
     g.add_argument("--plan-gpus", type=int_at_least(1),
                    help=f"GPUs to price the run on (default: run.py's --gpus, or {GPUS} for a CPU run's plan)")
+    g.add_argument("--plan-nodes", type=int_at_least(1), default=1,
+                   help="nodes of --plan-gpus GPUs to price the wall time on (run.py --executor ray): each step holds "
+                        "one node, and a step starts once its inputs are done and a node is free (default: "
+                        "%(default)s)")
     g.add_argument("--plan-overhead-s", type=float_in(0), default=STEP_OVERHEAD_S,
                    help="fixed seconds per GPU step: start, load, save (default: %(default)s)")
     g.add_argument("--plan-mfu", type=float_in(0, 1, lo_open=True), default=TRAIN_MFU, help="training MFU (default: %(default)s)")
@@ -219,6 +223,35 @@ def plan_run(steps: dict, runs: dict, cfg_run: dict, train_sets: dict, tok, data
     return list(costs.values())
 
 
+def wall_on_nodes(costs: list[StepCost], nodes: int | None) -> float:
+    """The command's wall hours on `nodes` nodes (None: as many as help: the step graph's critical path): each step
+    holds one node for its wall_hours, and starts, in plan order, as soon as its inputs are done and a node is free
+    (list scheduling, as run.py --executor ray starts ready steps)."""
+    done_at, free, t = {}, [0.0] * (nodes or len(costs) or 1), 0.0
+    todo, running = list(costs), []  # running: (end, key)
+    while todo or running:
+        for c in [c for c in todo if all(d in done_at for d in c.deps)]:
+            i = min(range(len(free)), key=free.__getitem__)
+            if free[i] > t:
+                break
+            free[i] = t + c.wall_hours
+            running.append((free[i], c.key))
+            todo.remove(c)
+        if not running:
+            raise ValueError(f"steps wait on steps that are not in the plan: {[c.key for c in todo][:3]}")
+        running.sort()
+        t, key = running.pop(0)
+        done_at[key] = t
+    return max(done_at.values(), default=0.0)
+
+
+def format_nodes(costs: list[StepCost], nodes: int, gpus: int) -> str:
+    one, many, path = wall_on_nodes(costs, 1), wall_on_nodes(costs, nodes), wall_on_nodes(costs, None)
+    return (f"wall time on nodes of {gpus} GPUs (each step on one node, started when its inputs are done): 1 node "
+            f"{one:.2f} h, {nodes} node{'s' if nodes > 1 else ''} {many:.2f} h ({one / max(many, 1e-12):.2f}x); the "
+            f"step graph's critical path {path:.2f} h (no more nodes go below it)")
+
+
 # ---------------------------------------------------------------------------------------------- the report
 
 def gb(x: float) -> str:
@@ -326,6 +359,7 @@ def print_plan(steps, runs, cfg_run, train_sets, tok, data_root, base, args, lay
     print(format_plan(costs, model_cfg, profile, cfg_run["micro_tokens"],
                       f"plan (dry run: nothing ran, nothing was written): {len(costs)} steps, model {base}", list(runs),
                       checkpointing))
+    print(format_nodes(costs, args.plan_nodes, profile.gpus))
     policy = getattr(args, "keep_checkpoints", "all")
     chains = [[t for t, _ in chain] for by_seed in runs.values() for chain in by_seed.values()]
     kept = None if policy == "all" else keep.simulate(policy, chains, {k: s["deps"] for k, s in steps.items()})

@@ -277,6 +277,18 @@ def add_machine_flags(g):
     g.add_argument("--threads", type=int_at_least(1),
                    help=f"CPU threads per step (default: $OMP_NUM_THREADS if set, else {THREADS}); part of every "
                         f"step's key, since it changes float results")
+    g.add_argument("--executor", choices=["local", "ray"], default="local",
+                   help="where steps run: local = processes on this machine (--jobs at once); ray = each step a Ray "
+                        "task on whichever node of a Ray cluster has its resources (on the CPU --threads x "
+                        "--gen-workers cores, on GPUs --gpus), the run directory on a filesystem every node shares "
+                        "at the same path, each step on one node: a training step larger than a node keeps "
+                        "--launcher. Never changes results (default: %(default)s)")
+    g.add_argument("--ray-address", help="--executor ray: the cluster (ray.init's address, e.g. HEAD:6379) "
+                                         "(default: $RAY_ADDRESS, else one started on this machine by `ray start`, "
+                                         "else a new one on this machine)")
+    g.add_argument("--ray-retries", type=int_at_least(0), default=3,
+                   help="--executor ray: fresh starts of a step whose node died (a training stage from its last "
+                        "saved state) before the run stops (default: %(default)s)")
     g.add_argument("--portable", action="store_true",
                    help="run every CPU step with ATen's AVX2 kernels and MKL's reproducible branch (kernels.CPU_PINS): "
                         "the same results on every x86-64 CPU with AVX2, Intel or AMD, at ~1.5x the wall time; "
@@ -339,6 +351,9 @@ def main(argv=None):
     if args.dry_run:  # the cost planner: nothing runs and nothing is written
         return plan.print_plan(pipe.steps, runs, cfg, inputs.train_sets, inputs.tok, inputs.data_root, inputs.base,
                                args, inputs.layout)
+    if pipe.executor is not None:  # a step no node can hold is refused before anything runs
+        done = pipe.committed()
+        pipe.executor.check_fits({k: pipe.demand(s["kind"]) for k, s in pipe.steps.items() if k not in done})
     pipe.lock_run_dir()  # creates the run directory: everything above is checked
     claim_dir(run_dir, "run")  # marked as run.py's (data/outputs.py)
     pipe.digests.save()
@@ -477,11 +492,12 @@ def make_pipeline(args, run_dir: Path, engine_name: str) -> Pipeline:
     if args.portable and "model" in cpu:
         print(f"run.py: --portable: this CPU cannot run the pins ({kernels.cpu_model()}: no AVX2), or "
               f"{'/'.join(kernels.PORTABLE)} are set otherwise; the steps follow this CPU", file=sys.stderr)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **cpu_env)
+    step_env = dict(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **cpu_env)
     if not gpus:  # a CPU run: its steps on the CPU also where there is a GPU
-        env.update(CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="")
+        step_env.update(CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="")
     if args.debug:
-        env["OPR_DEBUG"] = "1"  # steps show tracebacks too
+        step_env["OPR_DEBUG"] = "1"  # steps show tracebacks too
+    env = dict(os.environ, **step_env)
     import torch
     # everything besides the settings that changes float results: part of every step's key and of results.json
     numerics = dict(threads=threads, torch=torch.__version__, gpus=gpus, code=kernels.NUMERICS,
@@ -491,6 +507,12 @@ def make_pipeline(args, run_dir: Path, engine_name: str) -> Pipeline:
     pipe.outputs_of = STEP_OUTPUTS
     pipe.prunable = PRUNABLE
     pipe.use_zygote &= gpus == 0 and engine_name != "vllm"  # CUDA and vLLM start in processes of their own
+    if args.executor == "ray" and not args.dry_run:  # connected and every node checked, before anything is written
+        from pipeline.ray_executor import RayExecutor, demand
+        pipe.executor = RayExecutor(args.ray_address, run_dir, step_env, pipe.use_zygote, numerics["cpu"])
+        pipe.demand = lambda kind: demand(kind, threads, args.gen_workers, gpus)
+        pipe.retries = args.ray_retries
+        pipe.jobs = args.jobs or 1024  # Ray's resources decide how many run at once; a pool thread waits on each
     return pipe
 
 
@@ -498,7 +520,8 @@ def make_pipeline(args, run_dir: Path, engine_name: str) -> Pipeline:
 
 
 # settings that change how a run runs, not its numbers: out of results.json, which stays byte-identical across them
-HOW_IT_RUNS = ("out", "jobs", "quiet", "save-every", "gen-workers", "keep-checkpoints", "wandb")
+HOW_IT_RUNS = ("out", "jobs", "quiet", "save-every", "gen-workers", "keep-checkpoints", "wandb", "executor",
+               "ray-address", "ray-retries")
 
 
 def run_meta(args, preset: str, cfg: dict, rhos: list, inputs: Inputs, pipe: Pipeline, engine_name: str) -> dict:

@@ -91,6 +91,11 @@ class Pipeline:
         # start ready steps that are not trainings before ready trainings, so that what reads a checkpoint runs soon
         # and the checkpoint can be pruned (run.py --keep-checkpoints last); else in the order the steps were added
         self.readers_first = False
+        # where step processes run: None = here (local processes, the zygote on CPU); else an object with
+        # call(argv, log_path, demand) -> (exit code, node) and cancel() (pipeline/ray_executor.py)
+        self.executor = None
+        self.demand = lambda kind: {}  # kind -> the resources a step of that kind holds (the executor's names)
+        self.retries = 0  # fresh starts of a step whose node was lost (the executor raises NodeLost)
 
     def add(self, kind: str, name: str, spec, deps: list[str], build, reads=()) -> str:
         """Register a step; `build(tmp_dir, dep_dirs) -> argv` writes its inputs and returns the command that
@@ -180,18 +185,19 @@ class Pipeline:
     def run_step(self, key: str):
         step, final = self.steps[key], self.dir(key)
         tmp = final.with_name(final.name + ".tmp")
-        if step["kind"] == "train" and (tmp / "ckpt.partial" / "state" / "progress.pt").is_file():
-            # a stopped training stage: train.py --resume continues from its last saved state (the same step key,
-            # so the same settings and inputs; train.py checks its plan too), everything else of the try is redone
-            for p in tmp.iterdir():
-                if p.name != "ckpt.partial":
-                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)  # any other partial output is never reused
-        tmp.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        argv = step["build"](tmp, {d: self.dir(d) for d in step["deps"]})
-        rc = self.call(argv, tmp / "log.txt") if argv else 0
+        for attempt in range(1, self.retries + 2):
+            self._fresh_tmp(step, tmp)
+            argv = step["build"](tmp, {d: self.dir(d) for d in step["deps"]})
+            try:
+                rc, node = self.call(argv, tmp / "log.txt", step["kind"]) if argv else (0, None)
+                break
+            except NodeLost as e:  # (--executor ray) not a failure of the step: it runs again, elsewhere
+                if attempt > self.retries:
+                    raise StepFailed(f"step {key}: its node was lost {attempt} times ({e}); the finished steps are "
+                                     f"kept, re-run the same command to continue") from None
+                print(f"run.py: step {key}: its node was lost ({e}); running it again ({attempt + 1} of "
+                      f"{self.retries + 1})", file=sys.stderr, flush=True)
         if rc != 0:
             raise StepFailed(f"step {key} failed (exit {rc}): {last_error(tmp / 'log.txt')}; "
                              f"full log: {tmp / 'log.txt'}")
@@ -217,16 +223,35 @@ class Pipeline:
             self.manifest[key] = {"kind": step["kind"], "seconds": round(time.time() - t0, 2),
                                   "id": old["id"] if same else os.urandom(8).hex(),
                                   "inputs": {d: self.manifest[d].get("id") for d in step["deps"]},
-                                  "files": files}
+                                  "files": files, **({"node": node} if node else {})}
             write_json(self.manifest_path, self.manifest)
             self.digests.save()
         # a re-created pruned step with other bytes: the steps that read its old execution are stale now
         return bool(old is not None and old.get("pruned") and not same)
 
-    def call(self, argv, log_path: Path) -> int:
-        """Run one step's command, its output to log_path. The child leads its own process group (so the driver
-        can stop it and everything it started), is SIGKILLed by the kernel if the driver dies (even by SIGKILL),
-        and holds the run directory's lock until it exits."""
+    @staticmethod
+    def _fresh_tmp(step: dict, tmp: Path):
+        """A step's temporary directory as a new try starts it: empty, except a stopped training stage's saved state,
+        which train.py --resume continues from (the same step key, so the same settings and inputs; train.py checks
+        its plan too)."""
+        if step["kind"] == "train" and (tmp / "ckpt.partial" / "state" / "progress.pt").is_file():
+            for p in tmp.iterdir():
+                if p.name != "ckpt.partial":
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)  # any other partial output is never reused
+        tmp.mkdir(parents=True, exist_ok=True)
+
+    def call(self, argv, log_path: Path, kind: str) -> tuple[int, str | None]:
+        """Run one step's command, its output to log_path -> (exit code, the node that ran it: None when local).
+        With an executor (--executor ray) it runs where the executor places it. Locally the child leads its own
+        process group (so the driver can stop it and everything it started), is SIGKILLed by the kernel if the
+        driver dies (even by SIGKILL), and holds the run directory's lock until it exits."""
+        if self.executor is not None:
+            return self.executor.call(argv, log_path, self.demand(kind))
+        return self._call_local(argv, log_path), None
+
+    def _call_local(self, argv, log_path: Path) -> int:
         script = Path(argv[1]) if len(argv) > 1 and argv[0] == sys.executable else None
         if self.zygote is not None and script is not None and script.parent == HERE and script.stem in SCRIPTS:
             child = ZygoteChild()
@@ -271,6 +296,8 @@ class Pipeline:
         with self.lock:
             self.stopping = True
             procs = list(self.procs)
+        if self.executor is not None:
+            self.executor.cancel()
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for p in procs:
                 _signal_step(p.pid, sig)
@@ -315,7 +342,7 @@ class Pipeline:
         asked every STATUS_SECONDS while steps run (None: the last committed step's key)."""
         committed = self.committed()  # grows as steps finish
         todo = [k for k in self.steps if k not in committed]
-        if self.use_zygote and todo:  # started by this (the main) thread: it dies with the driver
+        if self.use_zygote and todo and self.executor is None:  # started by this (the main) thread: it dies with the driver
             self.zygote = Zygote(self.env, pass_fds=(self.lock_fd,))
         bar = tqdm(total=len(self.steps), initial=len(self.steps) - len(todo), desc="pipeline", unit="step",
                    disable=self.quiet)
@@ -385,6 +412,11 @@ class Pipeline:
 
 class StepFailed(UserError):
     exit_code = 1
+
+
+class NodeLost(Exception):
+    """A step's node died under it (an executor that runs steps elsewhere): not a failure of the step, which may run
+    again on another node (Pipeline.retries)."""
 
 
 def last_error(log_path: Path) -> str:

@@ -178,3 +178,17 @@ def test_run_dry_run_checks_the_planner_flags(env, tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "--plan-gpus" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_wall_time_on_nodes_by_hand():
+    """Two chains, A (1 h) -> B (2 h) and C (1 h) -> D (1 h): one node runs them one after another (5 h); two nodes
+    run A and C together, then B and D (3 h, the critical path A -> B); a step starts only after its inputs."""
+    costs = [StepCost("A", "train", [], wall_hours=1), StepCost("B", "train", ["A"], wall_hours=2),
+             StepCost("C", "eval", [], wall_hours=1), StepCost("D", "eval", ["C"], wall_hours=1)]
+    assert plan.wall_on_nodes(costs, 1) == 5
+    assert plan.wall_on_nodes(costs, 2) == 3
+    assert plan.wall_on_nodes(costs, None) == 3
+    chain = [StepCost("A", "train", [], wall_hours=1), StepCost("B", "train", ["A"], wall_hours=2)]
+    assert plan.wall_on_nodes(chain, 4) == 3  # a chain gains nothing from nodes
+    line = plan.format_nodes(costs, 2, 8)
+    assert "1 node 5.00 h, 2 nodes 3.00 h (1.67x); the step graph's critical path 3.00 h" in line
