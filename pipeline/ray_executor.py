@@ -29,7 +29,7 @@ from pipeline.zygote import HERE, SCRIPTS, Zygote, die_with_parent
 
 RETRIES = 3  # run.py --ray-retries: fresh starts of a step whose node died
 GEN_KINDS = ("eval", "rollout", "synth", "ssr", "drift")  # the steps that run --gen-workers processes on the CPU
-INSTALL = "pip install 'ray[default]==2.60.*'"
+INSTALL = "pip install 'ray==2.60.*'"
 
 
 def demand(kind: str, threads: int, gen_workers: int, gpus: int) -> dict:

@@ -79,7 +79,7 @@ def test_ray_missing_is_one_line(world, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1] == ("run.py: error: --executor ray: needs the ray package; "
-                                                 "pip install 'ray[default]==2.60.*'"), p.stderr[-2000:]
+                                                 "pip install 'ray==2.60.*'"), p.stderr[-2000:]
     assert not (tmp_path / "out").exists()
 
 
