@@ -535,6 +535,7 @@ def main(argv=None):
     costs = paper_grid(cfg, profile, args.trace, repeats=args.eval_repeats)
     print(format_plan(costs, cfg, profile, args.micro_tokens, f"\nplan of the paper's grid on {args.config}", ["opr"],
                       checkpointing=True))
+    print(format_nodes(costs, args.plan_nodes, layout.gpus))
     total = sum(c.gpu_hours for c in costs)
     print(f"\npaper: {PAPER_GPU_HOURS:g} GPU-hours for one model's 8 stages; this plan: {total:.1f} "
           f"({total / PAPER_GPU_HOURS:.2f}x), upper bound {sum(c.gpu_hours_max for c in costs):.1f}")
