@@ -83,6 +83,7 @@ from pipeline.settings import add_flags, apply, setting
 from pipeline.steps import Pipeline
 from pipeline.watch import train_labels, train_status
 from reporting import tensorboard
+from reporting.claims import claims
 from reporting.collect import Evals, collect, write_index, write_partial, write_timing
 
 # CPU threads per step: float results depend on the thread count, so it is pinned (and part of every step's key)
@@ -392,6 +393,7 @@ def execute(pipe: Pipeline, args, runs: dict, row0: dict, probes: dict, tasks: l
         labels = train_labels(runs)
         pipe.execute(on_commit=watch, status=lambda keys: train_status(pipe, labels, keys))
         results = collect(pipe, runs, row0, tasks, meta(), probes, evals=evals)
+        results["claims"] = claims(results)  # the paper's claims on this run (reporting/claims.py)
         write_json(run_dir / "results.json", results)
         board.update(tensorboard.results_scalars(results))
     finally:

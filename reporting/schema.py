@@ -7,6 +7,8 @@ results.json (written by run.py's collect; JSON):
                                                             # seed: the seed as a string ("0", "1", ...)
      "test_idx": {task: [idx, ...]},                        # optional: the test examples evaluated, in the order
                                                             # of every "example_scores" list (record numbers)
+     "claims": [...],                                       # optional: reporting/claims.py's verdicts (run.py
+                                                            # writes them; the report recomputes them)
      "meta": {...}}                                         # settings, printed as-is at the top of the report;
                                                             # optional "seed_noise": {"seeds": n, "measured": where,
                                                             # "std": {m: {"acc", "bwt"}}, "delta_std": {ref: {m:

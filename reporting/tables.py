@@ -10,6 +10,7 @@ import json
 import statistics
 from pathlib import Path
 
+from reporting.claims import claims, claims_section
 from reporting.diagnostics import warnings as diagnostic_warnings
 from reporting.figures import FIGURES, MECHANISM_FIGURES
 from reporting.numbers import (buffer_numbers, diagnostic_flags, drift_numbers, noise_numbers, summarize,
@@ -236,7 +237,8 @@ def markdown_report(results, summary=None, figures=(), unc=None) -> str:
     flags = warning_lines(results)
     noise = (results.get("meta") or {}).get("seed_noise")
     out = [*_header(results), *_results_section(results, summary, unc, flags, noise),
-           *_paired_section(summary, unc, noise), *_noise_section(results, summary),
+           *_paired_section(summary, unc, noise), *claims_section(claims(results, summary)),
+           *_noise_section(results, summary),
            *_trace_section(tasks, summary), *_matrices_section(results, summary, flags),
            *mechanism_section(results), "", *_figures_section(figures)]
     return "\n".join(out).rstrip() + "\n"
