@@ -8,7 +8,8 @@ Hugging Face semantics but without importing transformers.
 What "HF semantics" means here (transformers.utils.chat_template_utils / PreTrainedTokenizerBase.apply_chat_template):
   - the template comes from chat_template.jinja if present, else tokenizer_config.json["chat_template"];
   - it runs in jinja2's ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True) with the loopcontrols
-    extension, a `tojson` filter that does not HTML-escape, and the globals raise_exception / strftime_now;
+    extension, a `tojson` filter that does not HTML-escape, and the globals raise_exception / strftime_now (here
+    pinned to TEMPLATE_NOW, not the clock: transformers renders today's date);
   - the template sees messages, tools=None, documents=None, add_generation_prompt, the named special tokens
     (bos_token, eos_token, unk_token, sep_token, pad_token, cls_token, mask_token, as strings) and any extra kwargs,
     which override the special tokens; message keys whose value is None are dropped;
@@ -70,8 +71,14 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+# a template's clock is pinned: a step's prompts are a function of its inputs, so a resume on another day renders
+# what the first try rendered (its key holds no date). The instant is Llama 3.1's own fallback date, what its
+# template renders where strftime_now is undefined
+TEMPLATE_NOW = datetime(2024, 7, 26)
+
+
 def _strftime_now(fmt):
-    return datetime.now().strftime(fmt)
+    return TEMPLATE_NOW.strftime(fmt)
 
 
 def compile_chat_template(source: str) -> jinja2.Template:
@@ -223,11 +230,17 @@ class ChatTokenizer:
         if isinstance(n_model, int) and not isinstance(n_model, bool) and n_tok > n_model:
             raise InputError(f"{tok_path}: token ids reach {n_tok - 1}, but {model_cfg}: vocab_size is {n_model}; "
                              f"the tokenizer does not belong to these weights")
+        probe = [{"role": "user", "content": "Is 1 + 1 = 2?"}, {"role": "assistant", "content": "Yes."}]
         try:
-            tok.encode_sft("Is 1 + 1 = 2?", "Yes.")
+            tok.encode_sft(probe[0]["content"], probe[1]["content"])
+            text = tok.apply_chat_template(probe)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise InputError(f"{template_source}: the chat template fails on a probe conversation (one user turn, one "
                              f"assistant answer): {str(e).splitlines()[0] if str(e) else e!r}") from None
+        lost = [m["content"] for m in probe if m["content"] not in text]
+        if lost:  # training would run on the template's own tokens only
+            raise InputError(f"{template_source}: the chat template drops the messages' content (a probe "
+                             f"conversation renders without {lost[0]!r}): the model would see none of the data")
         return tok
 
     # --- plain text ---------------------------------------------------------------------------------------------

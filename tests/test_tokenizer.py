@@ -6,6 +6,7 @@ import json
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from data.errors import InputError
 from model.tokenizer import IGNORE_INDEX, ChatTokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -579,3 +580,34 @@ def test_encode_sft_rejects_template_that_breaks_prefix(tmp_path):
         ChatTokenizer.from_dir(path, check=False).encode_sft("hi", "hello")
     with pytest.raises(ValueError, match="chat_template.jinja: the chat template fails on a probe .* not a prefix"):
         ChatTokenizer.from_dir(path)
+
+
+def test_a_template_that_drops_the_content_is_refused(tmp_path):
+    """It encodes (the generation prompt is a prefix of the turn) but renders no message's text: training would run on
+    the template's own tokens only."""
+    path = make_qwen25(tmp_path / "ckpt")
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    ChatTokenizer.from_dir(path, check=False).encode_sft("hi", "hello")  # no prefix problem
+    with pytest.raises(InputError, match=r"chat_template.jinja: the chat template drops the messages' content \(a "
+                                         r"probe conversation renders without 'Is 1 \+ 1 = 2\?'\)"):
+        ChatTokenizer.from_dir(path)
+
+
+def test_the_templates_clock_is_pinned(tmp_path, monkeypatch):
+    """strftime_now renders TEMPLATE_NOW, not today: a resume on another day renders the same prompts."""
+    import model.tokenizer as tk
+    path = make_qwen25(tmp_path / "ckpt")
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ strftime_now('%d %b %Y') }} {{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = ChatTokenizer.from_dir(path)
+    assert "26 Jul 2024 hi" in tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+    class Later(tk.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return tk.datetime(2031, 1, 2)
+    monkeypatch.setattr(tk, "datetime", Later)
+    assert "26 Jul 2024 hi" in ChatTokenizer.from_dir(path).apply_chat_template([{"role": "user", "content": "hi"}])
