@@ -96,6 +96,9 @@ def check_finite(t: torch.Tensor, path, name: str):
                          f"training run or a corrupt file)")
 
 
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors' names of the dtypes a checkpoint's weights may have
+
+
 def _located_slices(model: Transformer, ckpt_dir):
     """Yield (path, HF name, lazy safetensors slice) for every tensor `model` needs, after checking the checkpoint
     holds exactly those, with the right shapes: an unexpected, missing or mis-shaped weight is an error naming file
@@ -120,6 +123,9 @@ def _located_slices(model: Transformer, ckpt_dir):
                 if tuple(sl.get_shape()) != tuple(shapes[name]):
                     raise InputError(f"{path}: weight {name!r} has shape {tuple(sl.get_shape())}, "
                                      f"expected {tuple(shapes[name])}")
+                if sl.get_dtype() not in FLOAT_DTYPES:  # integers or booleans would load as numbers all the same
+                    raise InputError(f"{path}: weight {name!r} is stored as {sl.get_dtype()}: a model's weights are "
+                                     f"floating point ({', '.join(FLOAT_DTYPES)})")
                 yield path, name, sl
 
 

@@ -54,6 +54,20 @@ def test_missing_and_misshaped_weights_are_named(tmp_path):
         load_model(tmp_path)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool])
+def test_weights_that_are_not_floating_point_are_named(tmp_path, dtype):
+    """Integers or booleans would load as numbers (copied into fp32) and run: a damaged or foreign file."""
+    from safetensors.torch import load_file, save_file
+    make_hf("llama", tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    state[name] = torch.ones_like(state[name], dtype=dtype)
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"model\.safetensors: weight '{name}' is stored as (I64|I8|BOOL): a "
+                                         r"model's weights are floating point \(F32, BF16, F16, F64\)"):
+        load_model(tmp_path)
+
+
 NON_FINITE = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"]  # Python's JSON reader takes them all
 
 
