@@ -199,8 +199,7 @@ class Pipeline:
                 print(f"run.py: step {key}: its node was lost ({e}); running it again ({attempt + 1} of "
                       f"{self.retries + 1})", file=sys.stderr, flush=True)
         if rc != 0:
-            raise StepFailed(f"step {key} failed (exit {rc}): {last_error(tmp / 'log.txt')}; "
-                             f"full log: {tmp / 'log.txt'}")
+            raise StepFailed(f"step {key} {failure(rc, tmp / 'log.txt')}; full log: {tmp / 'log.txt'}")
         missing = [f for f in self.outputs_of.get(step["kind"], ())
                    if not any((tmp / alt).is_file() for alt in f.split("|"))]
         if missing:  # exit 0 without its outputs (a user scorer that called sys.exit(0)): never committed
@@ -419,7 +418,18 @@ class NodeLost(Exception):
     again on another node (Pipeline.retries)."""
 
 
-def last_error(log_path: Path) -> str:
+def failure(rc: int, log_path: Path) -> str:
+    """How a step ended, for its one line: its exit code and its log's error line; a step killed by a signal says
+    which (its log's last line is then wherever it was, no error), and an error line only if its log has one."""
+    if rc >= 0:
+        return f"failed (exit {rc}): {last_error(log_path)}"
+    name = signal.Signals(-rc).name if -rc in signal.valid_signals() else f"signal {-rc}"
+    why = " (the kernel's out-of-memory killer sends it: see dmesg)" if -rc == signal.SIGKILL else ""
+    error = last_error(log_path, errors_only=True)
+    return f"was killed by {name}{why}" + (f"; its log's last error: {error}" if error else "")
+
+
+def last_error(log_path: Path, errors_only: bool = False) -> str | None:
     """The line of a step's log that says what went wrong: a script's own `x.py: error: ...` line, else the last
     `...Error: ...` line of a traceback, else the last non-empty line."""
     lines = [l.strip() for l in re.split(r"[\r\n]+", log_path.read_text(errors="replace")) if l.strip()]
@@ -427,6 +437,8 @@ def last_error(log_path: Path) -> str:
         hits = [l for l in lines if re.match(pattern, l)]
         if hits:
             return hits[-1][:400]
+    if errors_only:
+        return None
     return lines[-1][:400] if lines else "(empty log)"
 
 

@@ -153,3 +153,25 @@ def test_a_directory_fsync_the_file_system_refuses_is_let_be(tmp_path, monkeypat
     with pytest.raises(OSError) as e:
         write_json(tmp_path / "b.json", {"x": 2})
     assert e.value.errno == errno.EIO and json.loads((tmp_path / "b.json").read_text()) == {"x": 2}
+
+
+@pytest.mark.parametrize("code, says", [
+    # killed mid-step (the OOM killer's SIGKILL): its log's last line is progress, not an error
+    ("import os, signal; print('step 3/10 loss 1.23', flush=True); os.kill(os.getpid(), signal.SIGKILL)",
+     r"step s-[0-9a-f]+ was killed by SIGKILL \(the kernel's out-of-memory killer sends it: see dmesg\); full log: "),
+    ("import os, signal; print('ValueError: bad row', flush=True); os.kill(os.getpid(), signal.SIGTERM)",
+     r"was killed by SIGTERM; its log's last error: ValueError: bad row; full log: "),
+    ("import sys; print('loss 1.0'); sys.exit(3)", r"failed \(exit 3\): loss 1.0; full log: "),
+])
+def test_a_failed_steps_line_says_how_it_ended(tmp_path, code, says):
+    from pipeline.steps import Pipeline, StepFailed
+    pipe = Pipeline(tmp_path / "run", 1, dict(os.environ), True, {})
+    pipe.use_zygote = False
+    pipe.add("eval", "s", {}, [], lambda tmp, dirs: [sys.executable, "-c", code])
+    pipe.lock_run_dir()
+    try:
+        with pytest.raises(StepFailed, match=says) as e:
+            pipe.execute()
+    finally:
+        os.close(pipe.lock_fd)
+    assert "loss 1.23" not in str(e.value) and "\n" not in str(e.value)
