@@ -78,6 +78,10 @@ def load_manifest(path: Path) -> dict:
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: malformed JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
     entries = doc.get("tasks") if isinstance(doc, dict) else doc
+    unknown = sorted(set(doc) - {"tasks"}) if isinstance(doc, dict) else []
+    if unknown:  # a misspelt or misplaced key ("task", a field meant for every task) would be ignored
+        raise InputError(f"{path}: unknown top-level key {unknown[0]!r}: a manifest holds only \"tasks\", a list of "
+                         f"tasks each with its own fields")
     if not isinstance(entries, list) or not entries:
         raise InputError(f'{path}: expected {{"tasks": [{{"name", "metric", "epochs", ...}}, ...]}} with one task '
                          f"or more")

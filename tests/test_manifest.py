@@ -133,6 +133,8 @@ def test_parquet_split(tmp_path):
     (lambda s: s["tasks"][0].pop("labels"), "task 'Tickets', field 'labels': metric label_accuracy needs"),
     (lambda s: s["tasks"][0].update(epochs=0), "task 'Tickets', field 'epochs': must be >= 1"),
     (lambda s: s["tasks"][0].update(epoch=2), "task 'Tickets', field 'epoch': unknown field"),
+    # a key meant for every task, or misspelt, beside "tasks": would be ignored
+    (lambda s: s.update(epochs=2), "unknown top-level key 'epochs': a manifest holds only \"tasks\""),
     (lambda s: s["tasks"][0].update(name="a,b"), "field 'name': start with a letter or digit, then use letters"),
     # a leading '-' would make the name a flag in the steps' command lines
     (lambda s: s["tasks"][0].update(name="-x"), "task '-x', field 'name': start with a letter or digit"),
