@@ -50,7 +50,7 @@ from tqdm import tqdm
 from data.errors import UserError
 from data.jsonl import dumps_strict
 from data.mixture import tokenize_mixture
-from data.outputs import check_output
+from data.outputs import check_output, sibling_tag
 from data.packing import pack, plan_steps
 import kernels
 from kernels import attention, cross_entropy
@@ -415,7 +415,7 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     resolve_inputs(args, rank)
     out = Path(args.out)
-    workdir = out.with_name(out.name + ".partial")  # training state and logs until the checkpoint is final
+    workdir = out.with_name(sibling_tag(out) + ".partial")  # training state and logs until the checkpoint is final
     device_defaults(args, device, rank, world, compute_dtype, saved_settings(workdir) if args.resume else {})
     log_path = workdir / "train_log.jsonl"
     if already_final(args, rank, out, workdir):

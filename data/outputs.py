@@ -10,6 +10,7 @@ output itself: a directory output holds MARK, a file output has a hidden `.<name
 files, a file that only looks like ours -- is refused in one line naming the path, unless the script's --overwrite.
 """
 import contextlib
+import hashlib
 import errno
 import json
 import os
@@ -54,10 +55,20 @@ def fsync_tree(root):
         fsync_dir(d)
 
 
+def sibling_tag(path: Path) -> str:
+    """path's name as its hidden siblings (temporaries, a moved-aside old copy) carry it: the name itself, or for a
+    long one its first 100 bytes and a digest of the rest, so that a name the filesystem takes (up to 255 bytes) has
+    siblings it takes too."""
+    name = Path(path).name
+    if len(name.encode()) <= 150:
+        return name
+    return f"{name.encode()[:100].decode(errors='ignore')}~{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+
+
 def temp_prefix(path: Path) -> str:
     """The name prefix of a temporary sibling of path: it carries our pid, so that a later run can tell the
     temporaries of a killed process (SIGKILL, power loss: no cleanup ran) from those of a live one."""
-    return f".{path.name}.tmp-{os.getpid()}-"
+    return f".{sibling_tag(path)}.tmp-{os.getpid()}-"
 
 
 def _alive(pid: int) -> bool:
@@ -74,7 +85,7 @@ def remove_stale_temporaries(path: Path):
     """Remove what a killed writer of path left beside it: its temporaries (temp_prefix), and a moved-aside old copy
     (model.checkpoint.replace_dir) once path itself is in place, when the pid in their name is no running process."""
     path = Path(path)
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-(\d+)(-.*)?")
+    pattern = re.compile(rf"\.{re.escape(sibling_tag(path))}\.(tmp|old)-(\d+)(-.*)?")
     try:
         entries = list(os.scandir(path.parent))
     except FileNotFoundError:
@@ -158,7 +169,7 @@ OUTPUT_KINDS = {
 
 def mark_path(path: Path, is_dir: bool) -> Path:
     path = Path(path)
-    return path / MARK if is_dir else path.with_name(f".{path.name}{MARK}")
+    return path / MARK if is_dir else path.with_name(f".{sibling_tag(path)}{MARK}")
 
 
 def _mark(where: Path, kind: str):

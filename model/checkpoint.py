@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from data.errors import InputError, MissingFileError, MissingWeightError
 from data.jsonl import dumps_strict, loads_strict, read_text
-from data.outputs import claim_dir, fsync_dir, fsync_tree, remove_stale_temporaries, temp_prefix
+from data.outputs import claim_dir, fsync_dir, fsync_tree, remove_stale_temporaries, sibling_tag, temp_prefix
 from model.config import ModelConfig
 from model.transformer import Transformer, hf_parts, is_adapter, to_hf
 
@@ -258,7 +258,7 @@ def replace_dir(tmp: Path, out_dir: Path):
     fsync_tree(tmp)
     old = None
     if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        old = out_dir.with_name(f".{sibling_tag(out_dir)}.old-{os.getpid()}")
         os.replace(out_dir, old)
     os.replace(tmp, out_dir)
     fsync_dir(out_dir.parent)

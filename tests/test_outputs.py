@@ -170,3 +170,23 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
     (tmp_path / "ck").mkdir()  # the swap finished: the moved-aside old copy goes too
     remove_stale_temporaries(tmp_path / "ck")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ck", "s.json", kept[0].name])
+
+
+def test_a_name_near_the_filesystems_limit_has_siblings_it_takes(tmp_path):
+    """A 250-byte name is legal; its temporaries, its mark and train.py's OUT.partial carry a short tag of it (the
+    name's first 100 bytes and a digest), not the name plus a suffix, which would pass 255 bytes. Short names keep
+    their siblings' names as before."""
+    from data.outputs import remove_stale_temporaries, sibling_tag, temp_prefix
+    long = tmp_path / ("r" * 245 + ".json")
+    write_jsonl(long, [{"a": 1}], kind="rollouts")  # a file output: marked by a hidden sibling
+    assert long.read_text() == '{"a": 1}\n' and is_ours(long, "rollouts")
+    assert len(list(tmp_path.iterdir())) == 2 and all(len(p.name.encode()) <= 255 for p in tmp_path.iterdir())
+    tag = sibling_tag(long)
+    assert len(tag.encode()) == 117 and tag.startswith("r" * 100 + "~") and tag != sibling_tag(tmp_path / ("r" * 246))
+    assert sibling_tag(tmp_path / "s.json") == "s.json" and temp_prefix(tmp_path / "s.json").startswith(".s.json.tmp-")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    stale = tmp_path / f".{tag}.tmp-{dead}-x.tmp"
+    stale.write_text("half")
+    remove_stale_temporaries(long)
+    assert not stale.exists()
