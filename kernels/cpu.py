@@ -54,16 +54,30 @@ def _build():
         return None, f"{cc} --version failed: {e}"
     digest = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, *LIBS, version]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "opr" / "kernels"
-    path = cache / f"cpu-{digest}.so"
+    path, private = cache / f"cpu-{digest}.so", None
     if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: processes may race
-            out = Path(tmp) / path.name
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=cache)  # built aside, then renamed: processes may race
+        except OSError as e:  # a read-only cache: this process builds its own copy (the same library, floats)
+            print(f"kernels/cpu.py: cannot write {cache} ({e.strerror}); building the C kernels for this process "
+                  f"only", file=sys.stderr)
+            private = tmp = tempfile.mkdtemp()
+            path = Path(tmp) / path.name
+        try:
+            out = Path(tmp) / f"build-{path.name}"
             done = subprocess.run([cc, *flags, "-o", str(out), str(SOURCE), *LIBS], capture_output=True, text=True)
             if done.returncode != 0:
                 return None, f"{cc} could not build {SOURCE.name}: {done.stderr.strip().splitlines()[-1:]}"
             os.replace(out, path)
-    lib = ctypes.CDLL(str(path))
+        finally:
+            if not private:
+                shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        lib = ctypes.CDLL(str(path))
+    finally:
+        if private:  # loaded (or not): the file can go, the mapping stays
+            shutil.rmtree(private, ignore_errors=True)
     lib.cache_attention.argtypes = [_ptr] * 5 + [_i64] * 5 + [_f32, _ptr, ctypes.c_int]
     lib.cache_attention.restype = ctypes.c_int
     lib.far_candidates.argtypes = [_ptr, _ptr, _ptr, ctypes.c_double, ctypes.c_double, ctypes.c_uint32, _i64, _i64,

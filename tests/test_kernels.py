@@ -103,3 +103,23 @@ def test_retain_freed_memory_reuses_pages_and_keeps_a_callers_malloc_settings(mo
         assert faults < 100
     else:
         assert faults >= 8 * 16384 * 0.9
+
+
+def test_a_cache_it_cannot_write_still_gets_the_c_kernels(tmp_path):
+    """The kernels' cache is not writable (here: a file where its directory belongs; a read-only filesystem fails
+    the same mkdir): the process builds a private copy, says so, and runs the C kernels, whose floats are the
+    cached build's; nothing is left behind."""
+    import shutil
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "opr").mkdir()
+    (tmp_path / "opr" / "kernels").write_text("not a directory")
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), TMPDIR=str(tmpdir), OPR_CPU_KERNELS="1")
+    p = subprocess.run([sys.executable, "-c", "from kernels import cpu; print(cpu.backend())"], env=env,
+                       capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "c"
+    assert f"kernels/cpu.py: cannot write {tmp_path / 'opr' / 'kernels'}" in p.stderr
+    assert list(tmpdir.iterdir()) == []
