@@ -55,6 +55,7 @@ CPU model a seed's table moves about as far as another seed moves it (the CPU mo
 import argparse
 import faulthandler
 import importlib.util
+import json
 import os
 import signal
 import sys
@@ -364,6 +365,7 @@ def main(argv=None):
     results, pruned = execute(pipe, args, runs, row0, probes, inputs.tasks, run_dir,
                               meta=lambda: run_meta(args, preset, cfg, rhos, inputs, pipe, engine_name))
     print_report(results, run_dir)
+    dropped_line(pipe, row0, cfg["max_len"])
     if pruned:
         print(pruned)
     write_timing(pipe, run_dir)
@@ -558,6 +560,16 @@ def print_report(results: dict, run_dir: Path):
               f"off-format, empty or length-capped); all in {run_dir / 'report.md'}, the first:")
         for line in flagged[:3]:
             print(f"  {line}")
+
+
+def dropped_line(pipe: Pipeline, row0: dict, max_len: int):
+    """The test prompts the evaluations left out (over --max-len with their gold answer, training's rule), said on
+    the terminal and not only in each evaluation step's log; row 0 evaluates every task, so it counts them all."""
+    scores = pipe.dir(next(iter(row0.values()))) / "eval" / "scores.json"
+    dropped = json.loads(scores.read_text()).get("dropped_overlong") or {} if scores.is_file() else {}
+    if any(dropped.values()):
+        print(f"run.py: test prompts over --max-len {max_len} tokens (with their gold answer) are left out of every "
+              f"evaluation: {', '.join(f'{t} {n}' for t, n in dropped.items() if n)}")
 
 
 def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool, numerics: dict, engine: str,

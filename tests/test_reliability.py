@@ -442,3 +442,22 @@ def test_opr_cache_naming_a_file_is_one_line(tiny_env, tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip() == (f"run.py: error: $OPR_CACHE={tmp_path / 'cache'}: is a file, not a directory: the "
                                 f"cache of generated data and base models needs a directory (set OPR_CACHE to one)")
+
+
+def test_run_py_says_which_test_prompts_the_evaluations_left_out(tmp_path, capsys):
+    """evaluate.py drops test prompts over --max-len (training's rule) and says so in its step's log; run.py says it
+    on the terminal, from row 0's scores.json (row 0 evaluates every task)."""
+    import run
+
+    class Pipe:
+        def dir(self, key):
+            return tmp_path / key
+    (tmp_path / "s0-eval" / "eval").mkdir(parents=True)
+    (tmp_path / "s0-eval" / "eval" / "scores.json").write_text(json.dumps(
+        {"dropped_overlong": {"FOMC": 0, "MeetingBank": 7, "Py150": 2}}))
+    run.dropped_line(Pipe(), {0: "s0-eval"}, 512)
+    assert capsys.readouterr().out == ("run.py: test prompts over --max-len 512 tokens (with their gold answer) are "
+                                       "left out of every evaluation: MeetingBank 7, Py150 2\n")
+    (tmp_path / "s0-eval" / "eval" / "scores.json").write_text(json.dumps({"dropped_overlong": {"FOMC": 0}}))
+    run.dropped_line(Pipe(), {0: "s0-eval"}, 512)
+    assert capsys.readouterr().out == ""
