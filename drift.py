@@ -171,11 +171,23 @@ def teacher_force(cur_dir, ref_dir, tok, examples, prompts, outs, args):
 
 
 def write_outputs(out_dir: Path, rows: list, summary: dict):
-    """drift_samples.jsonl first, drift.json last (its presence marks a finished measurement)."""
-    from data.outputs import claim_dir, write_json, write_jsonl
-    claim_dir(out_dir, "drift")
-    write_jsonl(out_dir / "drift_samples.jsonl", rows)
-    write_json(out_dir / "drift.json", summary)
+    """Both files at once: written into a temporary sibling, which then replaces out_dir (an earlier measurement's
+    directory whole), so no reader sees new samples beside an old summary."""
+    import shutil
+    import tempfile
+    from data.outputs import claim_dir, remove_stale_temporaries, temp_prefix, write_json, write_jsonl
+    from model.checkpoint import replace_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), dir=out_dir.parent))
+    try:
+        claim_dir(tmp, "drift")
+        write_jsonl(tmp / "drift_samples.jsonl", rows)
+        write_json(tmp / "drift.json", summary)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_dir(tmp, out_dir)
 
 
 def main(argv=None):

@@ -154,11 +154,23 @@ def summarize(records, examples, tasks, dropped, ckpt, root, engine, args) -> di
 
 
 def write_outputs(out_dir: Path, records: list, summary: dict):
-    """predictions first, scores.json last (its presence marks a finished evaluation)."""
-    from data.outputs import claim_dir, write_json, write_jsonl
-    claim_dir(out_dir, "eval")
-    write_jsonl(out_dir / "predictions.jsonl", records)
-    write_json(out_dir / "scores.json", summary)
+    """Both files at once: written into a temporary sibling, which then replaces out_dir (an earlier evaluation's
+    directory whole), so no reader sees new predictions beside old scores."""
+    import shutil
+    import tempfile
+    from data.outputs import claim_dir, remove_stale_temporaries, temp_prefix, write_json, write_jsonl
+    from model.checkpoint import replace_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), dir=out_dir.parent))
+    try:
+        claim_dir(tmp, "eval")
+        write_jsonl(tmp / "predictions.jsonl", records)
+        write_json(tmp / "scores.json", summary)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_dir(tmp, out_dir)
 
 
 def main(argv=None):

@@ -216,6 +216,9 @@ def main(argv=None):
                "max_new_tokens": args.max_new_tokens, "seed": args.seed, "n": len(records), "tokens": n_tok,
                "seconds": wall, "workers": workers.world()[1], "tasks": task_summaries(records, tasks),
                "logprob_check": check}
+    # the summary is written last and marks a finished pair: an earlier one goes first, so no reader sees new
+    # rollouts beside an old summary (a failure in between leaves rollouts without one: unfinished)
+    summary_path(out_path).unlink(missing_ok=True)
     write_jsonl(out_path, records, kind="rollouts")
     write_json(summary_path(out_path), summary, kind="rollout-summary")
 

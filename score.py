@@ -335,6 +335,9 @@ def main(argv=None):
                      "rejected": nll_stats([r for i, r in enumerate(records) if fits[i] and i not in picked])}}
 
     # 6. write (atomic), then report
+    # the statistics are written last and mark a finished pair: earlier ones go first, so no reader sees a new
+    # buffer beside old statistics (a failure in between leaves a buffer without them: unfinished)
+    stats_path(out_path).unlink(missing_ok=True)
     write_jsonl(out_path, buffer, kind="buffer")
     write_json(stats_path(out_path), stats, kind="buffer-stats")
     print_summary(args, budget, rows, stats, stats_path(out_path))

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from data.outputs import (MARK, OUTPUT_KINDS, check_output, claim_dir, is_ours, mark_path, write_json,  # noqa: E402
                           write_jsonl)
 from data.errors import UserError  # noqa: E402
-from tiny import TASKS, run, score_args  # noqa: E402
+from tiny import REPO, TASKS, run, score_args  # noqa: E402
 
 DIRS = [k for k, (is_dir, _) in OUTPUT_KINDS.items() if is_dir]
 FILES = [k for k, (is_dir, _) in OUTPUT_KINDS.items() if not is_dir]
@@ -190,3 +190,47 @@ def test_a_name_near_the_filesystems_limit_has_siblings_it_takes(tmp_path):
     stale.write_text("half")
     remove_stale_temporaries(long)
     assert not stale.exists()
+
+
+# ---- an output of several files: a reader never sees two runs' files mixed -----------------------------------------
+def _fail_second_write(monkeypatch):
+    """data.outputs.write_json raises as a full disk would: the second file of each output below."""
+    import errno
+    import data.outputs
+
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr(data.outputs, "write_json", full)
+
+
+@pytest.mark.parametrize("script, first, last", [("evaluate", "predictions.jsonl", "scores.json"),
+                                                  ("drift", "drift_samples.jsonl", "drift.json")])
+def test_a_directory_output_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch, script, first, last):
+    import importlib
+    mod = importlib.import_module(script)
+    out = tmp_path / "out"
+    mod.write_outputs(out, [{"run": "old"}], {"run": "old"})
+    _fail_second_write(monkeypatch)
+    with pytest.raises(OSError, match="No space left"):
+        mod.write_outputs(out, [{"run": "new"}], {"run": "new"})
+    assert (out / first).read_text() == '{"run": "old"}\n' and json.loads((out / last).read_text()) == {"run": "old"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary left
+    monkeypatch.undo()
+    mod.write_outputs(out, [{"run": "new"}], {"run": "new"})
+    assert (out / first).read_text() == '{"run": "new"}\n' and json.loads((out / last).read_text()) == {"run": "new"}
+
+
+def test_score_failing_before_its_statistics_leaves_no_old_statistics_beside_the_new_buffer(tiny_env, tmp_path,
+                                                                                             monkeypatch):
+    """buffer + buffer_stats: the statistics are written last and mark a finished pair; the earlier ones are
+    removed before the buffer is replaced, so a failure in between leaves a buffer without statistics, never a
+    new buffer beside old statistics."""
+    import score
+    assert run("score.py", score_args(tiny_env, tmp_path, "--scorer", "sc"), tiny_env).returncode == 0
+    old = (tmp_path / "out.jsonl").read_text()
+    monkeypatch.chdir(REPO)
+    _fail_second_write(monkeypatch)
+    with pytest.raises(OSError, match="No space left"):
+        score.main([str(a) for a in score_args(tiny_env, tmp_path, "--scorer", "ru")])
+    assert not (tmp_path / "out_stats.json").exists()
+    assert (tmp_path / "out.jsonl").read_text() != old  # the new buffer, alone: unfinished, not mixed
