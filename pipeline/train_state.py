@@ -5,6 +5,7 @@ that differs).
 A state is OUT.partial/state/: the sharded model and optimizer through torch.distributed.checkpoint, an EMA teacher's
 weights when there is one, and progress.pt (step, schedule, the plan id and the settings it was saved with).
 """
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -33,14 +34,43 @@ def _trained(load=False):
     return StateDictOptions(ignore_frozen_params=True, strict=not load)
 
 
+# flags that name files or directories: a state holds what they contain, not where they were (fingerprint), so a
+# run directory moved with a stage's saved state resumes, and other content under the same path does not
+PATH_ARGS = ("model", "data", "memory", "lora_init")
+FINGERPRINT_BYTES = 1 << 20  # read at each end of every file
+
+
+def fingerprint(paths: str) -> list:
+    """What the files behind a path flag hold (comma-separated paths, as --data takes): per file its name, size and
+    the sha256 of its first and last FINGERPRINT_BYTES; for a checkpoint or adapter directory, its top-level weights,
+    JSON and template files (not what later writers add beside them, like an evaluation). A path that is not there
+    (a model id) stands for itself."""
+    out = []
+    for p in map(Path, str(paths).split(",")):
+        if not p.exists():
+            out.append(str(p))
+            continue
+        files = (sorted(f for f in p.iterdir() if f.is_file() and f.suffix in (".safetensors", ".json", ".jinja"))
+                 if p.is_dir() else [p])
+        for f in files:
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                h = hashlib.sha256(fh.read(FINGERPRINT_BYTES))
+                if size > FINGERPRINT_BYTES:
+                    fh.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
+                    h.update(fh.read())
+            out.append([f.name, size, h.hexdigest()[:16]])
+    return out
+
+
 def state_settings(args) -> dict:
     """The flags a resumable training state depends on: all of them but NOT_STATE_ARGS and the other objectives'
-    flags (which the run never reads), as JSON values."""
+    flags (which the run never reads), as JSON values; PATH_ARGS by what they hold (fingerprint)."""
     from methods import OBJECTIVES
     others = tuple(p for o in OBJECTIVES.values() if o.name != args.objective for p in o.prefixes)
     if not getattr(args, "lora_rank", 0):  # full fine-tuning reads no other LoRA flag
         others += ("lora_alpha", "lora_dropout", "lora_targets", "lora_init")
-    return {k: json.loads(json.dumps(v)) for k, v in vars(args).items()
+    return {k: fingerprint(v) if k in PATH_ARGS and v else json.loads(json.dumps(v)) for k, v in vars(args).items()
             if k not in NOT_STATE_ARGS and not k.startswith(others)}
 
 
@@ -126,7 +156,8 @@ def load_state(model, opt, sched, workdir: Path, plan_id: str, teacher=None, set
         saved = progress.get("settings") or {}
         diff = next((k for k in sorted(set(saved) | set(settings or {})) if saved.get(k) != (settings or {}).get(k)),
                     None)
-        what = (f"--{diff.replace('_', '-')} was {saved.get(diff)!r}, now {(settings or {}).get(diff)!r}" if diff
+        what = (f"--{diff.replace('_', '-')} holds other content than it did" if diff in PATH_ARGS
+                else f"--{diff.replace('_', '-')} was {saved.get(diff)!r}, now {(settings or {}).get(diff)!r}" if diff
                 else "the flags match but the data's content or length filter differ" if saved
                 else "it predates the per-flag check")
         raise UserError(f"{state} was saved for a different run ({what}); refusing to --resume from it: drop "

@@ -9,6 +9,8 @@ tiny-tensor ops with 2 threads on a busy 2-core machine are many times slower th
 """
 import json
 import math
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -286,8 +288,9 @@ def test_resume_refuses_a_state_saved_for_another_plan(train_ckpt, tmp_path):
 
 
 def test_resume_refuses_a_state_whose_data_changed_to_the_same_lengths(train_ckpt, tmp_path):
-    """Issue 64, class 2: a state is keyed by the tokens it trained on, not their lengths: one record's response
-    edited to another word of the same token length, between the save and the --resume, is refused."""
+    """Issue 64, class 2: a state is keyed by what its data holds (and the tokens it trained on), not their lengths:
+    one record's response edited to another word of the same token length, between the save and the --resume, is
+    refused."""
     data = tmp_path / "data.jsonl"
     records = [json.loads(line) for line in (train_ckpt / "data.jsonl").read_text().splitlines()]
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -311,8 +314,29 @@ def test_resume_refuses_a_state_whose_data_changed_to_the_same_lengths(train_ckp
     records[0] = {**r0, "response": " ".join([swap, *rest])}
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     r = train(train_ckpt, out, "--resume", data=data, ok=False)
-    assert r.returncode != 0 and "different run" in r.stderr and "data's content" in r.stderr, r.stderr[-2000:]
+    assert r.returncode != 0 and "different run (--data holds other content than it did)" in r.stderr, r.stderr[-2000:]
     assert not out.exists() and state.exists()
+
+
+def test_a_state_moved_with_its_run_directory_resumes_and_other_content_there_is_refused(train_ckpt, tmp_path):
+    """Issue 64, class 2: a state is keyed by what --model and --data hold, not by their paths: the run directory
+    moved (checkpoint, data, OUT.partial together) resumes; other weights under the same path are refused."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(train_ckpt, a / "model")
+    _, _, progress = kill_once_state_is_saved(a / "model", a / "k")
+    assert progress.exists()
+    os.rename(a, b)
+    other = tmp_path / "other"
+    shutil.copytree(b / "model", other)
+    r = train(b / "model", b / "k", "--resume")
+    assert "train.py: resumed at step" in r.stdout and (b / "k" / "model.safetensors").exists()
+    _, _, progress = kill_once_state_is_saved(b / "model", b / "k2")
+    from safetensors.torch import load_file, save_file
+    weights = load_file(b / "model" / "model.safetensors")
+    save_file({k: v + 1e-3 for k, v in weights.items()}, b / "model" / "model.safetensors")  # the same shapes
+    r = train(b / "model", b / "k2", "--resume", ok=False)
+    assert r.returncode == 2 and "different run (--model holds other content than it did)" in r.stderr, r.stderr[-2000:]
+    assert progress.exists()
 
 
 def test_resume_refuses_any_flag_that_changes_the_weights(train_ckpt, tmp_path):
