@@ -33,7 +33,9 @@ def expand(parser: argparse.ArgumentParser, argv: list[str] | None) -> list[str]
     path = Path(known.config)
     flags = {a.dest: a for a in parser._actions if a.option_strings}
     tokens, named = [], {}
-    for key, value in load(path).items():
+    doc = load(path)
+    moved_run(path, doc)
+    for key, value in doc.items():
         action = flags.get(str(key).replace("-", "_"))
         if action is None or action.dest in NOT_SAVED:
             raise InputError(f"{path}: {key!r} is not a setting of this script (see --help for the flag names)")
@@ -53,6 +55,21 @@ def expand(parser: argparse.ArgumentParser, argv: list[str] | None) -> list[str]
                 raise InputError(f"{path}: {key}: {value!r} is not a value {flag} takes")
             tokens += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
     return tokens + rest
+
+
+def moved_run(path: Path, doc: dict):
+    """A run directory's own config.yaml (run.py wrote both) names the run directory it was written in; moved since,
+    the file belongs to the directory it is in now: its `out` becomes that one (said on stderr), so the run
+    continues there instead of starting from nothing at the old path."""
+    from data.outputs import is_ours
+    out = doc.get("out")
+    if path.name != "config.yaml" or not isinstance(out, str) or not is_ours(path.parent, "run"):
+        return
+    here = path.parent.resolve()
+    if Path(out).resolve() != here:
+        print(f"run.py: --config {path}: written for the run directory {out}, which moved here: the run continues "
+              f"in {here}", file=sys.stderr)
+        doc["out"] = str(here)
 
 
 def yaml_unique_keys(text: str):

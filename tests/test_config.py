@@ -20,7 +20,8 @@ def test_a_file_gives_the_flags_and_the_command_line_wins(tmp_path):
     assert vars(a) == vars(b)
     assert a.lr == 3e-4 and a.rho == "0.1,0.2" and a.quiet is True
     assert a.settings == {"methods": "sft,opr-ru", "rho": "0.1,0.2", "seeds": "0", "gpus": 0, "engine": "auto", "gen-workers": 2,
-                          "save-every": 50, "keep-checkpoints": "all", "lr": 3e-4, "quiet": True} | {
+                          "save-every": 50, "keep-checkpoints": "all", "lr": 3e-4, "quiet": True, "executor": "local",
+                          "ray-retries": 3} | {
         k: v for k, v in a.settings.items() if k.startswith("plan-")}
 
 
@@ -88,3 +89,23 @@ def test_each_setting_is_declared_once_and_its_flag_help_and_presets_follow(caps
     text = " ".join(capsys.readouterr().out.split())
     assert "peak learning rate (default: tiny 0.0005; smollm2 0.0002; paper 1e-05)" in text
     assert "sequences per optimizer step (default: tiny 4; smollm2 4; paper 128)" in text
+
+
+def test_a_moved_run_directorys_config_runs_where_it_is_now(tmp_path, capsys):
+    """Issue 64, class 2: RUN_DIR/config.yaml names the directory it was written in; moved, `--config` of it
+    continues the run where it is now (said on stderr), not from nothing at the old path. The command line's --out
+    still wins, and an experiment file that is not a run directory's keeps its own out."""
+    from data.outputs import claim_dir
+    old, new = tmp_path / "old", tmp_path / "new"
+    claim_dir(old, "run")
+    (old / "config.yaml").write_text(config.dump({"methods": "sft", "out": str(old)}, ["--out", str(old)]))
+    assert run.parse_args(["--config", str(old / "config.yaml")]).out == str(old)
+    assert capsys.readouterr().err == ""
+    old.rename(new)
+    assert run.parse_args(["--config", str(new / "config.yaml")]).out == str(new.resolve())
+    assert f"written for the run directory {old}, which moved here" in capsys.readouterr().err
+    assert run.parse_args(["--config", str(new / "config.yaml"), "--out", str(tmp_path / "x")]).out == str(
+        tmp_path / "x")
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "config.yaml").write_text(f"out: {old}\n")
+    assert run.parse_args(["--config", str(tmp_path / "exp" / "config.yaml")]).out == str(old)
