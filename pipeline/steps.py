@@ -102,8 +102,9 @@ class Pipeline:
         fills tmp_dir (or None when build itself produced the output). `spec` holds every setting that changes the
         step's numbers (a pipeline.specs type), `deps` the steps whose outputs it reads, `reads` the other files and
         directories it reads (their content goes into the key). Returns the step key (identical inputs -> identical keys -> run once)."""
-        key = f"{name}-{stable_hash([kind, fields_of(spec), deps, self.numerics, self.digests.of(reads)])}"
-        self.steps.setdefault(key, dict(kind=kind, deps=deps, build=build, spec=spec))
+        read = self.digests.of(reads)
+        key = f"{name}-{stable_hash([kind, fields_of(spec), deps, self.numerics, read])}"
+        self.steps.setdefault(key, dict(kind=kind, deps=deps, build=build, spec=spec, reads=list(reads), read=read))
         return key
 
     def dir(self, key: str) -> Path:
@@ -200,6 +201,7 @@ class Pipeline:
                       f"{self.retries + 1})", file=sys.stderr, flush=True)
         if rc != 0:
             raise StepFailed(f"step {key} {failure(rc, tmp / 'log.txt')}; full log: {tmp / 'log.txt'}")
+        self._check_reads(key, step)
         missing = [f for f in self.outputs_of.get(step["kind"], ())
                    if not any((tmp / alt).is_file() for alt in f.split("|"))]
         if missing:  # exit 0 without its outputs (a user scorer that called sys.exit(0)): never committed
@@ -227,6 +229,19 @@ class Pipeline:
             self.digests.save()
         # a re-created pruned step with other bytes: the steps that read its old execution are stale now
         return bool(old is not None and old.get("pruned") and not same)
+
+    def _check_reads(self, key: str, step: dict):
+        """The files a step read hold, after it ran, the bytes its key was made of: one edited (or removed) while it
+        ran would leave results that belong to other bytes than its key says, so the step is not committed."""
+        for path, before in zip(step["reads"], step["read"]):
+            try:
+                now = self.digests.path(path)
+            except OSError:  # (MissingFileError too)
+                now = None
+            if now != before:
+                raise StepFailed(f"step {key}: {path} {'changed' if now else 'was removed'} while the step ran (its "
+                                 f"key holds the bytes it had before); re-run the same command: the step runs again "
+                                 f"on what is there now")
 
     @staticmethod
     def _fresh_tmp(step: dict, tmp: Path):

@@ -175,3 +175,35 @@ def test_a_failed_steps_line_says_how_it_ended(tmp_path, code, says):
     finally:
         os.close(pipe.lock_fd)
     assert "loss 1.23" not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_file_edited_while_its_step_runs_is_not_committed(tmp_path):
+    """Issue 64, class 2: the step's key holds the bytes its inputs had when it was planned; edited while it runs,
+    its results may belong to other bytes, so it is not committed (one line naming the file); a re-run plans it
+    again on the new bytes (another key) and commits it."""
+    from pipeline.steps import Pipeline, StepFailed
+    data = tmp_path / "data.txt"
+    data.write_text("v1")
+    edit = ("import sys; open(sys.argv[1], 'a').write('+'); open(sys.argv[2], 'w').write('out')")
+
+    def plan(code):
+        pipe = Pipeline(tmp_path / "run", 1, dict(os.environ), True, {})
+        pipe.use_zygote = False
+        key = pipe.add("eval", "s", {}, [], lambda tmp, dirs: [sys.executable, "-c", code, str(data),
+                                                                str(tmp / "out.txt")], reads=[data])
+        pipe.lock_run_dir()
+        return pipe, key
+    pipe, key = plan(edit)
+    try:
+        with pytest.raises(StepFailed, match=rf"step {key}: {data} changed while the step ran"):
+            pipe.execute()
+    finally:
+        os.close(pipe.lock_fd)
+    manifest = tmp_path / "run" / "manifest.json"
+    assert not manifest.exists() or key not in json.loads(manifest.read_text())
+    pipe2, key2 = plan("import sys; open(sys.argv[2], 'w').write('out')")
+    try:
+        pipe2.execute()
+    finally:
+        os.close(pipe2.lock_fd)
+    assert key2 != key and key2 in json.loads((tmp_path / "run" / "manifest.json").read_text())
