@@ -11,6 +11,7 @@ noise, drift), reporting/tables.py (the Markdown tables and report.md), reportin
 report adds its numbers, table and figure there and its fields to the schema.
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -60,8 +61,10 @@ def write_report(results, out_dir, summary=None, unc=None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".report-", dir=out_dir))
     try:
         for name, plot in plots.items():
-            plot(tmp / name)
-        (tmp / "report.md").write_text(markdown_report(results, summary, list(plots), unc), encoding="utf-8")
+            with _naming(out_dir / name):
+                plot(tmp / name)
+        with _naming(out_dir / "report.md"):
+            (tmp / "report.md").write_text(markdown_report(results, summary, list(plots), unc), encoding="utf-8")
         for name in [*FIGURES, *MECHANISM_FIGURES]:
             if name not in plots and (out_dir / name).exists():
                 (out_dir / name).unlink()
@@ -70,6 +73,17 @@ def write_report(results, out_dir, summary=None, unc=None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir / "report.md"
+
+
+@contextlib.contextmanager
+def _naming(path: Path):
+    """A write error (a full disk, a quota) names no file: it names the one being written."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 # ---------------------------------------------------------------------------------------------------------------

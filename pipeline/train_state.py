@@ -125,6 +125,7 @@ def save_state(model, opt, sched, step, workdir: Path, rank: int, plan_id: str, 
     and an EMA teacher's weights when there is one), written to a temporary directory and renamed, so a crash never
     leaves a half-written state."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     tmp, final = workdir / "state.tmp", workdir / "state"
@@ -135,23 +136,60 @@ def save_state(model, opt, sched, step, workdir: Path, rank: int, plan_id: str, 
     state = {"model": msd, "optim": osd}
     if teacher is not None:
         state["teacher"] = get_model_state_dict(teacher)
-    dcp.save(state, checkpoint_id=str(tmp))
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+        if rank == 0:
+            torch.save({"step": step, "sched": sched.state_dict(), "plan": plan_id, "settings": settings},
+                       tmp / "progress.pt")
+    except (Exception, CheckpointException) as e:  # a full disk, a quota, a file-size limit: torch says it without
+        if rank == 0:                                 # a path (its zip writer's RuntimeError, wrapped by dcp)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"{tmp}: cannot write the training state ({_write_failure(e)}); "
+                        f"{'the last saved state ' + str(final) + ' is kept: ' if final.exists() else ''}make room "
+                        f"and re-run with --resume") from e
     if rank == 0:
-        torch.save({"step": step, "sched": sched.state_dict(), "plan": plan_id, "settings": settings},
-                   tmp / "progress.pt")
         replace_dir(tmp, final)
     dist.barrier()
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0][:200] if text else type(e).__name__)
+
+
+def _write_failure(e: BaseException) -> str:
+    """What went wrong in a failed save, in a few words: the OS error in its chain (dcp wraps each rank's), else
+    the first line of the innermost error (torch's zip writer reports a short write as 'unexpected pos', no errno)."""
+    seen, todo, inner = set(), [e], None
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.strerror:
+            return x.strerror
+        failures = getattr(x, "failures", None)  # dcp's CheckpointException: {rank: (exception, traceback)}
+        if failures is None and inner is None:
+            inner = x
+        todo += [x.__cause__, x.__context__, *(f[0] if isinstance(f, tuple) else f for f in (failures or {}).values())]
+    return f"{_first_line(inner or e)}: a full disk, a quota or a file-size limit?"
+
+
 def load_state(model, opt, sched, workdir: Path, plan_id: str, teacher=None, settings=None) -> int:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                          set_state_dict)
 
     state = workdir / "state"
     if not (state / "progress.pt").exists():
         return 0
-    progress = torch.load(state / "progress.pt", weights_only=False)
+    try:
+        progress = torch.load(state / "progress.pt", weights_only=False)
+        assert isinstance(progress, dict) and isinstance(progress.get("step"), int), "not train.py's progress record"
+    except Exception as e:  # truncated or damaged
+        raise UserError(f"{state / 'progress.pt'}: the saved training state cannot be read ({_first_line(e)}); drop "
+                        f"--resume to start over (or restore the state)") from e
     if progress.get("plan") != plan_id:
         saved = progress.get("settings") or {}
         diff = next((k for k in sorted(set(saved) | set(settings or {})) if saved.get(k) != (settings or {}).get(k)),
@@ -166,7 +204,11 @@ def load_state(model, opt, sched, workdir: Path, plan_id: str, teacher=None, set
     sd = {"model": msd, "optim": osd}
     if teacher is not None:
         sd["teacher"] = get_model_state_dict(teacher)
-    dcp.load(sd, checkpoint_id=str(state))
+    try:
+        dcp.load(sd, checkpoint_id=str(state))
+    except (Exception, CheckpointException) as e:  # a shard truncated, removed or edited since it was saved
+        raise UserError(f"{state}: the saved training state cannot be read ({_first_line(e)}); drop --resume to "
+                        f"start over (or restore the state)") from e
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=_trained(load=True))
     if teacher is not None:
         set_model_state_dict(teacher, sd["teacher"])

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -385,6 +386,68 @@ def test_a_full_disk_while_saving_a_checkpoint_names_the_file(tiny_env, tmp_path
     line, = [l for l in r.stderr.splitlines() if "error" in l]
     assert "model.safetensors: File too large" in line and f"{tmp_path}/.out.tmp-" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.partial"]
+
+
+def test_a_full_disk_while_saving_the_resumable_state_is_one_line_and_keeps_no_half(tiny_env, tmp_path):
+    """Issue 64, class 4: the state (dcp shards, then progress.pt) hits the file-size limit at its first save: torch
+    reports a short write as 'unexpected pos' inside a CheckpointException, no path. One line naming the state and
+    what to do; no half-written state.tmp left for a --resume to trip on."""
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 19, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    r = subprocess.run([sys.executable, str(REPO / "train.py"), *map(str, train_args(tiny_env, tmp_path)),
+                        "--epochs", "1", "--global-batch", "2", "--max-len", "128", "--save-every", "1"], cwd=REPO,
+                       env=tiny_env["env"], capture_output=True, text=True, preexec_fn=limit, timeout=600)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"train.py: error: {tmp_path / 'out.partial' / 'state.tmp'}: cannot write the training "
+                           f"state (") and line.endswith("make room and re-run with --resume"), line
+    assert not (tmp_path / "out.partial" / "state.tmp").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_damaged_saved_state_is_one_line_on_resume(tiny_env, tmp_path):
+    """Issue 64, class 4: a shard of the saved state truncated (or progress.pt) since the save: --resume says which
+    state cannot be read and what to do, not a traceback."""
+    args = [*map(str, train_args(tiny_env, tmp_path)), "--epochs", "1", "--global-batch", "2", "--max-len", "128",
+            "--save-every", "1", "--resume"]
+    progress = tmp_path / "out.partial" / "state" / "progress.pt"
+    p = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=tiny_env["env"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not progress.exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    p.kill()
+    p.wait()
+    assert progress.exists()
+    state = tmp_path / "out.partial" / "state"
+    for victim in (sorted(state.glob("*.distcp"))[0], state / "progress.pt"):
+        victim.write_bytes(victim.read_bytes()[:100])
+        r = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=REPO,
+                           env=tiny_env["env"], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        line = r.stderr.strip().splitlines()[-1]
+        assert "the saved training state cannot be read (" in line and line.endswith(
+            "drop --resume to start over (or restore the state)"), line
+
+
+def test_a_report_that_cannot_be_written_names_the_file(tmp_path):
+    """Issue 64, class 4: matplotlib's and Python's write errors on a full disk name no file; report.py names the
+    figure or report.md it was writing, and leaves the earlier report and no temporary behind."""
+    from report import write_report
+    results = {"tasks": ["A", "B"], "methods": {m: {"seeds": {"0": {"matrix": [[50.0], [40.0, 60.0]]}}}
+                                                for m in ("sft", "replay")}, "meta": {}}
+    write_report(results, tmp_path)
+    before = (tmp_path / "report.md").read_text()
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    r = subprocess.run([sys.executable, str(REPO / "report.py"), str(tmp_path)], cwd=REPO, capture_output=True,
+                       text=True, preexec_fn=limit, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().startswith(f"report.py: error: {tmp_path}/fig_") and r.stderr.strip(
+        ).endswith(".png: File too large"), r.stderr[-2000:]
+    assert (tmp_path / "report.md").read_text() == before and not list(tmp_path.glob(".report-*"))
 
 
 def test_run_py_on_a_full_disk_names_the_lock_and_leaves_nothing(tiny_env, tmp_path):
