@@ -48,6 +48,8 @@ def manifest_path(root, spec=None) -> Path | None:
     if spec:
         return Path(spec).resolve()
     path = Path(root) / MANIFEST if root else None
+    if path and path.is_symlink() and not path.exists():  # there, but leading nowhere: not "no manifest"
+        raise InputError(f"{path}: a symlink to nothing (a loop, or its target is gone): fix or remove it")
     return path.resolve() if path and path.is_file() else None
 
 

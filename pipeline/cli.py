@@ -18,6 +18,7 @@ its steps) shows the traceback of expected failures too. Under torchrun only ran
 import argparse
 import errno
 import os
+import re
 import signal
 import sys
 import threading
@@ -66,6 +67,9 @@ def _message(e: BaseException) -> str | None:
         return f"input is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8"
     if type(e).__name__ == "SafetensorError":
         return f"safetensors file: {e}"  # reading or writing: model.checkpoint names the file where it can
+    loop = re.fullmatch(r"Symlink loop from '(.*)'", str(e)) if isinstance(e, RuntimeError) else None
+    if loop:  # pathlib's resolve() (Python < 3.13) says a symlink loop so, wherever a path is resolved
+        return f"{loop[1]}: a symlink loop (the link leads back to itself): fix or remove it"
     return None
 
 

@@ -524,3 +524,20 @@ def test_run_py_says_which_test_prompts_the_evaluations_left_out(tmp_path, capsy
     (tmp_path / "s0-eval" / "eval" / "scores.json").write_text(json.dumps({"dropped_overlong": {"FOMC": 0}}))
     run.dropped_line(Pipe(), {0: "s0-eval"}, 512)
     assert capsys.readouterr().out == ""
+
+
+def test_a_symlink_loop_as_manifest_or_data_root_is_one_line(tiny_env, tmp_path):
+    """Issue 64, class 6: pathlib's resolve() raised RuntimeError on a loop (a traceback); a looping ROOT/tasks.json
+    was taken for no manifest (TRACE's tasks, then 'file not found')."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "tasks.json").symlink_to(tmp_path / "a")
+    for flags, line in [(["--task-spec", tmp_path / "a"], f"{tmp_path / 'a'}: a symlink loop (the link leads back "
+                                                           f"to itself): fix or remove it"),
+                        (["--data", tmp_path / "a"], f"{tmp_path / 'a'}: a symlink loop"),
+                        (["--data", tmp_path / "root"], f"{tmp_path / 'root' / 'tasks.json'}: a symlink to nothing "
+                                                        f"(a loop, or its target is gone)")]:
+        r = run("run.py", ["--model", tiny_env["base"], *flags, "--dry-run"], tiny_env)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert r.stderr.strip().splitlines()[-1].startswith(f"run.py: error: {line}"), r.stderr[-500:]
