@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def _run(argv: list, log_path: str, env_extra: dict, use_zygote: bool):
     env = {**os.environ, **env_extra}
     pid = {}
     script = Path(argv[1]) if len(argv) > 1 and argv[0] == sys.executable else None
+    proc = None
     try:
         if use_zygote and script is not None and script.parent == HERE and script.stem in SCRIPTS:
             rc = _zygote(env).run(script.stem, argv[2:], Path(log_path), env, on_start=lambda p: pid.update(p=p))
@@ -82,16 +84,18 @@ def _run(argv: list, log_path: str, env_extra: dict, use_zygote: bool):
                 proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE,
                                         preexec_fn=lambda: die_with_parent(parent, new_session=True))
             pid["p"] = proc.pid
-            rc = proc.wait()
+            while (rc := proc.poll()) is None:  # a wait in C would not see ray.cancel's interrupt
+                time.sleep(0.2)
     except BaseException:  # ray.cancel: SIGTERM to the step's group, SIGKILL after 10 s
         if "p" in pid:
+            gone = (lambda: proc.poll() is not None) if proc is not None else (lambda: not _alive(pid["p"]))
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
                     os.killpg(pid["p"], sig)
                 except (ProcessLookupError, PermissionError):
                     break
                 deadline = time.monotonic() + 10
-                while time.monotonic() < deadline and _alive(pid["p"]):
+                while time.monotonic() < deadline and not gone():
                     time.sleep(0.1)
         raise
     return rc, ray.get_runtime_context().get_node_id(), socket.gethostname()
@@ -131,7 +135,7 @@ class RayExecutor:
         except ConnectionError as e:
             raise UserError(f"--ray-address {address}: no Ray cluster there ({e})") from None
         self.task = ray.remote(max_retries=0)(_run)
-        self.refs = set()
+        self.refs, self.lock, self.stopping = set(), threading.Lock(), False
         self.check_nodes(run_dir, cpu)
 
     def nodes(self) -> list[dict]:
@@ -175,32 +179,43 @@ class RayExecutor:
                                 f"that (the largest: {_res(have)}); lower --threads / --gen-workers / --gpus, or add "
                                 f"a larger node")
 
-    def call(self, argv, log_path: Path, need: dict) -> tuple[int, str]:
-        """Run one step's command on a node with `need` free -> (exit code, "host node-id")."""
-        ref = self.task.options(num_cpus=need.get("CPU", 1), num_gpus=need.get("GPU", 0)).remote(
-            [str(a) for a in argv], str(log_path), self.env_extra, self.use_zygote)
-        self.refs.add(ref)
+    def call(self, argv, log_path: Path, need: dict) -> tuple[int, str | None]:
+        """Run one step's command on a node with `need` free -> (exit code, "host node-id"); NodeLost when its node
+        died under it. Once cancel() began, nothing more starts (an exit code as of SIGTERM)."""
+        with self.lock:  # a step submitted after cancel() took its list would run on, unseen
+            if self.stopping:
+                return -signal.SIGTERM, None
+            ref = self.task.options(num_cpus=need.get("CPU", 1), num_gpus=need.get("GPU", 0)).remote(
+                [str(a) for a in argv], str(log_path), self.env_extra, self.use_zygote)
+            self.refs.add(ref)
         try:
             rc, node, host = self.ray.get(ref)
-        except (self.ray.exceptions.NodeDiedError, self.ray.exceptions.WorkerCrashedError,
-                self.ray.exceptions.LocalRayletDiedError) as e:
-            raise NodeLost(str(e).strip().splitlines()[0].split(". ")[0][:200]) from None
         except self.ray.exceptions.TaskCancelledError:
             return -signal.SIGTERM, None
+        except (self.ray.exceptions.NodeDiedError, self.ray.exceptions.WorkerCrashedError,
+                self.ray.exceptions.LocalRayletDiedError) as e:
+            if self.stopping:  # cancel(force=True) ends a worker so: the driver's own stop, not a lost node
+                return -signal.SIGKILL, None
+            raise NodeLost(str(e).strip().splitlines()[0].split(". ")[0][:200]) from None
         finally:
-            self.refs.discard(ref)
+            with self.lock:
+                self.refs.discard(ref)
         return rc, f"{host} {node}"
 
     def cancel(self):
-        """Stop every running step (the driver is stopping): cancelled, their tasks stop the steps' process groups
-        (SIGTERM, SIGKILL after 10 s); what is left after that is force-killed with its worker."""
-        refs = list(self.refs)
+        """Stop every running step (the driver is stopping) and start no more: cancelled, their tasks stop the
+        steps' process groups (SIGTERM, SIGKILL after 10 s); what is left after that goes with its worker."""
+        with self.lock:
+            self.stopping = True
+            refs = list(self.refs)
         for ref in refs:
             self.ray.cancel(ref)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 25
         while self.refs and time.monotonic() < deadline:
             time.sleep(0.1)
-        for ref in list(self.refs):
+        with self.lock:
+            refs = list(self.refs)
+        for ref in refs:
             self.ray.cancel(ref, force=True)
 
     def close(self):

@@ -40,6 +40,7 @@ from pipeline.digest import Digests
 from pipeline.zygote import SCRIPTS, Zygote, die_with_parent
 
 HERE = Path(__file__).resolve().parents[1]  # the scripts' directory
+PARTIAL_INPUTS = ".inputs.json"  # in a step's KEY.tmp: the executions of its inputs this try started on (_fresh_tmp)
 STATUS_SECONDS = 2.0  # how often a running pipeline's progress bar asks for its status (execute)
 
 
@@ -187,13 +188,20 @@ class Pipeline:
         step, final = self.steps[key], self.dir(key)
         tmp = final.with_name(final.name + ".tmp")
         t0 = time.time()
+        ids = {d: self.manifest[d].get("id") for d in step["deps"]}
         for attempt in range(1, self.retries + 2):
-            self._fresh_tmp(step, tmp)
+            self._fresh_tmp(step, tmp, ids)
             argv = step["build"](tmp, {d: self.dir(d) for d in step["deps"]})
             try:
                 rc, node = self.call(argv, tmp / "log.txt", step["kind"]) if argv else (0, None)
                 break
             except NodeLost as e:  # (--executor ray) not a failure of the step: it runs again, elsewhere
+                if self.stopping:
+                    raise StepFailed(f"step {key}: stopped with the run") from None
+                try:  # a node that could hold it may have been the one lost: then it would wait forever
+                    self.executor.check_fits({key: self.demand(step["kind"])})
+                except UserError as why:
+                    raise StepFailed(f"step {key}: its node was lost ({e}), and {why}") from None
                 if attempt > self.retries:
                     raise StepFailed(f"step {key}: its node was lost {attempt} times ({e}); the finished steps are "
                                      f"kept, re-run the same command to continue") from None
@@ -201,6 +209,7 @@ class Pipeline:
                       f"{self.retries + 1})", file=sys.stderr, flush=True)
         if rc != 0:
             raise StepFailed(f"step {key} {failure(rc, tmp / 'log.txt')}; full log: {tmp / 'log.txt'}")
+        (tmp / PARTIAL_INPUTS).unlink(missing_ok=True)  # the try's bookkeeping, not an output
         self._check_reads(key, step)
         missing = [f for f in self.outputs_of.get(step["kind"], ())
                    if not any((tmp / alt).is_file() for alt in f.split("|"))]
@@ -244,17 +253,21 @@ class Pipeline:
                                  f"on what is there now")
 
     @staticmethod
-    def _fresh_tmp(step: dict, tmp: Path):
+    def _fresh_tmp(step: dict, tmp: Path, ids: dict):
         """A step's temporary directory as a new try starts it: empty, except a stopped training stage's saved state,
         which train.py --resume continues from (the same step key, so the same settings and inputs; train.py checks
-        its plan too)."""
-        if step["kind"] == "train" and (tmp / "ckpt.partial" / "state" / "progress.pt").is_file():
+        its plan too) when it was started on the very executions of its inputs (ids, PARTIAL_INPUTS): after one of
+        them ran again, the state is of another run and goes."""
+        state, inputs = tmp / "ckpt.partial" / "state" / "progress.pt", tmp / PARTIAL_INPUTS
+        same = inputs.is_file() and inputs.read_text() == json.dumps(ids, sort_keys=True)
+        if step["kind"] == "train" and state.is_file() and same:
             for p in tmp.iterdir():
-                if p.name != "ckpt.partial":
+                if p.name not in ("ckpt.partial", PARTIAL_INPUTS):
                     shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         else:
             shutil.rmtree(tmp, ignore_errors=True)  # any other partial output is never reused
         tmp.mkdir(parents=True, exist_ok=True)
+        inputs.write_text(json.dumps(ids, sort_keys=True))
 
     def call(self, argv, log_path: Path, kind: str) -> tuple[int, str | None]:
         """Run one step's command, its output to log_path -> (exit code, the node that ran it: None when local).
@@ -447,7 +460,11 @@ def failure(rc: int, log_path: Path) -> str:
 def last_error(log_path: Path, errors_only: bool = False) -> str | None:
     """The line of a step's log that says what went wrong: a script's own `x.py: error: ...` line, else the last
     `...Error: ...` line of a traceback, else the last non-empty line."""
-    lines = [l.strip() for l in re.split(r"[\r\n]+", log_path.read_text(errors="replace")) if l.strip()]
+    try:
+        text = log_path.read_text(errors="replace")
+    except FileNotFoundError:  # a step that died before it opened its log (its zygote gone, a cancelled task)
+        text = ""
+    lines = [l.strip() for l in re.split(r"[\r\n]+", text) if l.strip()]
     for pattern in (r"^\S+\.py: error: ", r"^[\w.]*(Error|Exception|Interrupt)\b.*"):
         hits = [l for l in lines if re.match(pattern, l)]
         if hits:

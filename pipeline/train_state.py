@@ -38,20 +38,23 @@ def _trained(load=False):
 # run directory moved with a stage's saved state resumes, and other content under the same path does not
 PATH_ARGS = ("model", "data", "memory", "lora_init")
 FINGERPRINT_BYTES = 1 << 20  # read at each end of every file
+# what of a checkpoint or adapter directory a fingerprint covers besides its weights: not train_summary.json (its
+# wall times differ between two trainings to the same bytes) nor what later writers add beside it
+CKPT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "chat_template.jinja", "adapter_config.json")
 
 
 def fingerprint(paths: str) -> list:
     """What the files behind a path flag hold (comma-separated paths, as --data takes): per file its name, size and
-    the sha256 of its first and last FINGERPRINT_BYTES; for a checkpoint or adapter directory, its top-level weights,
-    JSON and template files (not what later writers add beside them, like an evaluation). A path that is not there
-    (a model id) stands for itself."""
+    the sha256 of its first and last FINGERPRINT_BYTES; for a checkpoint or adapter directory, its top-level weights
+    and CKPT_FILES. A path that is not there (a model id) stands for itself."""
     out = []
     for p in map(Path, str(paths).split(",")):
         if not p.exists():
             out.append(str(p))
             continue
-        files = (sorted(f for f in p.iterdir() if f.is_file() and f.suffix in (".safetensors", ".json", ".jinja"))
-                 if p.is_dir() else [p])
+        files = sorted(f for f in p.iterdir() if f.is_file() and (f.suffix == ".safetensors" or f.name in CKPT_FILES)
+                       ) if p.is_dir() else [p]
         for f in files:
             size = f.stat().st_size
             with open(f, "rb") as fh:

@@ -90,10 +90,12 @@ class Zygote:
             except (BrokenPipeError, ValueError):
                 w["started"].set()
                 w["done"].set()
-        w["started"].wait()
+        while not w["started"].wait(0.2):  # timed waits: an interrupt of this thread (Ctrl-C, ray.cancel) is seen
+            pass
         if w["pid"] is not None and on_start is not None:
             on_start(w["pid"])
-        w["done"].wait()
+        while not w["done"].wait(0.2):
+            pass
         with self.lock:
             self.waiting.pop(i, None)
         return w["rc"]

@@ -42,7 +42,17 @@ def claims(results, summary=None) -> list[dict]:
     rows = []
     for claim in (_c1, _c2, _c3, _c4, _c5, _c6):
         rows += claim(results, summary, boot, budgets)
-    return rows
+    return [{k: _finite(v) for k, v in r.items()} for r in rows]
+
+
+def _finite(v):
+    """A statistic as results.json may hold it: a non-finite number (an interval of a degenerate spread) is None."""
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v] if isinstance(v, list) else (
+            None if any(x is None or not math.isfinite(x) for x in v) else tuple(float(x) for x in v))
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
 
 
 # ---- the claims ----------------------------------------------------------------------------------------------------
@@ -63,11 +73,13 @@ def _c1(results, summary, boot, budgets):
             continue
         a, b = _paired_values(summary, opr, rep, "bwt")
         value, seeds = percent_cut(a, b)
+        if not a:
+            rows.append(_untestable("C1", where, "opr-ru and replay share no seed"))
+            continue
         test = None
         if boot is not None:
-            seeds_in = list(a)
-            test = percentile_interval(percent_cut_samples([boot[opr][s]["bwt"] for s in seeds_in],
-                                                           [boot[rep][s]["bwt"] for s in seeds_in]))
+            cuts = percent_cut_samples([boot[opr][s]["bwt"] for s in a], [boot[rep][s]["bwt"] for s in a])
+            test = None if cuts is None else percentile_interval(cuts)
         rows.append(_row("C1", where, "|BWT| cut by opr-ru vs replay, %", value, seeds, test, side=+1))
     return rows or [_untestable("C1", "", "needs opr-ru and replay")]
 
@@ -84,6 +96,8 @@ def _c2(results, summary, boot, budgets):
     def spread(m, s):
         accs = [summary[l]["per_seed"][s]["acc"] for l in labels[m]]
         return max(accs) - min(accs)
+    if not seeds:
+        return [_untestable("C2", "", "opr-ru and replay share no seed at every budget")]
     d = [spread("opr-ru", s) - spread("replay", s) for s in seeds]
     test = None
     if boot is not None and seeds:
@@ -142,7 +156,7 @@ def _c5(results, summary, boot, budgets):
         if min(summary[sd]["stages"], summary[rep]["stages"]) <= j:
             continue
         finals = {m: _finals(results, m) for m in (sd, rep, at.get("opr-ru"))}
-        seeds = [s for s in finals[sd] if s in finals[rep]]
+        seeds = [s for s in finals[sd] if s in finals[rep] and len(finals[sd][s]) == len(finals[rep][s])]
         conc = [(finals[sd][s][j] - finals[rep][s][j])
                 - statistics.fmean(finals[sd][s][k] - finals[rep][s][k] for k in range(len(finals[sd][s])) if k != j)
                 for s in seeds]
@@ -200,16 +214,24 @@ def percent_cut(a: dict, b: dict) -> tuple:
     return 100 * (1 - r), (100 * (1 - r - half), 100 * (1 - r + half))
 
 
-def percent_cut_samples(a: list, b: list) -> np.ndarray:
-    """The cut of every test-prompt resample: a, b: per seed, [B] arrays of BWT (the same resamples for both)."""
-    return 100 * (1 - np.mean(np.abs(a), axis=0) / np.mean(np.abs(b), axis=0))
+def percent_cut_samples(a: list, b: list) -> np.ndarray | None:
+    """The cut of every test-prompt resample: a, b: per seed, [B] arrays of BWT (the same resamples for both). None
+    when some resample leaves replay no |BWT| (every resampled prompt unchanged): the cut is undefined there, so is
+    the interval."""
+    den = np.mean(np.abs(b), axis=0)
+    if not np.all(den > 0):
+        return None
+    return 100 * (1 - np.mean(np.abs(a), axis=0) / den)
 
 
 def _budgets(results) -> dict:
     """{rho: {method: label}}: the labels of each budget; methods without a buffer (one label for every budget)
     appear at every budget. rho is None when the run names none."""
     cfg = (results.get("meta") or {}).get("cfg") or {}
-    single = [float(r) for r in str(cfg.get("rho", "")).split(",") if r.strip()]
+    try:
+        single = [float(r) for r in str(cfg.get("rho", "")).split(",") if r.strip()]
+    except ValueError:  # (not run.py's: a hand-made meta)
+        single = []
     out, shared = {}, {}
     for label in results["methods"]:
         m = re.fullmatch(r"(.+)@([0-9.eE+-]+)", label)

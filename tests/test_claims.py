@@ -151,3 +151,18 @@ def test_the_report_section_escapes_the_bars_of_abs_bwt():
     lines = claims_section(claims(results({"replay": REPLAY, "opr-ru": OPR_RU})))
     table = [l for l in lines if l.startswith("| C")]
     assert len(table) == 6 and all(l.replace("\\|", "").count("|") == 6 for l in table)
+
+
+def test_a_resample_where_replay_forgets_nothing_leaves_the_cut_without_a_test_interval():
+    """Replay forgets on one prompt of four only: some resamples of the test prompts hold none of it, and the cut
+    (|BWT| over replay's |BWT|) is undefined there. The claim keeps its seed interval, and nothing non-finite
+    reaches results.json (run.py writes it strictly)."""
+    def ex(drop):
+        before, after = [100, 100, 100, 100], [100 - drop, 100, 100, 100]
+        return run2(100, 100 - drop / 4, 100, examples=[[before], [after, [100] * 4]])
+    res = results({"replay": {s: ex(40 + int(s)) for s in "012"}, "opr-ru": {s: ex(20 + int(s)) for s in "012"}})
+    res["test_idx"] = {t: [0, 1, 2, 3] for t in TASKS}
+    row = by_claim(claims(res), "C1")
+    assert row["test"] is None and row["seeds"] is not None and row["verdict"] == "holds"
+    import json
+    json.dumps(claims(res), allow_nan=False)

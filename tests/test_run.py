@@ -917,7 +917,7 @@ def test_a_step_that_starts_after_the_stop_is_killed(tmp_path, zygote):
         pipe.stop_children()  # nothing runs yet: from here on, every step that appears is killed
         t = time.monotonic()
         argv = [sys.executable, str(REPO / "train.py")]  # no flags: the embedded default, minutes of work
-        assert pipe.call(argv, tmp_path / "log.txt") == -signal.SIGKILL
+        assert pipe.call(argv, tmp_path / "log.txt", "train") == (-signal.SIGKILL, None)
         assert time.monotonic() - t < 30 and not pipe.procs
     finally:
         if pipe.zygote is not None:
