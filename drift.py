@@ -171,23 +171,11 @@ def teacher_force(cur_dir, ref_dir, tok, examples, prompts, outs, args):
 
 
 def write_outputs(out_dir: Path, rows: list, summary: dict):
-    """Both files at once: written into a temporary sibling, which then replaces out_dir (an earlier measurement's
-    directory whole), so no reader sees new samples beside an old summary."""
-    import shutil
-    import tempfile
-    from data.outputs import claim_dir, remove_stale_temporaries, temp_prefix, write_json, write_jsonl
-    from model.checkpoint import replace_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), dir=out_dir.parent))
-    try:
-        claim_dir(tmp, "drift")
+    """Both files at once (data.outputs.written_aside): no reader sees new samples beside an old summary."""
+    from data.outputs import write_json, write_jsonl, written_aside
+    with written_aside(out_dir, "drift") as tmp:
         write_jsonl(tmp / "drift_samples.jsonl", rows)
         write_json(tmp / "drift.json", summary)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_dir(tmp, out_dir)
 
 
 def main(argv=None):

@@ -154,23 +154,11 @@ def summarize(records, examples, tasks, dropped, ckpt, root, engine, args) -> di
 
 
 def write_outputs(out_dir: Path, records: list, summary: dict):
-    """Both files at once: written into a temporary sibling, which then replaces out_dir (an earlier evaluation's
-    directory whole), so no reader sees new predictions beside old scores."""
-    import shutil
-    import tempfile
-    from data.outputs import claim_dir, remove_stale_temporaries, temp_prefix, write_json, write_jsonl
-    from model.checkpoint import replace_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), dir=out_dir.parent))
-    try:
-        claim_dir(tmp, "eval")
+    """Both files at once (data.outputs.written_aside): no reader sees new predictions beside old scores."""
+    from data.outputs import write_json, write_jsonl, written_aside
+    with written_aside(out_dir, "eval") as tmp:
         write_jsonl(tmp / "predictions.jsonl", records)
         write_json(tmp / "scores.json", summary)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_dir(tmp, out_dir)
 
 
 def main(argv=None):

@@ -253,3 +253,40 @@ def check_output(path, kind: str, overwrite: bool = False, flag: str = "--out") 
     found = "a directory" if path.is_dir() else "a file"
     raise UserError(f"{path} ({flag}) is {found} that is not {what} (it carries no mark of this project's); "
                     f"refusing to replace it (choose another {flag}, or pass --overwrite)")
+
+
+def replace_dir(tmp: Path, out_dir: Path):
+    """Move tmp to out_dir, durably (its files are fsynced before the rename, the parent after); an existing
+    out_dir is moved aside first and removed only after the swap. Callers check first that out_dir is theirs to
+    replace (data.jsonl.check_output)."""
+    fsync_tree(tmp)
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{sibling_tag(out_dir)}.old-{os.getpid()}")
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    fsync_dir(out_dir.parent)
+    if old is None:
+        return
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+    else:  # a file or a link (only with the script's --overwrite; see data.jsonl.check_output)
+        old.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def written_aside(out_dir: Path, kind: str):
+    """A directory output written whole: yields a temporary sibling, marked as `kind`, for the caller to fill; it
+    replaces out_dir (an earlier output's directory whole) when the block ends, and is removed if the block fails,
+    so no reader sees files of two runs side by side."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), dir=out_dir.parent))
+    try:
+        claim_dir(tmp, kind)
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_dir(tmp, out_dir)

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from data.errors import InputError, MissingFileError, MissingWeightError
 from data.jsonl import dumps_strict, loads_strict, read_text
-from data.outputs import claim_dir, fsync_dir, fsync_tree, remove_stale_temporaries, sibling_tag, temp_prefix
+from data.outputs import (claim_dir, fsync_dir, fsync_tree, remove_stale_temporaries,  # noqa: F401
+                          replace_dir, temp_prefix)  # (replace_dir: its callers import it from here too)
 from model.config import ModelConfig
 from model.transformer import Transformer, hf_parts, is_adapter, to_hf
 
@@ -249,22 +250,3 @@ def remove_dir(path: Path):
     os.replace(path, aside)
     fsync_dir(path.parent)
     shutil.rmtree(aside, ignore_errors=True)
-
-
-def replace_dir(tmp: Path, out_dir: Path):
-    """Move tmp to out_dir, durably (its files are fsynced before the rename, the parent after); an existing
-    out_dir is moved aside first and removed only after the swap. Callers check first that out_dir is theirs to
-    replace (data.jsonl.check_output)."""
-    fsync_tree(tmp)
-    old = None
-    if out_dir.exists():
-        old = out_dir.with_name(f".{sibling_tag(out_dir)}.old-{os.getpid()}")
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    fsync_dir(out_dir.parent)
-    if old is None:
-        return
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old, ignore_errors=True)
-    else:  # a file or a link (only with the script's --overwrite; see data.jsonl.check_output)
-        old.unlink(missing_ok=True)
