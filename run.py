@@ -68,7 +68,7 @@ import plan
 import rollout
 import synthesize
 import train
-from methods import FULL, METHODS, ewc, lora, lwf, olora, sdft, sft_kl, ssr
+from methods import FULL, METHODS, ewc, ilora, lora, lwf, olora, sdft, sft_kl, ssr
 
 from data import metrics
 from data.outputs import check_output, claim_dir, write_json, write_text_atomic
@@ -98,8 +98,8 @@ class Settings:
     """Every setting that changes what a run computes, declared once: its paper value (the scripts' own defaults,
     train.py and rollout.py, not a second copy of them), and the flag that sets it (pipeline/settings.py). A preset
     replaces some values; a flag, or an experiment file naming it, replaces a preset's."""
-    methods: str = setting("sft,replay,opr-ru,opr-sc", f"comma-separated, from {', '.join(FULL)}, lora-seqft, olora; each "
-                           f"also on LoRA adapters as NAME+lora (methods/lora.py)")
+    methods: str = setting("sft,replay,opr-ru,opr-sc", f"comma-separated, from {', '.join(FULL)}, lora-seqft, olora, "
+                           f"ilora; each also on LoRA adapters as NAME+lora (methods/lora.py)")
     rho: float = setting(0.01, "replay ratio(s) in (0, 1]: b = rho * n_next; a comma list sweeps (e.g. "
                                "0.01,0.02,0.05,0.1)", comma_list(float_in(0, 1, lo_open=True), unique=True))
     lr: float = setting(train.LR, "peak learning rate", float_in(0, lo_open=True))
@@ -163,6 +163,10 @@ class Settings:
     olora_lambda1: float = setting(olora.LAMBDA1, "olora: weight of sum |A_old A_new^T| (O-LoRA's code)", float_in(0))
     olora_lambda2: float = setting(olora.LAMBDA2, "olora: weight of the new adapter's norms (O-LoRA's code)",
                                    float_in(0))
+    ilora_lambda: float = setting(ilora.LAMBDA, "ilora: slow <- lambda * slow + (1 - lambda) * fast after every step "
+                                  "(the official code's)", float_in(0, 1))
+    ilora_gamma: float = setting(ilora.GAMMA, "ilora: weight of the hidden-state MSE on replay examples (the "
+                                 "official code's)", float_in(0))
     # None: the task table's [5,3,7,5,3,5,5,7] (or a manifest's); a CPU preset: a dict task -> epochs
     epochs: object = setting(None, "epochs per stage: one int, or a comma list per task (none: the task table's, or "
                              "a manifest's)", comma_list(int_at_least(1)))

@@ -561,7 +561,8 @@ def build_models(args, device, compute_dtype, obj):
     wants_teacher, ema_rate = obj.teacher(args)
     teacher = None
     if wants_teacher:  # the student's starting point: with LoRA, the same base and adapters (no dropout: eval mode)
-        teacher = build_model(args.model, device, compute_dtype, compile=args.compile, **lora)
+        teacher = build_model(args.model, device, compute_dtype, compile=args.compile,
+                              **{**lora, "lora_init": obj.teacher_init(args)})  # (ilora: its slow adapter)
         teacher.requires_grad_(False).eval()
     return model, teacher, ema_rate
 
@@ -576,6 +577,7 @@ def train_step(s: Stage, step: int) -> dict:
     # the step's random draws (LoRA's dropout masks) from its own seed: a resumed run draws what an unbroken one does
     torch.manual_seed(int.from_bytes(hashlib.sha256(f"{args.seed}/{step}/{s.rank}".encode()).digest()[:8], "little"))
     sums = torch.zeros(4, device=s.device)  # NLL, KL, task NLL, replay NLL
+    s.objective.before_step(s, step)
     for mb in micro:
         loss, parts = s.loss_fn(mb)
         (loss / max(n_targets, 1)).backward()  # the mean over the response tokens of the whole step, all ranks

@@ -74,6 +74,10 @@ class Objective:
         """(a second model is needed: bool, its EMA rate after each step or None for a frozen one)."""
         return False, None
 
+    def teacher_init(self, args):
+        """The PEFT adapter a LoRA stage's teacher starts from (None: a new one, as the student's at stage 1)."""
+        return args.lora_init
+
     def template(self, args):
         """The teacher's demonstration template, when it reads one (sdft), else None."""
         return None
@@ -87,6 +91,9 @@ class Objective:
     def setup(self, args, model, kept: dict):
         """After the model is built, before a resumed state is loaded: what the objective keeps from earlier stages
         (and from the weights the stage starts from), into `kept` (train.py's Stage.kept)."""
+
+    def before_step(self, stage, step: int):
+        """Before optimizer step `step`'s micro-batches (every rank; ilora: the step's replay token count)."""
 
     def after_backward(self, stage, step: int) -> dict:
         """After optimizer step `step`'s gradients are accumulated, before clipping and the optimizer: extra
@@ -105,7 +112,8 @@ class Objective:
             unit.reshard()
         with torch.no_grad():  # phi <- rate * theta + (1 - rate) * phi
             for t_p, s_p in zip(stage.teacher.parameters(), stage.model.parameters()):
-                t_p.lerp_(s_p, stage.ema_rate)
+                if s_p.requires_grad:  # (a LoRA stage's frozen base is the same in both: lerp would leave it)
+                    t_p.lerp_(s_p, stage.ema_rate)
 
     def after_training(self, stage) -> list:
         """After the last step, before the final save (every rank): -> files (rank 0) to put in the checkpoint."""

@@ -55,15 +55,16 @@ def nll_kl(labels, teacher_hidden, teacher_weight, direction: str, replay_mask=N
 
 # ---- the objectives: a micro-batch -> (loss sum to backpropagate, [NLL, KL, task NLL, replay NLL] sums) -----------
 def sft_loss(model, has_replay: bool, device, mb: list, teacher=None, beta: float = 0.0, direction: str = "reverse",
-             temperature: float = 1.0, nll_weight: float = 1.0):
+             temperature: float = 1.0, nll_weight: float = 1.0, on_hidden=None):
     """sft: mb is a list of examples. With a teacher reading the same sequences (sft-kl, lwf):
-    nll_weight * NLL + beta * KL at `temperature`."""
+    nll_weight * NLL + beta * KL at `temperature`. on_hidden: called with the model's hidden states of every layer
+    (ilora; Transformer.forward)."""
     ids, pos, tgt, cu, max_len = collate(mb, device)
     kw = dict(cu_seqlens=cu, max_seqlen=max_len)
     mask, slot = replay_split(mb, device) if has_replay else (None, 0)
     parts = torch.zeros(4, device=device)
     if teacher is None:
-        loss = model(ids, pos, loss=nll(tgt, mask), **kw)
+        loss = model(ids, pos, loss=nll(tgt, mask), on_hidden=on_hidden, **kw)
     else:  # sft-kl: the teacher reads the same gold sequence
         with torch.no_grad():
             t_hidden = teacher(ids, pos, return_hidden=True, **kw)[tgt != IGNORE]

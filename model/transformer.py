@@ -318,10 +318,13 @@ class Transformer(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, position_ids, *, cu_seqlens=None, max_seqlen=None, loss=None, return_hidden=False):
+    def forward(self, input_ids, position_ids, *, cu_seqlens=None, max_seqlen=None, loss=None, return_hidden=False,
+                on_hidden=None):
         """input_ids, position_ids: [B,T] long -> logits [B,T,V]; with return_hidden, the final-normed hidden states
         [B,T,H]; with loss, loss(hidden [B*T, H], lm_head weight) (model/objectives.py: nll, kl, nll_kl), computed
-        here, inside forward, so that under FSDP lm_head stays in the root unit."""
+        here, inside forward, so that under FSDP lm_head stays in the root unit. on_hidden: called with every layer's
+        hidden states [B,T,H] as transformers' output_hidden_states gives them (the embeddings, each block's output
+        but the last, then the final-normed last one: L + 1 calls); a callable, since FSDP2 copies lists it is given."""
         if cu_seqlens is not None and input_ids.shape[0] != 1:
             raise ValueError("packed attention (cu_seqlens) needs batch size 1")
         x = self.model.embed_tokens(input_ids)
@@ -329,11 +332,15 @@ class Transformer(nn.Module):
             self._inv_freq = rope_inv_freq(self.cfg, x.device)
         cos, sin = rope_cos_sin(self._inv_freq, position_ids, x.dtype)
         for layer in self.model.layers:
+            if on_hidden is not None:
+                on_hidden(x)
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, cu_seqlens, max_seqlen, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, cu_seqlens, max_seqlen)
         h = self.model.norm(x)
+        if on_hidden is not None:
+            on_hidden(h)
         if loss is not None:
             return loss(h.flatten(0, 1), self.lm_head.weight)
         if return_hidden:

@@ -223,9 +223,9 @@ OTHER_VALUE = {"methods": None, "rho": "0.25", "lr": "3e-4", "warmup": "0.1", "l
                "lwf_temperature": "3.0", "ssr_demos": "5", "ssr_prompts": "9", "ssr_samples": "2",
                "ssr_temperature": "0.7", "ssr_template": "chat", "ssr_clusters": "4", "lora_rank": "4",
                "lora_alpha": "16.0", "lora_dropout": "0.05", "lora_targets": "k_proj,q_proj", "lora_lr": "2e-4",
-               "olora_lambda1": "0.25", "olora_lambda2": "0.1"}
+               "olora_lambda1": "0.25", "olora_lambda2": "0.1", "ilora_lambda": "0.5", "ilora_gamma": "0.5"}
 ALL_METHODS = ("sft,replay,opr-ru,opr-sc,opr-low,opr-random,mtl,sdft,sft-kl,ewc,lwf,agem,ssr,lora-seqft,opr-ru+lora,"
-               "olora")
+               "olora,ilora")
 
 
 def test_every_setting_changes_the_keys_of_the_steps_it_changes(setup, capsys, monkeypatch):
