@@ -17,10 +17,16 @@ What we pin, and why (checked against vLLM's source/docs):
   others; we index it by the SAMPLED token id, never take the first entry.
 - Prompts go in as token ids ({"prompt_token_ids": ids}, i.e. vllm.inputs.TokensPrompt), so vLLM never re-renders or
   re-tokenizes them.
+- A LoRA stage (a checkpoint with adapter/, train.py --lora-rank) is served as its base model with the adapter as a
+  LoRARequest (`enable_lora`, `max_lora_rank` the smallest of vLLM's ranks that holds r), as one base serves every
+  stage of a LoRA stream; its merged weights beside it are what the other engines read. A base that is not there
+  any more (a moved run) leaves the merged weights to vLLM too.
 """
 import contextlib
 import dataclasses
+import json
 import os
+from pathlib import Path
 
 
 def _engine_fields(vllm) -> dict:
@@ -36,11 +42,31 @@ def _engine_fields(vllm) -> dict:
 CPU_KV_CACHE_GIB = 2
 
 
-def llm_kwargs(vllm, ckpt_dir, *, tp: int, seed: int, cpu: bool = False) -> dict:
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank choices
+
+
+def lora_stage(ckpt_dir) -> tuple[str, str | None, int]:
+    """(the model vLLM loads, the PEFT adapter it applies or None, the adapter's rank): a LoRA stage whose base is at
+    hand is its base and adapter, anything else its own weights."""
+    adapter = Path(ckpt_dir) / "adapter"
+    try:
+        cfg = json.loads((adapter / "adapter_config.json").read_text())
+        base, rank = cfg["base_model_name_or_path"], int(cfg["r"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return str(ckpt_dir), None, 0
+    if not (Path(base) / "config.json").is_file() or rank > LORA_RANKS[-1]:
+        return str(ckpt_dir), None, 0
+    return base, str(adapter), rank
+
+
+def llm_kwargs(vllm, ckpt_dir, *, tp: int, seed: int, cpu: bool = False, lora_rank: int = 0) -> dict:
     """Keyword arguments for vllm.LLM, with the version-dependent options only where supported. cpu: the CPU backend
-    (fp32, as the native engine samples there; a fixed KV-cache size instead of a share of the machine's memory)."""
+    (fp32, as the native engine samples there; a fixed KV-cache size instead of a share of the machine's memory).
+    lora_rank > 0: requests may carry an adapter of at most that rank."""
     fields = _engine_fields(vllm)
     kw = {"model": str(ckpt_dir), "tensor_parallel_size": tp, "seed": seed}
+    if lora_rank:
+        kw.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= lora_rank))
     if cpu:  # eager: compiling the model costs each process more than a CPU step's sampling gains from it
         kw.update(dtype="float32", kv_cache_memory_bytes=CPU_KV_CACHE_GIB << 30, enforce_eager=True)
         # per-request seeds need whole prefills on the CPU: after a chunk of a prompt vLLM rewinds the request's
@@ -132,13 +158,20 @@ def sample(ckpt_dir, prompts: list[list[int]], *, temperature: float, max_new_to
 
     from model.sampler import row_keys
     cpu = not torch.cuda.is_available()
+    model, adapter, rank = lora_stage(ckpt_dir)
+    lora = None
+    if adapter is not None:
+        from vllm.lora.request import LoRARequest
+        lora = LoRARequest("stage", 1, adapter)
+        print(f"vLLM: {model} with the LoRA adapter {adapter} (rank {rank})", flush=True)
     with engine_env(worker_env(tp, cpu)):
-        llm = vllm.LLM(**llm_kwargs(vllm, ckpt_dir, tp=tp, seed=seed, cpu=cpu))
+        llm = vllm.LLM(**llm_kwargs(vllm, model, tp=tp, seed=seed, cpu=cpu, lora_rank=rank))
     caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     seeds = row_keys(len(prompts), seed, seeds)
     params = [sampling_params(vllm, temperature=temperature, max_new_tokens=m, stop_ids=stop_ids, seed=s)
               for m, s in zip(caps, seeds)]
-    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=progress)
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=progress,
+                           lora_request=lora)
     results = []
     for out in outputs:
         c = out.outputs[0]

@@ -4,7 +4,8 @@ or $OPR_VLLM_PYTHON): rollout.py, evaluate.py and run.py --engine vllm as users 
 - vLLM's raw log-probs agree with the trainer's teacher-forced pass (rollout.py's own check) within its tolerance;
 - greedy tokens equal the native engine's (both exact fp32 on the CPU);
 - two data-parallel workers (torchrun) write byte for byte what one writes (per-request seeds);
-- run.py --engine vllm runs a small preset end to end.
+- run.py --engine vllm runs a small preset end to end;
+- a LoRA stage is served as its base with the adapter as a LoRARequest, with the trainer's log-probs.
 Skipped when no vLLM venv is found. Each vLLM process starts in ~25 s here (eager, 2 cores)."""
 import json
 import os
@@ -102,3 +103,35 @@ def test_run_py_with_vllm_end_to_end(setup, tmp_path):
     assert len(summaries) == 1
     s = json.loads(summaries[0].read_text())
     assert s["engine"] == "vllm" and s["logprob_check"]["max_abs_dlogp"] < TOL
+
+
+def test_vllm_serves_a_lora_stage_as_base_plus_adapter_with_our_logprobs(setup, tmp_path):
+    """A LoRA stage (train.py --lora-rank: merged weights + adapter/) is served by vLLM as its base with a
+    LoRARequest; its raw log-probs equal the trainer's forward of the merged weights (rollout.py's check), its greedy
+    tokens the native engine's on them, and the adapter changes what the base would say."""
+    stage = tmp_path / "stage"
+    train = [sys.executable, str(REPO / "train.py"), "--model", str(setup / "ckpt"), "--data",
+             str(setup / "data" / "FOMC" / "train.json"), "--out", str(stage), "--lora-rank", "8", "--lora-alpha",
+             "16", "--lora-targets", "q_proj,v_proj,down_proj", "--lr", "5e-2", "--epochs", "4", "--global-batch",
+             "4", "--quiet"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(setup / "cache"))
+    p = subprocess.run(train, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    def go(python, out, *extra, ckpt=stage):
+        cmd = [str(python), str(REPO / "rollout.py"), "--ckpt", str(ckpt), "--data", str(setup / "data"), "--tasks",
+               "FOMC,NumGLUE-cm", "--max-new-tokens", "10", "--out", str(out), "--quiet", "--temperature", "0",
+               *extra]
+        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        return r
+    r = go(VLLM_PY, tmp_path / "v.jsonl", "--engine", "vllm", "--check-logprobs", "16")
+    assert f"with the LoRA adapter {stage / 'adapter'}" in r.stdout + r.stderr
+    go(sys.executable, tmp_path / "n.jsonl", "--engine", "native", "--check-logprobs", "0")
+    go(sys.executable, tmp_path / "b.jsonl", "--engine", "native", "--check-logprobs", "0", ckpt=setup / "ckpt")
+    v, n, b = (records(tmp_path / f"{x}.jsonl") for x in "vnb")
+    assert [r["token_ids"] for r in v] == [r["token_ids"] for r in n]
+    assert max(abs(a - c) for r, s in zip(v, n) for a, c in zip(r["logprobs"], s["logprobs"])) < TOL
+    assert [r["token_ids"] for r in v] != [r["token_ids"] for r in b]  # the adapter acts
+    check = json.loads((tmp_path / "v_summary.json").read_text())["logprob_check"]
+    assert check["k"] == 16 and not check["warned"] and check["max_abs_dlogp"] < TOL, check
