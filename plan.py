@@ -378,11 +378,17 @@ def method_memory(runs, model_cfg, gpus: int, micro_tokens: int = 0, cfg_run: di
     for label in runs:
         m = METHODS[label.split("@")[0]]
         obj = OBJECTIVES[m.objective]
+        n = lora_params(model_cfg, cfg_run["lora_rank"], cfg_run["lora_targets"].split(",")) if m.lora else 0
         if obj.state_bytes:
-            gb = obj.state_bytes * model_cfg.num_params(embeddings=True) / gpus / 1e9
-            lines.append(f"  {label}: +{gb:.1f} GB per GPU ({obj.state_what}, sharded over {gpus} GPUs)")
+            P, what = model_cfg.num_params(embeddings=True), obj.state_what
+            if m.lora:  # a teacher: the frozen base again (bf16, as train.py keeps it) and its adapters; else the
+                # objective's state spans the adapters only
+                size, what = ((2 * P + 4 * n, what.replace("fp32", "its base bf16")) if obj.copies_model else
+                              (obj.state_bytes * n, what + ", of the adapters"))
+            else:
+                size = obj.state_bytes * P
+            lines.append(f"  {label}: +{size / gpus / 1e9:.1f} GB per GPU ({what}, sharded over {gpus} GPUs)")
         if m.lora and cfg_run:
-            n = lora_params(model_cfg, cfg_run["lora_rank"], cfg_run["lora_targets"].split(","))
             mem = memory_per_gpu(model_cfg, gpus, micro_tokens, n)
             fits = lambda k: "fits" if mem[k] <= GPU_MEMORY_GB * 1e9 else "does NOT fit"  # noqa: E731
             lines.append(f"  {label}: LoRA r {cfg_run['lora_rank']} on {cfg_run['lora_targets']} ({n / 1e6:.1f}M "

@@ -210,11 +210,13 @@ def setup_distributed():
 
 
 def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False, shard=None, compile=False,
-                lora=None, lora_init=None, seed=0, old_rank=0):
+                lora=None, lora_init=None, seed=0, old_rank=0, frozen_dtype=None):
     """meta -> LoRA adapters -> compile(each block) -> fully_shard(each block) -> fully_shard(root) -> materialise ->
     load (-> the adapters' values: --lora-init's, or new ones seeded by `seed`). lm_head and the final norm stay in
     the root unit, where forward computes the loss. With `lora` (a LoraConfig) only the adapters are trainable;
-    they live inside their block, so FSDP2 shards them with it. old_rank > 0: --lora-init's adapters (of that rank)
+    they live inside their block, so FSDP2 shards them with it; the frozen base is kept in the compute dtype
+    (frozen_dtype: another), what FSDP2 would cast an fp32 copy to for every forward, so the same numbers in bf16
+    in half the bytes; the adapters stay fp32. old_rank > 0: --lora-init's adapters (of that rank)
     are a frozen stack under a new trained adapter (O-LoRA), not its start.
 
     compile: each block's forward through torch.compile(fullgraph=True), before fully_shard as torchtitan orders it
@@ -235,6 +237,11 @@ def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False,
         model = Transformer(load_config(ckpt_dir))
         if lora is not None:
             attach_lora(model, lora, old_rank)
+            # the frozen base is only read in the compute dtype: kept in it, bf16 takes half the bytes (FSDP2
+            # wants one dtype among the trained parameters only)
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(frozen_dtype or compute_dtype)
     model.activation_checkpointing = activation_checkpointing
     if compile:
         for block in model.model.layers:

@@ -57,6 +57,7 @@ class Objective:
     extra_passes = 0.0
     state_bytes = 0
     state_what = ""
+    copies_model = False  # its state is a second model (a teacher): on LoRA the frozen base again, in bf16
 
     def extra_tokens(self, flags: list, mean_doc: float) -> float:
         """Tokens of forward-backward work that every GPU of a stage with train.py flags `flags` does once, besides

@@ -77,6 +77,7 @@ class ILoraObjective(Objective):
     # a teacher forward on the micro-batches that hold replay examples; the slow learner is a second model (the
     # frozen base again, and its adapters)
     extra_passes, state_bytes, state_what = 1 / 3, 4, "the slow learner: a second model, fp32"
+    copies_model = True
 
     def add_flags(self, p):
         from pipeline.cli import float_in

@@ -28,6 +28,7 @@ class LwfObjective(Objective):
     prefixes = ("lwf_",)
     logs_kl = True
     extra_passes, state_bytes, state_what = 1 / 3, 4, "the frozen teacher, fp32"
+    copies_model = True
 
     def add_flags(self, p):
         from pipeline.cli import float_in

@@ -36,6 +36,7 @@ class SdftObjective(Objective):
     logs_kl = True
     on_policy = True
     extra_passes, state_bytes, state_what = 1 / 3, 4, "the teacher, fp32"  # (its sampling: plan.py prices it)
+    copies_model = True
 
     def add_flags(self, p):
         from pipeline.cli import float_in, int_at_least

@@ -21,6 +21,7 @@ class SftKlObjective(Objective):
     prefixes = ("sft_kl_",)
     logs_kl = True
     extra_passes, state_bytes, state_what = 1 / 3, 4, "the EMA teacher, fp32"
+    copies_model = True
 
     def add_flags(self, p):
         from pipeline.cli import float_in

@@ -15,9 +15,9 @@ lm_head -- for the whole step, two blocks at a time: current + prefetch) with th
 reduce-scatter; the loss kernel's fp32 [V, H] weight-gradient accumulator and one chunk of logits; activations at
 the micro-batch's tokens with and without activation checkpointing (the tensors autograd keeps per token and layer,
 listed in activation_bytes_per_token_layer). train.py sizes its micro-batches by it (micro_tokens_that_fit).
-A LoRA stage (lora: its adapters' parameter count, lora_params) keeps the base as train.py does (fp32, sharded,
-frozen: no gradient, no AdamW state, no gathered bf16 gradients, no lm_head gradient) and gradients and AdamW for the
-adapters only; its FLOPs per token drop the frozen weights' gradient products (4 instead of 6 per weight).
+A LoRA stage (lora: its adapters' parameter count, lora_params) keeps the base as train.py does (bf16, sharded,
+frozen: no fp32 master, no gradient, no AdamW state, no gathered bf16 gradients, no lm_head gradient) and fp32
+weights, gradients and AdamW for the adapters only; its FLOPs per token drop the frozen weights' gradient products (4 instead of 6 per weight).
 """
 import math
 from dataclasses import dataclass, field
@@ -113,7 +113,8 @@ def memory_per_gpu(cfg, gpus: int, micro_tokens: int, lora: int = 0) -> dict:
     chunk_rows = max(1, 128 * 2**20 // (4 * V))  # kernels/cross_entropy.py's chunk (liger's is similar)
     trained = lora or P  # what has gradients and AdamW moments
     m = {
-        "master weights fp32 (sharded)": 4 * (P + lora) / gpus,
+        **({"frozen bf16 base + fp32 adapters (sharded)": (2 * P + 4 * lora) / gpus} if lora else
+           {"master weights fp32 (sharded)": 4 * P / gpus}),
         "gradients fp32 (sharded)": 4 * trained / gpus,
         "AdamW moments fp32 (sharded)": 8 * trained / gpus,
         "bf16 root unit, all-gathered": 2 * root,

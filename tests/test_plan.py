@@ -192,3 +192,21 @@ def test_wall_time_on_nodes_by_hand():
     assert plan.wall_on_nodes(chain, 4) == 3  # a chain gains nothing from nodes
     line = plan.format_nodes(costs, 2, 8)
     assert "1 node 5.00 h, 2 nodes 3.00 h (1.67x); the step graph's critical path 3.00 h" in line
+
+
+def test_method_memory_prices_a_teacher_on_lora_as_a_bf16_base_and_a_state_as_the_adapters():
+    """The per-method lines beside the memory table: a full model copy for sft-kl (fp32, 4 bytes a parameter); on
+    LoRA, ilora's slow learner is the frozen base again in bf16 (train.py keeps it so) with its adapters, and EWC's
+    F and theta* span the adapters only."""
+    import re
+
+    from model.checkpoint import load_config
+    from pipeline.costs import lora_params
+    cfg = load_config(REPO / "bench" / "configs" / "qwen2.5-7b")
+    run_cfg = {"lora_rank": 8, "lora_targets": "q_proj,v_proj"}
+    P, n = cfg.num_params(embeddings=True), lora_params(cfg, 8, ["q_proj", "v_proj"])
+    text = plan.method_memory(["sft-kl", "ilora", "ewc+lora"], cfg, 2, 16384, run_cfg)
+    got = {m: float(x) for m, x in re.findall(r"  (\S+): \+([\d.]+) GB per GPU", text)}
+    assert got == {"sft-kl": round(4 * P / 2 / 1e9, 1), "ilora": round((2 * P + 4 * n) / 2 / 1e9, 1),
+                   "ewc+lora": round(8 * n / 2 / 1e9, 1)}
+    assert "its base bf16" in text and "of the adapters" in text

@@ -4,6 +4,7 @@ checkpoint and the PEFT adapter it writes compute the same logits in ours and in
 holds no copy of the frozen base, --lora-init continues an adapter and refuses one of another shape."""
 import json
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from safetensors.torch import load_file
 transformers = pytest.importorskip("transformers")
 
 from model.checkpoint import load_model  # noqa: E402
-from tiny import (N_STEPS, assert_same_weights, kill_once_state_is_saved, log, train, weights)  # noqa: E402
+from tiny import (N_STEPS, REPO, assert_same_weights, kill_once_state_is_saved, log, train, train_env,  # noqa: E402
+                  weights)
 
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj,down_proj"]
 NO_DROPOUT = ["--lora-dropout", "0"]
@@ -103,3 +105,35 @@ def test_ewc_on_lora_anchors_the_adapters_on_the_previous_stages_fisher(train_ck
     train(train_ckpt, two, *LORA, "--objective", "ewc", "--ewc-samples", "4", "--max-steps", "2",
           "--lora-init", str(one / "adapter"))
     assert [x["ewc_penalty"] == 0 for x in log(two)] == [True, False]
+
+
+def test_the_frozen_base_is_kept_in_bf16_and_computes_what_an_fp32_copy_does(train_ckpt, tmp_path):
+    """--dtype bf16 (a GPU's default) with LoRA: the frozen base is stored in bf16, the adapters in fp32, and the
+    adapters' gradients equal, bit for bit, those of a model that keeps an fp32 base and lets FSDP2 cast it."""
+    script = ("import sys, torch, torch.distributed as dist, train\n"
+              "from data.mixture import tokenize_mixture\n"
+              "from data.packing import collate\n"
+              "from model.lora import LoraConfig\n"
+              "from model.objectives import nll, trained\n"
+              "from model.tokenizer import ChatTokenizer\n"
+              "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+              "ckpt, bf16 = sys.argv[1], torch.bfloat16\n"
+              "cfg = LoraConfig(rank=4, alpha=8, targets=('q_proj', 'v_proj', 'down_proj'))\n"
+              "ex = tokenize_mixture([ckpt + '/data.jsonl'], ChatTokenizer.from_dir(ckpt), 48, None)[0][:6]\n"
+              "ids, pos, tgt, cu, mx = collate(ex, 'cpu')\n"
+              "grads, sizes = [], []\n"
+              "for frozen in (None, torch.float32):\n"
+              "    m = train.build_model(ckpt, torch.device('cpu'), bf16, lora=cfg, frozen_dtype=frozen)\n"
+              "    base = [p for p in m.parameters() if not p.requires_grad]\n"
+              "    assert {p.dtype for _, p in trained(m)} == {torch.float32}\n"
+              "    assert {p.dtype for p in base} == {frozen or bf16}\n"
+              "    sizes.append(sum(p.numel() * p.element_size() for p in base))\n"
+              "    m(ids, pos, loss=nll(tgt), cu_seqlens=cu, max_seqlen=mx).backward()\n"
+              "    grads.append([p.grad.full_tensor() for _, p in trained(m)])\n"
+              "assert all(torch.equal(a, b) for a, b in zip(*grads)) and any(g.abs().sum() > 0 for g in grads[0])\n"
+              "assert 2 * sizes[0] == sizes[1]\n"
+              "print('same gradients')\n")
+    (tmp_path / "bf16.py").write_text(f"import sys; sys.path.insert(0, {str(REPO)!r})\n" + script)
+    r = subprocess.run([sys.executable, str(tmp_path / "bf16.py"), str(train_ckpt)], cwd=REPO, env=train_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "same gradients" in r.stdout, r.stderr[-3000:]
