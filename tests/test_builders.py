@@ -73,6 +73,11 @@ def test_a_lora_methods_stage_trains_the_base_from_the_previous_stages_adapter(t
     assert cmd[len(cmd) - 1 - cmd[::-1].index("--lr") + 1] == str(cfg["lora_lr"])  # the last --lr wins
     cmd1 = Pipe.added[first][2](tmp_path / "s2.tmp", {})
     assert "--lora-init" not in cmd1 and cmd1[cmd1.index("--model") + 1] == str(inputs.base)
+    il = METHODS["ilora"]  # on adapters, with replay's gold buffer, its own objective's flags
+    third = il.plan_train(steps, first, 2, inputs.tasks, "gold-1", 0)
+    spec, deps, build, _ = Pipe.added[third]
+    assert deps == [first, "gold-1"] and il.uses_buffer and spec.extra[:6] == [
+        "--objective", "ilora", "--ilora-lambda", str(cfg["ilora_lambda"]), "--ilora-gamma", str(cfg["ilora_gamma"])]
     joint = METHODS["mtl+lora"].plan_train(steps, None, 2, inputs.tasks, None, 0)  # its own plan, on adapters too
     assert "--lora-rank" in Pipe.added[joint][0].extra and Pipe.added[joint][1] == []
     full = METHODS["sft"].plan_train(steps, first, 2, inputs.tasks, None, 0)  # full fine-tuning: the last checkpoint

@@ -75,7 +75,8 @@ def test_each_setting_is_declared_once_and_its_flag_help_and_presets_follow(caps
              "ewc_lambda": "3.0", "ewc_samples": "7", "ewc_gamma": "0.5", "lwf_alpha": "0.25", "lwf_temperature": "3.0",
              "ssr_demos": "5", "ssr_prompts": "9", "ssr_samples": "2", "ssr_temperature": "0.7", "ssr_template": "chat",
              "ssr_clusters": "4", "lora_rank": "4", "lora_alpha": "16.0", "lora_dropout": "0.05",
-             "lora_targets": "k_proj,q_proj", "lora_lr": "3e-4", "olora_lambda1": "0.25", "olora_lambda2": "0.1"}
+             "lora_targets": "k_proj,q_proj", "lora_lr": "3e-4", "olora_lambda1": "0.25", "olora_lambda2": "0.1",
+             "ilora_lambda": "0.5", "ilora_gamma": "0.5"}
     assert set(given) == {f.name for f in flagged}  # a new flagged setting gets a value here
     argv = [a for k, v in given.items() for a in (f"--{k.replace('_', '-')}", v)]
     _, cfg, *_ = run.configure(run.parse_args(argv))
