@@ -16,7 +16,7 @@ buffer (Vanilla Replay) has no log-probs, so this script computes them:
 """
 from pathlib import Path
 
-from pipeline.cli import Parser, int_at_least, main_cli
+from common.cli import Parser, int_at_least, main_cli
 
 # ---- defaults (each has a flag below) ----------------------------------------------------------------------------
 MAX_LEN = 2048   # pairs longer than this are dropped, as in training
@@ -40,8 +40,8 @@ def main(argv=None):
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     import torch
 
-    from data.jsonl import read_records
-    from data.outputs import check_output, write_json
+    from common.jsonl import read_records
+    from common.outputs import check_output, write_json
     from model.checkpoint import load_model
     from model.logprobs import response_stats
     from model.tokenizer import ChatTokenizer

@@ -30,11 +30,10 @@ import statistics
 import time
 from pathlib import Path
 
-from data.manifest import data_root
-from pipeline.cli import add_task_spec, use_manifest_from_argv
+from common.cli import BATCH_SIZE_HELP, ENGINE_HELP, Parser, float_in, int_at_least, main_cli
+from common.errors import InputError
+from data.manifest import add_task_spec, data_root, use_manifest_from_argv
 from data.tasks import task_names
-from pipeline.cli import BATCH_SIZE_HELP, ENGINE_HELP, Parser, float_in, int_at_least, main_cli
-from data.errors import InputError
 
 # ---- defaults (each has a flag below) ----------------------------------------------------------------------------
 LIMIT = 32             # test prompts per task: a few dozen keep the step cheap next to training
@@ -130,7 +129,7 @@ def print_table(summary: dict):
 def check_inputs(args):
     """CUR and PREV (one vocabulary), CUR's tokenizer, the data root, the tasks and the output directory, each checked
     before any work starts."""
-    from data.outputs import check_output
+    from common.outputs import check_output
     from data.trace import tasks_in
     from model.checkpoint import load_config
     from model.hub import default_output, resolve_model
@@ -171,8 +170,8 @@ def teacher_force(cur_dir, ref_dir, tok, examples, prompts, outs, args):
 
 
 def write_outputs(out_dir: Path, rows: list, summary: dict):
-    """Both files at once (data.outputs.written_aside): no reader sees new samples beside an old summary."""
-    from data.outputs import write_json, write_jsonl, written_aside
+    """Both files at once (common.outputs.written_aside): no reader sees new samples beside an old summary."""
+    from common.outputs import write_json, write_jsonl, written_aside
     with written_aside(out_dir, "drift") as tmp:
         write_jsonl(tmp / "drift_samples.jsonl", rows)
         write_json(tmp / "drift.json", summary)

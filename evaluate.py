@@ -27,11 +27,10 @@ import statistics
 import time
 from pathlib import Path
 
-from data.manifest import data_root
-from pipeline.cli import add_task_spec, use_manifest_from_argv
+from common.cli import BATCH_SIZE_HELP, ENGINE_HELP, Parser, float_in, int_at_least, main_cli
+from common.errors import InputError, UserError
+from data.manifest import add_task_spec, data_root, use_manifest_from_argv
 from data.tasks import task_names
-from pipeline.cli import BATCH_SIZE_HELP, ENGINE_HELP, Parser, float_in, int_at_least, main_cli
-from data.errors import InputError, UserError
 
 # ---- defaults: the paper's evaluation setup (each has a flag below) ---------------------------------------------
 TEMPERATURE = 0.1      # as for rollouts: near-greedy
@@ -114,7 +113,7 @@ def print_table(summary: dict, records: list):
 def check_inputs(args):
     """The checkpoint, its tokenizer, the data root, the tasks and the output directory, each checked before any work
     starts: an unusable checkpoint, a missing tokenizer, no test tasks or a refused --out fail here."""
-    from data.outputs import check_output
+    from common.outputs import check_output
     from data.tasks import parse_tasks
     from data.trace import tasks_in
     from model.checkpoint import load_config, weight_files
@@ -154,8 +153,8 @@ def summarize(records, examples, tasks, dropped, ckpt, root, engine, args) -> di
 
 
 def write_outputs(out_dir: Path, records: list, summary: dict):
-    """Both files at once (data.outputs.written_aside): no reader sees new predictions beside old scores."""
-    from data.outputs import write_json, write_jsonl, written_aside
+    """Both files at once (common.outputs.written_aside): no reader sees new predictions beside old scores."""
+    from common.outputs import write_json, write_jsonl, written_aside
     with written_aside(out_dir, "eval") as tmp:
         write_jsonl(tmp / "predictions.jsonl", records)
         write_json(tmp / "scores.json", summary)

@@ -31,8 +31,8 @@ import json
 import sys
 from pathlib import Path
 
-from data.errors import UserError
-from pipeline.cli import Parser, float_in, int_at_least, main_cli
+from common.errors import UserError
+from common.cli import Parser, float_in, int_at_least, main_cli
 from pipeline import keep
 from pipeline.costs import (CHARS_PER_TOKEN, GEN_TOK_S, GPUS, MEMORY_SHARE, PEAK_TFLOPS, PREFILL_FACTOR,
                             STEP_OVERHEAD_S, TEMPLATE_ANSWER, TEMPLATE_PROMPT, TRAIN_MFU, Profile, StepCost,

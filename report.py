@@ -19,8 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pipeline.cli import Parser, main_cli
-from data.errors import UserError
+from common.cli import Parser, main_cli
+from common.errors import UserError
 from reporting.figures import (FIGURES, MECHANISM_FIGURES, mean_loss_curves, plot_bwt_acc, plot_delta,
                                plot_drift, plot_drift_vs_forgetting, plot_forgetting, plot_loss,
                                plot_loss_sources, plot_matrices, plot_trajectories)

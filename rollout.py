@@ -30,11 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-from data.manifest import data_root
-from pipeline.cli import add_task_spec, use_manifest_from_argv
+from common.cli import BATCH_SIZE_HELP, ENGINE_HELP, Parser, float_in, int_at_least, main_cli
+from common.errors import UserError
+from data.manifest import add_task_spec, data_root, use_manifest_from_argv
 from data.tasks import task_names
-from pipeline.cli import BATCH_SIZE_HELP, ENGINE_HELP, Parser, float_in, int_at_least, main_cli
-from data.errors import UserError
 
 # ---- defaults: the paper's rollout setup (each has a flag below) -----------------------------------------------
 TEMPERATURE = 0.1      # near-greedy, so a rollout is the model's own most likely answer
@@ -156,7 +155,7 @@ def print_table(summary: dict, engine: str):
 def check_inputs(args):
     """The checkpoint, its tokenizer, the data root, the tasks and the output path (and its summary's), each checked
     before any work starts: an unusable checkpoint, a missing tokenizer, no tasks or a refused --out fail here."""
-    from data.outputs import check_output
+    from common.outputs import check_output
     from data.tasks import parse_tasks
     from data.trace import tasks_in
     from model.checkpoint import load_config, weight_files
@@ -180,7 +179,7 @@ def main(argv=None):
     args = parse_args(argv)
     from kernels import retain_freed_memory
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
-    from data.outputs import write_json, write_jsonl
+    from common.outputs import write_json, write_jsonl
     from data.trace import load_filtered
     from model import workers
     from model.sampling import generate_tasks, resolve_engine

@@ -70,12 +70,12 @@ import synthesize
 import train
 from methods import FULL, METHODS, ewc, ilora, lora, lwf, olora, sdft, sft_kl, ssr
 
+from common.cli import ENGINE_HELP, Parser, comma_list, float_in, int_at_least, main_cli
+from common.errors import UserError
+from common.outputs import check_output, claim_dir, write_json, write_text_atomic
 from data import metrics
-from data.outputs import check_output, claim_dir, write_json, write_text_atomic
+from data.manifest import use_manifest_from_argv
 from data.tasks import task_names
-from data.errors import UserError
-from pipeline.cli import (ENGINE_HELP, Parser, comma_list, float_in, int_at_least, main_cli,
-                          use_manifest_from_argv)
 from pipeline import config, keep
 from pipeline.builders import PRUNABLE, STEP_OUTPUTS, Steps
 from pipeline.inputs import Inputs, load_inputs
@@ -361,7 +361,7 @@ def main(argv=None):
         done = pipe.committed()
         pipe.executor.check_fits({k: pipe.demand(s["kind"]) for k, s in pipe.steps.items() if k not in done})
     pipe.lock_run_dir()  # creates the run directory: everything above is checked
-    claim_dir(run_dir, "run")  # marked as run.py's (data/outputs.py)
+    claim_dir(run_dir, "run")  # marked as run.py's (common/outputs.py)
     pipe.digests.save()
     write_text_atomic(run_dir / "config.yaml", config.dump(args.settings, sys.argv[1:] if argv is None else argv))
     write_index(pipe, runs, row0, run_dir / "index.md")

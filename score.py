@@ -40,10 +40,10 @@ import math
 import statistics
 from pathlib import Path
 
-from pipeline.cli import add_task_spec, use_manifest_from_argv
+from common.cli import Parser, float_in, int_at_least, main_cli
+from common.errors import InputError
+from data.manifest import add_task_spec, use_manifest_from_argv
 from data.tasks import task_names
-from pipeline.cli import Parser, float_in, int_at_least, main_cli
-from data.errors import InputError
 
 # ---- defaults: the paper's replay setup (each has a flag below) ------------------------------------------------
 SCORER = "ru"      # ru = task metric against gold, sc = mean log-prob
@@ -128,7 +128,7 @@ def stats_path(buffer_path: Path) -> Path:
 
 def read_rollouts(path: Path) -> list[dict]:
     """Rollout records, validated; each gets a "_where" ("<file>: record i (line n)") for later error messages."""
-    from data.jsonl import read_records
+    from common.jsonl import read_records
     from data.tasks import get_task
     located = read_records(path, required=ROLLOUT_FIELDS, types={"idx": int, "logprobs": list, "prompt": (str, list)},
                            locate=True)
@@ -291,7 +291,7 @@ def buffer_example(r: dict, s: float, args, rollout_path: Path) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    from data.outputs import check_output, write_json, write_jsonl
+    from common.outputs import check_output, write_json, write_jsonl
     from reporting.stats import spearman
     from data.replay import select
 

@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from pipeline.cli import ENGINE_HELP, Parser, float_in, int_at_least, main_cli
+from common.cli import ENGINE_HELP, Parser, float_in, int_at_least, main_cli
 
 CLUSTERS = 20
 MAX_NEW_TOKENS = 512
@@ -44,7 +44,7 @@ def parse_args(argv=None):
 
 def budgets(args, available: dict) -> dict:
     """Task -> examples to keep (replay's rule: data.replay.replay_counts)."""
-    from data.errors import UserError
+    from common.errors import UserError
     from data.replay import replay_counts
     if args.budget is not None:
         return replay_counts({"total": args.budget}, available)
@@ -62,9 +62,9 @@ def budgets(args, available: dict) -> dict:
 def main(argv=None):
     args = parse_args(argv)
     from safetensors.torch import load_file
-    from data.errors import InputError
-    from data.jsonl import loads_strict, read_records, read_text
-    from data.outputs import check_output, write_jsonl
+    from common.errors import InputError
+    from common.jsonl import loads_strict, read_records, read_text
+    from common.outputs import check_output, write_jsonl
     from methods.ssr import cluster_select
     from model.sampling import generate, resolve_engine
     from model.tokenizer import ChatTokenizer

@@ -29,8 +29,8 @@ import random
 import shutil
 from pathlib import Path
 
-from pipeline.cli import ENGINE_HELP, Parser, add_task_spec, float_in, int_at_least, main_cli, use_manifest_from_argv
-from data.manifest import data_root
+from common.cli import ENGINE_HELP, Parser, float_in, int_at_least, main_cli
+from data.manifest import add_task_spec, data_root, use_manifest_from_argv
 from data.tasks import task_names
 
 DEMOS = 20          # stored demonstrations per task (official: 1% of 2,000)
@@ -110,7 +110,7 @@ def embed(model, seqs: list[list[int]]):
 
 def main(argv=None):
     args = parse_args(argv)
-    from data.outputs import check_output, claim_dir, write_json, write_jsonl
+    from common.outputs import check_output, claim_dir, write_json, write_jsonl
     from data.trace import load_filtered
     from model.checkpoint import load_model, replace_dir
     from model.sampling import generate, resolve_engine

@@ -40,17 +40,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# pipeline.cli before torch: from its import on, a Ctrl-C while torch loads ends in one line, not a traceback
-from pipeline.cli import Parser, float_in, int_at_least, main_cli
+# common.cli before torch: from its import on, a Ctrl-C while torch loads ends in one line, not a traceback
+from common.cli import Parser, float_in, int_at_least, main_cli
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from data.errors import UserError
-from data.jsonl import dumps_strict
+from common.errors import UserError
+from common.jsonl import dumps_strict
 from data.mixture import tokenize_mixture
-from data.outputs import check_output, sibling_tag
+from common.outputs import check_output, sibling_tag
 from data.packing import pack, plan_steps
 import kernels
 from kernels import attention, cross_entropy

@@ -53,7 +53,7 @@ HP = dict(lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0, grad_clip=1.0)
 def records(n: int, real: bool):
     """n {prompt, response} records, interleaving tasks so every global batch mixes lengths; real TRACE data
     when `real` and present."""
-    from data.jsonl import read_records
+    from common.jsonl import read_records
     if real and all((TRACE / t / "train.json").is_file() for t in ("FOMC", "NumGLUE-cm", "NumGLUE-ds")):
         per = [read_records(TRACE / t / "train.json", required=("prompt", "answer"))
                for t in ("FOMC", "NumGLUE-cm", "NumGLUE-ds")]
@@ -114,7 +114,7 @@ def child_hf(ckpt: str, data: str, cfg: dict, work: str, flat: bool):
     from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, DataCollatorWithFlattening,
                               Trainer, TrainerCallback, TrainingArguments)
 
-    from data.jsonl import read_records
+    from common.jsonl import read_records
     from data.packing import tokenize_sft
     from model.tokenizer import ChatTokenizer
 
@@ -241,7 +241,7 @@ def main():
     if args.child in ("hf", "hf-flat"):
         return child_hf(args.ckpt, args.data, json.loads(args.cfg), args.work, flat=args.child == "hf-flat")
 
-    from data.outputs import write_jsonl
+    from common.outputs import write_jsonl
     from data.packing import tokenize_sft
     from model.tokenizer import ChatTokenizer
 

@@ -21,7 +21,7 @@ score 0; a 20Minuten prompt without "Paragraph:\\n" under `paper` is an error, a
 
 import re
 
-from data.errors import InputError
+from common.errors import InputError
 from data.metrics import METRICS, _rouge_scorer, prompt_text, sari, task_metric
 from data.tasks import TASKS, get_task
 

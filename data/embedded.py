@@ -44,9 +44,9 @@ import tempfile
 import random
 from pathlib import Path
 
-from data.outputs import fsync_dir, fsync_tree
+from common.outputs import fsync_dir, fsync_tree
 from data.tasks import TASK_ORDER, parse_tasks
-from data.errors import InputError
+from common.errors import InputError
 
 VERSION = 5  # bumped whenever the generated data changes: part of the cache directory names
 
@@ -325,7 +325,7 @@ def cache_dir() -> Path:
     names something that is not a directory."""
     path = Path(os.environ.get("OPR_CACHE", Path.home() / ".cache" / "opr"))
     if path.exists() and not path.is_dir():
-        from data.errors import InputError
+        from common.errors import InputError
         where = f"$OPR_CACHE={path}" if "OPR_CACHE" in os.environ else str(path)
         raise InputError(f"{where}: is a file, not a directory: the cache of generated data and base models needs a "
                          f"directory (set OPR_CACHE to one)")

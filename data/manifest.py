@@ -22,6 +22,8 @@ line and the input). train.py's --data and a TRACE root read all three formats t
 
 use_manifest(root, spec) makes the manifest's tasks the ones every script sees (data.tasks.use_tasks); without one
 the TRACE table stays, untouched. Every problem is one InputError naming the manifest, the task and the field.
+A script takes the manifest as --task-spec (add_task_spec) and loads it before its parser checks
+--tasks (use_manifest_from_argv).
 """
 import importlib.util
 import json
@@ -31,10 +33,11 @@ import re
 import sys
 from pathlib import Path
 
-from data.jsonl import check_answer, loads_strict, read_records, read_text
+from common.cli import Parser
+from common.errors import InputError
+from common.jsonl import check_answer, loads_strict, read_records, read_text
 from data.metrics import METRICS, import_scorer
 from data.tasks import Task, active_tasks, use_tasks
-from data.errors import InputError
 
 MANIFEST = "tasks.json"
 FORMATS = (".json", ".jsonl", ".parquet")
@@ -59,6 +62,23 @@ def use_manifest(root, spec=None) -> Path | None:
     path = manifest_path(root, spec)
     use_tasks(load_manifest(path) if path else None)
     return path
+
+
+# ---- a script's task manifest flags -------------------------------------------------------------------------------
+def add_task_spec(p):
+    """The scripts' --task-spec flag."""
+    p.add_argument("--task-spec", default=None,
+                   help="task manifest (default: <data>/tasks.json when present, else the TRACE task table; README, "
+                        "'Your own tasks')")
+
+
+def use_manifest_from_argv(argv=None):
+    """use_manifest for a script's --data and --task-spec, before its parser checks --tasks against the names."""
+    pre = Parser(add_help=False)  # a flag without its value: one error line, as the script's own parser gives
+    pre.add_argument("--data")
+    pre.add_argument("--task-spec")
+    known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return use_manifest(known.data, known.task_spec)
 
 
 def data_root(args) -> Path:
@@ -221,7 +241,7 @@ CONVERTED = ("messages", "instruction", "input", "output", "completion")
 
 def as_prompt_record(where: str, r):
     """A record of any of the formats (module docstring) as the pipeline's own {"prompt", "answer"} record, its
-    other fields kept, for the readers of train.py, rollout.py and evaluate.py (data.jsonl.read_records' convert):
+    other fields kept, for the readers of train.py, rollout.py and evaluate.py (common.jsonl.read_records' convert):
     a chat or instruction record, or a prompt/completion one, converted as a manifest's task reads it; a prompt
     record with an answer or a response (and anything that is no record) returned as it is, for the reader's own
     checks."""

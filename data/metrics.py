@@ -28,7 +28,7 @@ from functools import lru_cache
 from rapidfuzz import fuzz
 
 from data.tasks import TASKS, get_task
-from data.errors import InputError
+from common.errors import InputError
 
 # Bumped whenever a change here changes a score that existing data can produce: run.py puts it in the keys of the
 # steps that score (evaluations, OPR buffers) and so of everything downstream, so a resumed run re-scores instead of

@@ -1,8 +1,8 @@
 """A training stage's data: the mixture's records (the task's own examples and replay buffers, any format a task
 manifest reads) tokenized with the model's chat template, response-only targets, over-long examples dropped and
 counted, never truncated."""
-from data.errors import InputError, UserError
-from data.jsonl import read_records
+from common.errors import InputError, UserError
+from common.jsonl import read_records
 from data.manifest import as_prompt_record
 from data.packing import tokenize_sft
 

@@ -10,7 +10,7 @@ replaces this table with the user's own tasks for the whole process (use_tasks).
 import argparse
 from dataclasses import dataclass
 
-from data.errors import InputError
+from common.errors import InputError
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data.errors import InputError
-from data.jsonl import read_records
+from common.errors import InputError
+from common.jsonl import read_records
 from data import manifest
 from data.tasks import active_tasks, get_task
 

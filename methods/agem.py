@@ -59,7 +59,7 @@ class AgemObjective(Objective):
     extra_passes, state_bytes, state_what = 1.0, 4, "the step's gradient while g_ref is computed, fp32"
 
     def add_flags(self, p):
-        from pipeline.cli import int_at_least
+        from common.cli import int_at_least
         p.add_argument("--agem-batch", type=int_at_least(1),
                        help="agem: memory sequences per reference gradient (default: --global-batch)")
 

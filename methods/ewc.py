@@ -104,7 +104,7 @@ class EwcObjective(Objective):
         return n * mean_doc
 
     def add_flags(self, p):
-        from pipeline.cli import float_in, int_at_least
+        from common.cli import float_in, int_at_least
         p.add_argument("--ewc-lambda", type=float_in(0), default=LAMBDA,
                        help="ewc: penalty weight lambda in 1/2*lambda*sum F*(theta-theta*)^2 (default: %(default)s, "
                             "EasyCL's; 0: sft's weights exactly)")

@@ -80,7 +80,7 @@ class ILoraObjective(Objective):
     copies_model = True
 
     def add_flags(self, p):
-        from pipeline.cli import float_in
+        from common.cli import float_in
         p.add_argument("--ilora-lambda", type=float_in(0, 1), default=LAMBDA,
                        help="ilora: slow <- lambda * slow + (1 - lambda) * fast after every step (default: "
                             "%(default)s, the official code's ema_alpha)")
@@ -95,7 +95,7 @@ class ILoraObjective(Objective):
 
     def teacher(self, args):
         if not args.lora_rank:
-            from data.errors import UserError
+            from common.errors import UserError
             raise UserError("--objective ilora: trains LoRA adapters; give --lora-rank")
         return True, 1 - args.ilora_lambda
 

@@ -31,7 +31,7 @@ class LwfObjective(Objective):
     copies_model = True
 
     def add_flags(self, p):
-        from pipeline.cli import float_in
+        from common.cli import float_in
         p.add_argument("--lwf-alpha", type=float_in(0, 1), default=ALPHA,
                        help="lwf: weight of the distillation term, (1-alpha)*NLL + alpha*T^2*KL (default: "
                             "%(default)s, EasyCL's; 0: sft's weights exactly)")

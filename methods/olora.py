@@ -77,7 +77,7 @@ class OLoraObjective(Objective):
     stacks = True
 
     def add_flags(self, p):
-        from pipeline.cli import float_in
+        from common.cli import float_in
         p.add_argument("--olora-lambda1", type=float_in(0), default=LAMBDA1,
                        help="olora: weight of sum |A_old A_new^T| (default: %(default)s, O-LoRA's code)")
         p.add_argument("--olora-lambda2", type=float_in(0), default=LAMBDA2,
@@ -88,7 +88,7 @@ class OLoraObjective(Objective):
 
     def after_backward(self, stage, step):
         if not stage.args.lora_rank:
-            from data.errors import UserError
+            from common.errors import UserError
             raise UserError("--objective olora: trains LoRA adapters; give --lora-rank")
         return penalty_grads(stage.model, stage.args.olora_lambda1, stage.args.olora_lambda2)
 

@@ -39,7 +39,7 @@ class SdftObjective(Objective):
     copies_model = True
 
     def add_flags(self, p):
-        from pipeline.cli import float_in, int_at_least
+        from common.cli import float_in, int_at_least
         p.add_argument("--sdft-teacher", choices=["ema", "base", "student"], default=TEACHER,
                        help="sdft: the teacher's weights: an EMA of the student (Algorithm 1), the frozen initial "
                             "weights, or the current student (default: %(default)s)")

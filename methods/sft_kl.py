@@ -24,7 +24,7 @@ class SftKlObjective(Objective):
     copies_model = True
 
     def add_flags(self, p):
-        from pipeline.cli import float_in
+        from common.cli import float_in
         p.add_argument("--sft-kl-beta", type=float_in(0), default=BETA, help="sft-kl: KL weight (default: %(default)s)")
         p.add_argument("--sft-kl-ema", type=float_in(0, 1), default=EMA,
                        help="sft-kl: EMA decay of the teacher (default: %(default)s)")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from data.errors import InputError
+from common.errors import InputError
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -120,7 +120,7 @@ def build_tiny(out: Path, tune: dict = TINY_TUNE):
     hyperparameters; ensure_base's cache name hashes TINY_TUNE, so another `tune` belongs in a directory of its own)
     -> written at `out`."""
     from data.embedded import general_mixture
-    from data.outputs import write_jsonl
+    from common.outputs import write_jsonl
     from kernels import cpu_numerics
     from model.checkpoint import replace_dir
 

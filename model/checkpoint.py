@@ -14,10 +14,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from data.errors import InputError, MissingFileError, MissingWeightError
-from data.jsonl import dumps_strict, loads_strict, read_text
-from data.outputs import (claim_dir, fsync_dir, fsync_tree, remove_stale_temporaries,  # noqa: F401
-                          replace_dir, temp_prefix)  # (replace_dir: its callers import it from here too)
+from common.errors import InputError, MissingFileError, MissingWeightError
+from common.jsonl import dumps_strict, loads_strict, read_text
+from common.outputs import (claim_dir, fsync_dir, fsync_tree, remove_stale_temporaries,  # noqa: F401
+                            replace_dir, temp_prefix)  # (replace_dir: its callers import it from here too)
 from model.config import ModelConfig
 from model.transformer import Transformer, hf_parts, is_adapter, to_hf
 

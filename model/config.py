@@ -6,7 +6,7 @@ biases, q/k norms, head_dim and RoPE scaling, which are the fields below.
 import math
 from dataclasses import dataclass, field
 
-from data.errors import InputError
+from common.errors import InputError
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 

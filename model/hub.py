@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from data.errors import MissingFileError, UserError
+from common.errors import MissingFileError, UserError
 
 # what a Hub model id looks like: "Name" or "Org/Name"; anything else (an absolute path, "./x", "a/b/c") is a path
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")

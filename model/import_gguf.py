@@ -27,7 +27,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from data.outputs import remove_stale_temporaries, temp_prefix
+from common.outputs import remove_stale_temporaries, temp_prefix
 from model.checkpoint import replace_dir
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from data.errors import InputError, UserError
+from common.errors import InputError, UserError
 
 ENGINES = ("auto", "native", "vllm")
 AUTO_ENGINE = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None else "native"

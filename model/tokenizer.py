@@ -34,8 +34,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from data.errors import InputError
-from data.jsonl import loads_strict, read_text
+from common.errors import InputError
+from common.jsonl import loads_strict, read_text
 
 IGNORE_INDEX = -100
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -5,11 +5,11 @@ the order of the paper's algorithm; what each kind of step must leave behind is 
 import sys
 from pathlib import Path
 
-from data.errors import UserError
-from data.jsonl import read_records
+from common.errors import UserError
+from common.jsonl import read_records
 from data.manifest import scorer_files, step_fields
 from data.metrics import RULES
-from data.outputs import write_jsonl
+from common.outputs import write_jsonl
 from data.replay import gold_draw, replay_budget
 from data.tasks import get_task
 from data.trace import task_file

@@ -17,7 +17,7 @@ import math
 import sys
 from pathlib import Path
 
-from data.errors import InputError
+from common.errors import InputError
 
 NOT_SAVED = ("help", "config", "dry_run", "overwrite", "debug")  # how to run the command, not what it runs
 
@@ -61,7 +61,7 @@ def moved_run(path: Path, doc: dict):
     """A run directory's own config.yaml (run.py wrote both) names the run directory it was written in; moved since,
     the file belongs to the directory it is in now: its `out` becomes that one (said on stderr), so the run
     continues there instead of starting from nothing at the old path."""
-    from data.outputs import is_ours
+    from common.outputs import is_ours
     out = doc.get("out")
     if path.name != "config.yaml" or not isinstance(out, str) or not is_ours(path.parent, "run"):
         return

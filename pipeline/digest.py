@@ -15,8 +15,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from data.errors import MissingFileError
-from data.outputs import write_json
+from common.errors import MissingFileError
+from common.outputs import write_json
 
 CHUNK = 1 << 22  # 4 MiB reads
 

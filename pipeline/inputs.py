@@ -5,7 +5,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.errors import InputError, UserError
+from common.errors import InputError, UserError
 from data.manifest import check_scorer, held_out, manifest_path
 from data.tasks import get_task, parse_tasks
 from data.trace import filter_overlong, load_task

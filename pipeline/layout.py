@@ -8,7 +8,7 @@ tensor parallelism.
 """
 from dataclasses import dataclass
 
-from data.errors import UserError
+from common.errors import UserError
 
 GPU_MEMORY_GB = 80.0     # H100 80 GB (also the memory the cost model fits training in, pipeline.costs)
 TP_SIZES = (1, 2, 4, 8)  # run.py's default --tp: the smallest of these whose share of the weights fits a GPU

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from data.errors import UserError
+from common.errors import UserError
 from pipeline.steps import NodeLost
 from pipeline.zygote import HERE, SCRIPTS, Zygote, die_with_parent
 

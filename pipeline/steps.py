@@ -32,9 +32,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data.outputs import fsync_dir, fsync_tree, write_json
-from data.errors import UserError
-from pipeline.cli import Terminated
+from common.outputs import fsync_dir, fsync_tree, write_json
+from common.errors import UserError
+from common.cli import Terminated
 from pipeline.specs import fields_of
 from pipeline.digest import Digests
 from pipeline.zygote import SCRIPTS, Zygote, die_with_parent

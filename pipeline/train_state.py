@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from data.errors import UserError
-from data.jsonl import jsonl_lines
-from data.outputs import claim_dir
+from common.errors import UserError
+from common.jsonl import jsonl_lines
+from common.outputs import claim_dir
 from model.checkpoint import replace_dir
 
 # flags that do not change the weights a run ends with; every other flag is part of the resume check, so a new flag

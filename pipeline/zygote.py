@@ -10,7 +10,7 @@ the default runs over a hundred short steps, and those imports would be a large 
 A child behaves like `python <script>.py ARGS` started by subprocess with the same environment (ps and top show
 it as `<script>.py`; its /proc/PID/cmdline stays the zygote's): it leads its own process group (setsid, so the driver can stop it and everything it started), is SIGKILLed by the kernel when the
 zygote dies (PR_SET_PDEATHSIG; the zygote dies the same way with the driver), has stdin on /dev/null and stdout +
-stderr in its log file, runs the script's main() under pipeline.cli.main_cli, and exits with the script's exit code
+stderr in its log file, runs the script's main() under common.cli.main_cli, and exits with the script's exit code
 (negative signal numbers as subprocess reports them). Numerics are unchanged: the zygote is started with the steps'
 environment (OMP_NUM_THREADS is read when torch is imported) and every child sets torch's thread count again.
 
@@ -160,7 +160,7 @@ def _child(req: dict, zygote: int):
         import torch
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        from pipeline.cli import main_cli
+        from common.cli import main_cli
         name = req["script"]
         sys.argv = [str(HERE / f"{name}.py"), *req["argv"]]
         module = importlib.import_module(name)

@@ -11,9 +11,9 @@ and the run directory's other files: index.md (which step holds what) and timing
 import json
 from pathlib import Path
 
-from data.errors import InputError
-from data.jsonl import jsonl_lines, read_records
-from data.outputs import write_json, write_text_atomic
+from common.errors import InputError
+from common.jsonl import jsonl_lines, read_records
+from common.outputs import write_json, write_text_atomic
 from reporting.diagnostics import diagnose
 
 

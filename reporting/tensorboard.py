@@ -11,7 +11,7 @@ import math
 import shutil
 from pathlib import Path
 
-from data.errors import UserError
+from common.errors import UserError
 
 
 def writer(path: Path, purge_step: int | None = None):

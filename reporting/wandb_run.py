@@ -10,7 +10,7 @@ import math
 import os
 from pathlib import Path
 
-from data.errors import UserError
+from common.errors import UserError
 
 
 def start(path: Path, config: dict):

@@ -235,7 +235,7 @@ def test_default_attention_backend_is_the_first_that_can_run(monkeypatch):
 
 def test_attention_backend_forced_by_env_var_and_reported_by_train(tmp_path):
     """KERNELS_ATTN_BACKEND is read at import (a bad value fails naming it); train.py's log names the backends."""
-    from data.outputs import write_jsonl
+    from common.outputs import write_jsonl
     from model.base import write_random_tiny
     write_random_tiny(tmp_path / "base")
     write_jsonl(tmp_path / "data.jsonl", [{"prompt": f"say {i}", "response": f"{i}"} for i in range(4)])

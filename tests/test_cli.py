@@ -1,12 +1,12 @@
-"""pipeline/cli.py: the flag types on hand-checked values, the one-line message of each kind of expected failure, and
+"""common/cli.py: the flag types on hand-checked values, the one-line message of each kind of expected failure, and
 main_cli's exit codes. The scripts' own failures end to end: test_tracebacks.py, test_fuzz.py."""
 import errno
 import signal
 
 import pytest
 
-from data.errors import UserError
-from pipeline.cli import Parser, Terminated, comma_list, float_in, int_at_least, main_cli, user_message
+from common.errors import UserError
+from common.cli import Parser, Terminated, comma_list, float_in, int_at_least, main_cli, user_message
 
 
 def parse(capsys, flag_type, value):

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from data.outputs import write_jsonl
+from common.outputs import write_jsonl
 
 
 def test_read_eval_names_the_bad_prediction_record(tmp_path):

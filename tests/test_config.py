@@ -4,7 +4,7 @@ import pytest
 
 import run
 from pipeline import config
-from data.errors import InputError
+from common.errors import InputError
 
 
 def args_of(tmp_path, text, *cli, name="exp.yaml"):
@@ -96,7 +96,7 @@ def test_a_moved_run_directorys_config_runs_where_it_is_now(tmp_path, capsys):
     """Issue 64, class 2: RUN_DIR/config.yaml names the directory it was written in; moved, `--config` of it
     continues the run where it is now (said on stderr), not from nothing at the old path. The command line's --out
     still wins, and an experiment file that is not a run directory's keeps its own out."""
-    from data.outputs import claim_dir
+    from common.outputs import claim_dir
     old, new = tmp_path / "old", tmp_path / "new"
     claim_dir(old, "run")
     (old / "config.yaml").write_text(config.dump({"methods": "sft", "out": str(old)}, ["--out", str(old)]))

@@ -113,7 +113,7 @@ def test_drift_refuses_a_length_cap_past_the_model_context_before_loading(ckpts,
     import drift
     import model.checkpoint
     import model.sampling
-    from data.errors import InputError
+    from common.errors import InputError
 
     def never(*a, **kw):
         raise AssertionError("the weights were loaded or sampling started")
@@ -130,7 +130,7 @@ def test_drift_refuses_a_length_cap_past_the_model_context_before_loading(ckpts,
 def test_drift_refuses_a_non_finite_kl_and_writes_nothing(ckpts, data_root, tmp_path, monkeypatch):
     import drift
     import model.logprobs
-    from data.errors import InputError
+    from common.errors import InputError
     real = model.logprobs.response_stats
 
     def overflowing(*a, **kw):  # what an overflow in either model gives

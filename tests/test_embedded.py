@@ -90,7 +90,7 @@ def test_embedded_large_test_splits_have_distinct_prompts():
 def test_embedded_sizes_beyond_its_prompts_are_refused_and_leave_nothing(tmp_path, monkeypatch):
     """A size the templates cannot fill (run.py --n-train 5000) is one InputError naming the flags, checked in memory
     before anything is built; ensure_embedded's own failure leaves no hidden half-written folder in the cache."""
-    from data.errors import InputError
+    from common.errors import InputError
     monkeypatch.setenv("OPR_CACHE", str(tmp_path))
     with pytest.raises(InputError, match=r"^--n-train 2000, --n-test 32: 2000 train \+ 32 eval \+ 32 test examples "
                                          r"per task, but the embedded task \S+ has only \d+ distinct prompts"):

@@ -27,7 +27,7 @@ import run
 import score
 import train
 from data.mixture import load_mixture
-from pipeline.cli import Parser, user_message
+from common.cli import Parser, user_message
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 39

@@ -13,7 +13,7 @@ import pytest
 from model.checkpoint import load_config
 from model.hub import resolve_model
 from model.tokenizer import ChatTokenizer
-from data.errors import MissingFileError, UserError
+from common.errors import MissingFileError, UserError
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_VARS = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")

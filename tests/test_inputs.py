@@ -5,7 +5,7 @@ import pytest
 def test_epochs_per_task_reads_a_presets_table_a_comma_list_or_the_task_table():
     """A preset's {task: epochs} follows the tasks by name whatever their order, the task table filling in tasks it
     does not name; --epochs' comma list is one value for all or one per task in the order given."""
-    from data.errors import UserError
+    from common.errors import UserError
     from pipeline.inputs import epochs_per_task
     from run import PRESETS
     tiny = PRESETS["tiny"].epochs

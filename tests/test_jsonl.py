@@ -1,4 +1,4 @@
-"""data/jsonl.py: JSON Lines records read with their fields' types checked, and written so that any string
+"""common/jsonl.py: JSON Lines records read with their fields' types checked, and written so that any string
 round-trips."""
 import sys
 
@@ -9,7 +9,7 @@ LINE_BREAKS = [c for c in map(chr, range(sys.maxunicode + 1)) if len(f"a{c}b".sp
 
 
 def test_read_records_field_types(tmp_path):
-    from data.jsonl import read_records
+    from common.jsonl import read_records
     p = tmp_path / "predictions.jsonl"
     p.write_text('{"idx": 0, "score": 100.0}\n{"idx": 1, "score": 0}\n{"idx": 2, "score": "0"}\n')
     types = {"idx": int, "score": (int, float)}
@@ -22,8 +22,8 @@ def test_read_records_field_types(tmp_path):
 def test_jsonl_round_trips_every_line_break_in_any_string_field(tmp_path):
     """write_jsonl -> read_records keeps every record whole, whichever line-ending character a string holds, in
     whichever field (a key, a nested string included); the file has one line per record for str.splitlines too."""
-    from data.jsonl import read_records
-    from data.outputs import write_jsonl
+    from common.jsonl import read_records
+    from common.outputs import write_jsonl
     assert {"\n", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"} <= set(LINE_BREAKS)
     for i, c in enumerate(LINE_BREAKS):
         records = [{"prompt": f"p{c}q", "answer": "A"}, {"prompt": "p", "answer": c},

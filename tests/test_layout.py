@@ -20,7 +20,7 @@ from model.checkpoint import load_config
 from pipeline.costs import GEN_TOK_S, PREFILL_FACTOR, STEP_OVERHEAD_S, Profile, StepCost, price, train_tok_s
 from pipeline.layout import GPU_MEMORY_GB, TP_SIZES, WEIGHT_SHARE, Layout, generation_layout, heads_refusal
 from model.config import ModelConfig
-from data.errors import UserError
+from common.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "bench" / "configs"

@@ -24,7 +24,7 @@ from data.conventions import score
 from data.metrics import exact_match, label_accuracy, token_f1
 from data.tasks import TASKS, get_task, parse_tasks, use_tasks
 from data.trace import load_task, task_file
-from data.errors import InputError
+from common.errors import InputError
 from reporting.diagnostics import diagnose, warnings
 
 REPO = Path(__file__).resolve().parents[1]

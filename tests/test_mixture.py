@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from data.errors import InputError
+from common.errors import InputError
 from data.mixture import load_mixture
-from data.outputs import write_jsonl
+from common.outputs import write_jsonl
 
 
 def chat(prompt, answer) -> dict:

@@ -1,4 +1,4 @@
-"""data/outputs.py: one rule for every output the project writes -- replace nothing but an empty path or this
+"""common/outputs.py: one rule for every output the project writes -- replace nothing but an empty path or this
 project's own output of the same kind, proved by its mark (issue 50, class 2). The rule on every kind, then each
 script on the cases that used to pass: someone's results.json and report.md, a folder with only steps/, files named
 like ours, a first line left blank, an unchecked side file."""
@@ -11,9 +11,9 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from data.outputs import (MARK, OUTPUT_KINDS, check_output, claim_dir, is_ours, mark_path, write_json,  # noqa: E402
-                          write_jsonl)
-from data.errors import UserError  # noqa: E402
+from common.outputs import (MARK, OUTPUT_KINDS, check_output, claim_dir, is_ours, mark_path, write_json,  # noqa: E402
+                            write_jsonl)
+from common.errors import UserError  # noqa: E402
 from tiny import REPO, TASKS, run, score_args  # noqa: E402
 
 DIRS = [k for k, (is_dir, _) in OUTPUT_KINDS.items() if is_dir]
@@ -146,8 +146,8 @@ def test_score_keeps_someones_buffer_stats(tiny_env, tmp_path):
 
 # ---- what writing an output leaves: strict JSON, no temporaries of dead processes ------------------------------------
 def test_json_outputs_are_strict_json(tmp_path):
-    from data.outputs import write_json
-    from data.errors import InputError
+    from common.outputs import write_json
+    from common.errors import InputError
     with pytest.raises(InputError, match=r"s.json: refusing to write a non-finite number \(all.kl\[1\] is nan\)"):
         write_json(tmp_path / "s.json", {"all": {"kl": [0.5, float("nan")]}})
     with pytest.raises(InputError, match=r"b.jsonl: record 1: refusing .* \(score is -inf\)"):
@@ -156,7 +156,7 @@ def test_json_outputs_are_strict_json(tmp_path):
 
 
 def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
-    from data.outputs import write_json
+    from common.outputs import write_json
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
     live = os.getppid()
@@ -166,7 +166,7 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
         p.mkdir() if not p.name.endswith(".tmp") else p.write_text("half")
     write_json(tmp_path / "s.json", {})
     assert not stale[0].exists() and all(p.exists() for p in kept)
-    from data.outputs import remove_stale_temporaries
+    from common.outputs import remove_stale_temporaries
     (tmp_path / "ck").mkdir()  # the swap finished: the moved-aside old copy goes too
     remove_stale_temporaries(tmp_path / "ck")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ck", "s.json", kept[0].name])
@@ -176,7 +176,7 @@ def test_a_name_near_the_filesystems_limit_has_siblings_it_takes(tmp_path):
     """A 250-byte name is legal; its temporaries, its mark and train.py's OUT.partial carry a short tag of it (the
     name's first 100 bytes and a digest), not the name plus a suffix, which would pass 255 bytes. Short names keep
     their siblings' names as before."""
-    from data.outputs import remove_stale_temporaries, sibling_tag, temp_prefix
+    from common.outputs import remove_stale_temporaries, sibling_tag, temp_prefix
     long = tmp_path / ("r" * 245 + ".json")
     write_jsonl(long, [{"a": 1}], kind="rollouts")  # a file output: marked by a hidden sibling
     assert long.read_text() == '{"a": 1}\n' and is_ours(long, "rollouts")
@@ -194,13 +194,13 @@ def test_a_name_near_the_filesystems_limit_has_siblings_it_takes(tmp_path):
 
 # ---- an output of several files: a reader never sees two runs' files mixed -----------------------------------------
 def _fail_second_write(monkeypatch):
-    """data.outputs.write_json raises as a full disk would: the second file of each output below."""
+    """common.outputs.write_json raises as a full disk would: the second file of each output below."""
     import errno
-    import data.outputs
+    import common.outputs
 
     def full(path, *a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
-    monkeypatch.setattr(data.outputs, "write_json", full)
+    monkeypatch.setattr(common.outputs, "write_json", full)
 
 
 @pytest.mark.parametrize("script, first, last", [("evaluate", "predictions.jsonl", "scores.json"),

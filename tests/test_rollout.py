@@ -361,7 +361,7 @@ def test_rollout_refuses_a_length_cap_past_the_model_context_before_loading(ckpt
     """--max-new-tokens 10**9 would size the KV cache for 10**9 columns: one line naming the flag and the model's
     context, before the weights load or the engine allocates anything."""
     import rollout
-    from data.errors import InputError
+    from common.errors import InputError
 
     def never(*a, **kw):
         raise AssertionError("the weights were loaded or sampling started")

@@ -135,7 +135,7 @@ def test_a_directory_fsync_the_file_system_refuses_is_let_be(tmp_path, monkeypat
     raised as itself, after the file is in place (not masked by removing a temporary that was already renamed)."""
     import errno
     import stat as stat_mod
-    from data.outputs import fsync_tree, write_json
+    from common.outputs import fsync_tree, write_json
     real = os.fsync
     refuse = {"errno": errno.EINVAL}
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from data.errors import InputError
+from common.errors import InputError
 from model.tokenizer import IGNORE_INDEX, ChatTokenizer
 
 transformers = pytest.importorskip("transformers")

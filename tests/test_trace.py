@@ -1,5 +1,5 @@
 """data/trace.py: the TRACE loader on real files and on synthetic ones (records, JSON Lines and their error
-messages, through data/jsonl.py), and the over-long filter. The embedded benchmark: tests/test_embedded.py."""
+messages, through common/jsonl.py), and the over-long filter. The embedded benchmark: tests/test_embedded.py."""
 
 import json
 from pathlib import Path

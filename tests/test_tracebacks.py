@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from data.outputs import claim_dir, write_jsonl
+from common.outputs import claim_dir, write_jsonl
 from tiny import write_statements
 
 REPO = Path(__file__).resolve().parents[1]

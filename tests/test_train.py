@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from data.outputs import write_jsonl  # noqa: E402
+from common.outputs import write_jsonl  # noqa: E402
 from data.packing import collate, pack, plan_steps, tokenize_sft  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.objectives import nll  # noqa: E402
@@ -580,7 +580,7 @@ def slow(*a, **kw):  # the weights are half on disk: SIGTERM lands inside the fi
     time.sleep(120)
 c.save_file = slow
 import train
-from pipeline.cli import main_cli
+from common.cli import main_cli
 sys.argv = ["train.py", *sys.argv[1:]]
 main_cli(train.main, "train.py")
 """

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from data.outputs import write_jsonl
+from common.outputs import write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 

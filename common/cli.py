@@ -1,6 +1,6 @@
 """What every script shares at its edges: one error line for expected failures, flag checks that name the flag.
 
-    from pipeline.cli import Parser, UserError, main_cli, int_at_least
+    from common.cli import Parser, UserError, main_cli, int_at_least
     p = Parser(description=...)                        # adds --debug; a bad flag is one line naming it
     p.add_argument("--epochs", type=int_at_least(1))
     ...
@@ -14,6 +14,8 @@ Expected failures -- a UserError (bad input, flag or file), an OSError naming it
 read-only output), a decode error -- print ONE line `<script>: error: <message>` on stderr and exit 2. Anything
 else is a bug and keeps its traceback. `--debug` (or OPR_DEBUG=1 in the environment, which run.py passes on to
 its steps) shows the traceback of expected failures too. Under torchrun only rank 0 prints the line.
+A script's task manifest flag (--task-spec) is data.manifest's: this module knows nothing of the
+project's data, so that every package can import it (common/ is a leaf).
 """
 import argparse
 import errno
@@ -24,7 +26,7 @@ import sys
 import threading
 import time
 
-from data.errors import UserError
+from common.errors import UserError
 
 # errnos that describe the machine or the paths given, not a bug in the code
 ENVIRONMENT_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG,
@@ -102,7 +104,7 @@ def _interrupted_at_start(signum, frame):
 
 
 def _started_as_script() -> bool:
-    """True in a process whose __main__ is one of the scripts beside pipeline/ (not pytest, not the zygote, which
+    """True in a process whose __main__ is one of the scripts beside common/ (not pytest, not the zygote, which
     sets its own handlers, not a library user)."""
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -220,20 +222,3 @@ def comma_list(item, unique: bool = False):
     parse.__name__ = "list"
     return parse
 
-
-# ---- a task manifest's flags ---------------------------------------------------------------------------------------
-def add_task_spec(p):
-    """The scripts' --task-spec flag."""
-    p.add_argument("--task-spec", default=None,
-                   help="task manifest (default: <data>/tasks.json when present, else the TRACE task table; README, "
-                        "'Your own tasks')")
-
-
-def use_manifest_from_argv(argv=None):
-    """use_manifest for a script's --data and --task-spec, before its parser checks --tasks against the names."""
-    pre = Parser(add_help=False)  # a flag without its value: one error line, as the script's own parser gives
-    pre.add_argument("--data")
-    pre.add_argument("--task-spec")
-    known, _ = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
-    from data.manifest import use_manifest
-    return use_manifest(known.data, known.task_spec)

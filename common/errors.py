@@ -1,4 +1,4 @@
-"""The project's expected failures: what a user can fix, named in one line by pipeline.cli.main_cli (exit 2). A leaf
+"""The project's expected failures: what a user can fix, named in one line by common.cli.main_cli (exit 2). A leaf
 module: every package raises these, and it imports nothing of the project's."""
 
 

@@ -20,8 +20,8 @@ import stat
 import tempfile
 from pathlib import Path
 
-from data.jsonl import dumps_strict
-from data.errors import UserError
+from common.jsonl import dumps_strict
+from common.errors import UserError
 
 MARK = ".opr-output"  # {"kind": ...}: inside a directory output, or beside a file output as .<name>.opr-output
 
@@ -258,7 +258,7 @@ def check_output(path, kind: str, overwrite: bool = False, flag: str = "--out") 
 def replace_dir(tmp: Path, out_dir: Path):
     """Move tmp to out_dir, durably (its files are fsynced before the rename, the parent after); an existing
     out_dir is moved aside first and removed only after the swap. Callers check first that out_dir is theirs to
-    replace (data.jsonl.check_output)."""
+    replace (check_output)."""
     fsync_tree(tmp)
     old = None
     if out_dir.exists():
@@ -270,7 +270,7 @@ def replace_dir(tmp: Path, out_dir: Path):
         return
     if old.is_dir() and not old.is_symlink():
         shutil.rmtree(old, ignore_errors=True)
-    else:  # a file or a link (only with the script's --overwrite; see data.jsonl.check_output)
+    else:  # a file or a link (only with the script's --overwrite; see check_output)
         old.unlink(missing_ok=True)
 
 

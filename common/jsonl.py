@@ -1,12 +1,12 @@
 """Reading record files: JSON Lines, or a JSON list (TRACE's release format), strictly (no NaN, no infinity); errors
-name file, record, line and field. dumps_strict is the writing side's serializer (data/outputs.py writes).
+name file, record, line and field. dumps_strict is the writing side's serializer (common/outputs.py writes).
 """
 import contextlib
 import json
 import math
 from pathlib import Path
 
-from data.errors import InputError
+from common.errors import InputError
 
 
 class NonFiniteError(ValueError):
