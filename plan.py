@@ -34,11 +34,11 @@ from pathlib import Path
 from common.errors import UserError
 from common.cli import Parser, float_in, int_at_least, main_cli
 from pipeline import keep
-from pipeline.costs import (CHARS_PER_TOKEN, GEN_TOK_S, GPUS, MEMORY_SHARE, PEAK_TFLOPS, PREFILL_FACTOR,
-                            STEP_OVERHEAD_S, TEMPLATE_ANSWER, TEMPLATE_PROMPT, TRAIN_MFU, Profile, StepCost,
-                            lora_params, memory_per_gpu, micro_tokens_that_fit, needs_checkpointing, price, recomputes,
-                            train_tok_s)
-from pipeline.layout import GPU_MEMORY_GB, Layout, generation_layout
+from model.costs import (CHARS_PER_TOKEN, GEN_TOK_S, GPU_MEMORY_GB, GPUS, MEMORY_SHARE, PEAK_TFLOPS,
+                         PREFILL_FACTOR, STEP_OVERHEAD_S, TEMPLATE_ANSWER, TEMPLATE_PROMPT, TRAIN_MFU, Layout,
+                         Profile, StepCost, lora_params, memory_per_gpu, micro_tokens_that_fit, needs_checkpointing,
+                         price, recomputes, train_tok_s)
+from pipeline.layout import generation_layout
 from methods import OBJECTIVES
 
 

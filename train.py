@@ -63,9 +63,9 @@ from methods import OBJECTIVES
 from model.objectives import fsdp_units, trained
 from model.tokenizer import ChatTokenizer
 from model.transformer import Transformer
-from pipeline import costs
-from pipeline.train_state import (final_with_same_settings, hold, resume, save_state, saved_settings,
-                                  state_settings)
+from model import costs
+from model.train_state import (final_with_same_settings, hold, resume, save_state, saved_settings,
+                               state_settings)
 from reporting import tensorboard, wandb_run
 
 # ---- defaults: the paper's hyperparameters (7-8B models, 8xH100) ------------------------------------------
@@ -79,7 +79,7 @@ GLOBAL_BATCH = 128       # sequences per optimizer step
 MAX_LEN = 2048           # longer examples are dropped
 EPOCHS = 5               # per stage; TRACE order uses [5, 3, 7, 5, 3, 5, 5, 7]
 MICRO_TOKENS = 16384     # tokens per packed micro-batch (per rank) on the CPU; on a GPU: the most that fit its memory
-                         # (pipeline.costs.micro_tokens_that_fit: 90 % of it, with/without --activation-checkpointing)
+                         # (model.costs.micro_tokens_that_fit: 90 % of it, with/without --activation-checkpointing)
 SAVE_EVERY = 50          # optimizer steps between resumable training states (0: never)
 OBJECTIVE = "sft"        # a name in methods.OBJECTIVES (see the docstring)
 LORA_RANK = 0            # LoRA off: the paper fine-tunes every weight (the other LoRA defaults: methods/lora.py's)
@@ -149,7 +149,7 @@ def parse_args(argv=None):
 
 def add_objective_flags(p):
     """--objective and each objective's own flags (a run reads only its objective's: the others' are left out of a
-    training state's settings, pipeline.train_state.state_settings)."""
+    training state's settings, model.train_state.state_settings)."""
     p.add_argument("--objective", choices=list(OBJECTIVES), default=OBJECTIVE,
                    help="what a step minimises; see above (default: %(default)s)")
     for o in OBJECTIVES.values():
@@ -363,7 +363,7 @@ class Stage:
     packed_tokens: int = 0     # tokens in micro-batches ...
     packed_slots: int = 0      # ... of the budget's capacity: the packing efficiency
     kept: dict = field(default_factory=dict)  # what the objective keeps from earlier stages (ewc: F, theta*)
-    lock: int | None = None    # rank 0: the fd of OUT.partial's flock (pipeline.train_state.hold)
+    lock: int | None = None    # rank 0: the fd of OUT.partial's flock (model.train_state.hold)
 
     @property
     def ema_teacher(self):

@@ -14,7 +14,7 @@ is compiled -> fully_shard -> materialise),
 with random weights instead of a checkpoint, and times train.py's step: --global-batch documents packed into
 --micro-tokens micro-batches (data.packing.pack/collate), loss inside forward, backward, clip, AdamW.
   tokens/s per GPU  document tokens of the timed steps / seconds / world size (after --warmup steps)
-  MFU               tokens/s per GPU x FLOPs per token (pipeline.costs.flops_per_token, train.py's count:
+  MFU               tokens/s per GPU x FLOPs per token (model.costs.flops_per_token, train.py's count:
                     recomputation under activation checkpointing is not model FLOPs) / --peak-tflops
   peak memory       torch.cuda.max_memory_allocated (CPU: the process's max RSS)
   warm-up seconds   the --warmup steps' wall time: compiled, the compilation's cost per process (keep --warmup >= 1
@@ -153,7 +153,7 @@ def train_worker(args):
     from data.packing import IGNORE, Example, collate, pack
     from kernels import attention, cross_entropy
     from model.objectives import nll
-    from pipeline.costs import flops_per_token
+    from model.costs import flops_per_token
 
     rank, world, device = train.setup_distributed()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -10,8 +10,8 @@ from data.manifest import check_scorer, held_out, manifest_path
 from data.tasks import get_task, parse_tasks
 from data.trace import filter_overlong, load_task
 from model.tokenizer import ChatTokenizer
-from pipeline.costs import CHARS_PER_TOKEN, TEMPLATE_PROMPT, EstimatedTokenizer
-from pipeline.layout import Layout, generation_layout
+from model.costs import CHARS_PER_TOKEN, TEMPLATE_PROMPT, EstimatedTokenizer, Layout
+from pipeline.layout import generation_layout
 
 
 @dataclass
@@ -87,10 +87,10 @@ def check_gpus(gpus: int, dry_run: bool):
 
 def base_tokenizer(base: Path, dry_run: bool):
     """The base's tokenizer. A dry run prices a model directory without one (config.json is enough) with
-    pipeline.costs.EstimatedTokenizer's counts, and says so."""
+    model.costs.EstimatedTokenizer's counts, and says so."""
     if dry_run and not (base / "tokenizer.json").exists():
         print(f"run.py: {base} holds no tokenizer.json: the plan counts tokens at {CHARS_PER_TOKEN:g} characters "
-              f"per token plus {TEMPLATE_PROMPT} of chat template (pipeline.costs.EstimatedTokenizer); a real run needs "
+              f"per token plus {TEMPLATE_PROMPT} of chat template (model.costs.EstimatedTokenizer); a real run needs "
               f"the tokenizer", flush=True)
         return EstimatedTokenizer()
     return ChatTokenizer.from_dir(base)

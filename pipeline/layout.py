@@ -1,32 +1,18 @@
 """How a generating step (rollout, evaluation, drift) uses the node's GPUs: DP workers of TP GPUs each (run.py --tp).
 
-run.py launches the layout and the cost planner (plan.py, pipeline.costs) prices its generating steps on it:
+run.py launches the layout and the cost planner (plan.py, model.costs) prices its generating steps on it:
 generation_layout picks it from --gpus and --tp (default_tp: the smallest of TP_SIZES whose share of the bf16 weights
 fits WEIGHT_SHARE of a GPU), and check_tp refuses, in one line, a TP the run cannot launch: one that does not divide
 the GPUs, that the model's attention heads cannot take (heads_refusal, vLLM's rule), or above 1 on an engine without
 tensor parallelism.
 """
-from dataclasses import dataclass
-
 from common.errors import UserError
+# the node's GPU memory and the layout's shape are the cost model's: it prices steps on a
+# layout without importing the pipeline
+from model.costs import GPU_MEMORY_GB, Layout
 
-GPU_MEMORY_GB = 80.0     # H100 80 GB (also the memory the cost model fits training in, pipeline.costs)
 TP_SIZES = (1, 2, 4, 8)  # run.py's default --tp: the smallest of these whose share of the weights fits a GPU
 WEIGHT_SHARE = 0.5       # of a GPU's memory the weights may take in a generation worker (the rest: KV cache, graphs)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a generating step (rollout, evaluation, drift) uses the node: `dp` data-parallel workers of `tp` GPUs
-    each (vLLM's tensor parallelism inside a worker), every worker sampling its share of the step's prompts, out of
-    the `gpus` the step holds. `why`: how tp was chosen, printed with the plan."""
-    gpus: int
-    tp: int
-    dp: int
-    why: str = ""
-
-    def __str__(self):
-        return f"DP {self.dp} x TP {self.tp} on {self.gpus} GPU{'s' if self.gpus != 1 else ''}"
 
 
 def heads_refusal(cfg, tp: int) -> str | None:

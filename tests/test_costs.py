@@ -1,4 +1,4 @@
-"""pipeline/costs.py, the cost model: a step's price (activation checkpointing's second forward), the activation
+"""model/costs.py, the cost model: a step's price (activation checkpointing's second forward), the activation
 memory it counts against what autograd really keeps in a block, FSDP2 memory per GPU, and the --micro-tokens rule
 train.py takes from it.
 """
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.costs import (Profile, StepCost, activation_bytes_per_token_layer, memory_per_gpu, micro_tokens_that_fit,
-                            needs_checkpointing, price)
+from model.costs import (Profile, StepCost, activation_bytes_per_token_layer, memory_per_gpu, micro_tokens_that_fit,
+                         needs_checkpointing, price)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,7 +118,7 @@ def test_micro_tokens_rule_is_the_most_that_fit_and_train_py_uses_it(monkeypatch
     assert a.compile is True and a.micro_tokens == micro_tokens_that_fit(cfg, 8, 0.9 * 80e9, True)
     a = args(lora_rank=8)  # a LoRA stage on one GPU: LoRA's memory model (full fine-tuning would not fit)
     train.device_defaults(a, torch.device("cuda"), 0, 1, torch.bfloat16, {})
-    from pipeline.costs import lora_params
+    from model.costs import lora_params
     assert a.micro_tokens == micro_tokens_that_fit(cfg, 1, 0.9 * 80e9, True, lora_params(cfg, 8, ["q_proj", "v_proj"]))
     assert a.micro_tokens >= 16384 and micro_tokens_that_fit(cfg, 1, 0.9 * 80e9, True) == 0
     a = args(compile=None, micro_tokens=4096)
@@ -147,7 +147,7 @@ def test_lora_memory_and_flops_on_one_gpu(targets):
     from model.checkpoint import load_config
     from model.lora import LoraConfig, attach_lora
     from model.transformer import Transformer
-    from pipeline.costs import flops_per_token, lora_params
+    from model.costs import flops_per_token, lora_params
     cfg = load_config(REPO / "bench" / "configs" / "qwen2.5-7b")
     with torch.device("meta"):
         model = Transformer(cfg)

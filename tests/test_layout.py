@@ -17,8 +17,9 @@ import pytest
 
 import plan
 from model.checkpoint import load_config
-from pipeline.costs import GEN_TOK_S, PREFILL_FACTOR, STEP_OVERHEAD_S, Profile, StepCost, price, train_tok_s
-from pipeline.layout import GPU_MEMORY_GB, TP_SIZES, WEIGHT_SHARE, Layout, generation_layout, heads_refusal
+from model.costs import (GEN_TOK_S, GPU_MEMORY_GB, PREFILL_FACTOR, STEP_OVERHEAD_S, Layout, Profile, StepCost,
+                         price, train_tok_s)
+from pipeline.layout import TP_SIZES, WEIGHT_SHARE, generation_layout, heads_refusal
 from model.config import ModelConfig
 from common.errors import UserError
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import plan
-from pipeline.costs import PREFILL_FACTOR, Profile, StepCost, price, train_tok_s
+from model.costs import PREFILL_FACTOR, Profile, StepCost, price, train_tok_s
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ["C-STANCE", "Py150"]
@@ -201,7 +201,7 @@ def test_method_memory_prices_a_teacher_on_lora_as_a_bf16_base_and_a_state_as_th
     import re
 
     from model.checkpoint import load_config
-    from pipeline.costs import lora_params
+    from model.costs import lora_params
     cfg = load_config(REPO / "bench" / "configs" / "qwen2.5-7b")
     run_cfg = {"lora_rank": 8, "lora_targets": "q_proj,v_proj"}
     P, n = cfg.num_params(embeddings=True), lora_params(cfg, 8, ["q_proj", "v_proj"])

@@ -1,6 +1,6 @@
-"""pipeline/train_state.py: which flags key a resumable training state. (Saving, resuming and refusing a state of
+"""model/train_state.py: which flags key a resumable training state. (Saving, resuming and refusing a state of
 another run are tested end to end through train.py in tests/test_train.py.)"""
-from pipeline import train_state
+from model import train_state
 import train as train_script
 
 

@@ -7,8 +7,8 @@ A throughput profile (Profile: the defaults below, or the planner's --plan-* fla
            the mixture's mean document length), SDFT x 4/3 (the teacher's extra forward), activation checkpointing
            x 4/3 (its second forward)
   generate new tokens / gen tok/s per GPU + prompt tokens / prefill tok/s per GPU, spread over the generating GPUs
-           of the profile's layout (pipeline.layout; + the overhead per step); the node's GPUs are held for the
-           step's wall time
+           of the profile's layout (Layout, which pipeline.layout picks; + the overhead per step); the node's GPUs
+           are held for the step's wall time
 FSDP2 memory per GPU, as train.py holds it (memory_per_gpu): fp32 master weights, fp32 gradients and AdamW's two
 fp32 moments, all sharded; the bf16 compute copies all-gathered per unit (the root unit -- embeddings, final norm,
 lm_head -- for the whole step, two blocks at a time: current + prefetch) with their bf16 gradients before the
@@ -18,11 +18,12 @@ listed in activation_bytes_per_token_layer). train.py sizes its micro-batches by
 A LoRA stage (lora: its adapters' parameter count, lora_params) keeps the base as train.py does (bf16, sharded,
 frozen: no fp32 master, no gradient, no AdamW state, no gathered bf16 gradients, no lm_head gradient) and fp32
 weights, gradients and AdamW for the adapters only; its FLOPs per token drop the frozen weights' gradient products (4 instead of 6 per weight).
+The node's GPU memory (GPU_MEMORY_GB) and a generating step's Layout are defined here, below
+pipeline.layout, which picks the layout: the cost model imports nothing of pipeline/, so that
+train.py can size its micro-batches with it and stay a script of its own.
 """
 import math
 from dataclasses import dataclass, field
-
-from pipeline.layout import GPU_MEMORY_GB, Layout
 
 # ---- defaults: the throughput profile (BENCHMARKS.md "Anchors"; nothing here was measured on a GPU) --------------
 PEAK_TFLOPS = 989.0      # H100 SXM, bf16 dense
@@ -31,9 +32,24 @@ GEN_TOK_S = 4000.0       # generated tokens/s per GPU (vLLM, 7-8B bf16, large ba
 PREFILL_FACTOR = 3.0     # prompt tokens cost a forward only: prefill tok/s = 3 x train tok/s (same MFU, 2N vs 6N)
 STEP_OVERHEAD_S = 120.0  # per GPU step: process start, loading the checkpoint (and saving one) or the engine start-up
 GPUS = 8
+GPU_MEMORY_GB = 80.0     # H100 80 GB: what training fits in (and the layout's weight share)
 MEMORY_SHARE = 0.9       # of a GPU's memory that train.py's --micro-tokens rule plans for (the rest: the CUDA
                          # context, NCCL's buffers, the allocator's fragmentation)
 # -------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a generating step (rollout, evaluation, drift) uses the node: `dp` data-parallel workers of `tp` GPUs
+    each (vLLM's tensor parallelism inside a worker), every worker sampling its share of the step's prompts, out of
+    the `gpus` the step holds. `why`: how tp was chosen, printed with the plan."""
+    gpus: int
+    tp: int
+    dp: int
+    why: str = ""
+
+    def __str__(self):
+        return f"DP {self.dp} x TP {self.tp} on {self.gpus} GPU{'s' if self.gpus != 1 else ''}"
 
 
 @dataclass
