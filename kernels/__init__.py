@@ -4,10 +4,10 @@ engine's CPU kernels, in C, are kernels/cpu.py's). What float results depend on 
 import ctypes
 import functools
 import os
-import platform
-from pathlib import Path
 
 from kernels.attention import varlen_attention
+# (cpu_flags is looked up here at each call, so a test may replace kernels.cpu_flags)
+from kernels.cpuinfo import cpu_flags, cpu_model
 from kernels.cross_entropy import fused_linear_cross_entropy
 
 __all__ = ["varlen_attention", "fused_linear_cross_entropy", "NUMERICS", "backends", "cpu_numerics", "CPU_PINS",
@@ -39,31 +39,6 @@ NUMERICS = 15
 # base, which every machine must share, is always built with them; --portable runs every step so.
 CPU_PINS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
 PORTABLE = {"ATEN_CPU_CAPABILITY": ("avx2", "default"), "MKL_CBWR": ("compatible",)}  # (lower case) no CPU changes
-
-
-@functools.lru_cache(maxsize=1)
-def _cpuinfo() -> dict:
-    """The first CPU's fields in /proc/cpuinfo (Linux); empty where there is none."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return fields
-
-
-def cpu_flags() -> set:
-    """The CPU's feature flags (empty where /proc/cpuinfo has none)."""
-    return set(_cpuinfo().get("flags", "").split())
-
-
-def cpu_model() -> str:
-    """Vendor, model name and numbers of the CPU, as /proc/cpuinfo gives them (else the platform's own words)."""
-    keys = ("vendor_id", "model name", "cpu family", "model", "CPU implementer", "CPU part")  # (x86; ARM)
-    fields = _cpuinfo()
-    return " ".join(f"{k}={fields[k]}" for k in keys if fields.get(k)) or platform.processor() or platform.machine()
 
 
 def cpu_numerics(portable: bool) -> tuple[dict, dict]:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpuinfo import cpu_flags
+
 SOURCE = Path(__file__).with_name("cpu.c")
 # -ffp-contract=off: a multiply and an add stay two roundings, as written, on every CPU and compiler (an FMA would
 # round once where the CPU has one). -mavx2 only makes the same lane-wise operations faster.
@@ -28,7 +30,6 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 def _flags() -> list[str]:
-    from kernels import cpu_flags
     return FLAGS + (["-mavx2", "-mfma"] if {"avx2", "fma"} <= cpu_flags() else [])
 
 
