@@ -170,8 +170,8 @@ def sample(ckpt_dir, prompts: list[list[int]], *, temperature: float, max_new_to
     seeds = row_keys(len(prompts), seed, seeds)
     params = [sampling_params(vllm, temperature=temperature, max_new_tokens=m, stop_ids=stop_ids, seed=s)
               for m, s in zip(caps, seeds)]
-    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=progress,
-                           lora_request=lora)
+    extra = {"lora_request": lora} if lora is not None else {}  # (vLLMs before LoRA take no such argument)
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=progress, **extra)
     results = []
     for out in outputs:
         c = out.outputs[0]
