@@ -11,11 +11,16 @@
 - train_ckpt, train_ckpt_tied: train.py's tiny checkpoints (transformers-built, untied and tied embeddings, with an
   SFT file), built once per session; the tests only read them
 """
+import os
 import shutil
 
 import pytest
 
 import tiny
+
+# vLLM's engine processes (test_vllm_engine.py, started by the scripts the tests run) bind and advertise this
+# address: loopback only, never the machine's other addresses
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
 
 @pytest.fixture(scope="module")
