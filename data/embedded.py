@@ -25,7 +25,7 @@ which rule wins depends on a few replayed examples, and seed-to-seed noise swamp
 In every classification and arithmetic task the words that decide the answer end the prompt, at the same
 distance from the answer on every prompt, so the tiny model need not find them by content: when it must, whether
 it finds them within a stage is a coin flip per seed, a bistable plateau that makes the default's seed noise larger
-than the method effects (BENCHMARKS.md, "Testbed history").
+than the method effects (git show 72fe6d4:BENCHMARKS.md, "Testbed history").
 
 Each task has at least ~1,000 distinct prompts, so large test splits (hundreds of prompts per task, the lever
 that makes seed-to-seed noise small) never repeat a training prompt. Same seed -> byte-identical files.
@@ -401,7 +401,8 @@ def general_mixture(n: int, seed: int = 0) -> list[dict]:
     the class of a text's last word as a letter, which option has a class, what comes after X). Their instructions
     and words appear in none of the eight tasks; the two letter kinds make the base answer multiple-choice prompts
     with a letter, as any instruction-tuned model does. Stage 1 still has to find the word that decides its
-    letter: a plateau at chance early in the default's first stage (BENCHMARKS.md, "Testbed history")."""
+    letter: a plateau at chance early in the default's first stage (git show 72fe6d4:BENCHMARKS.md, "Testbed
+    history")."""
     rng = random.Random(f"embedded/mixture/{seed}")
     return [_mixture_example(rng) for _ in range(n)]
 

@@ -35,7 +35,7 @@ TINY = dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_
             num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5,
             tie_word_embeddings=True)
 # instruction tuning on first use, long enough that stage 1 of the default leaves its chance-level plateau on every
-# seed (BENCHMARKS.md, "Testbed history", v5)
+# seed (git show 72fe6d4:BENCHMARKS.md, "Testbed history", v5)
 TINY_TUNE = dict(n_examples=4000, epochs=3, lr=1e-3, global_batch=8, seed=0)
 BUILD_THREADS = 1  # CPU threads of the tiny base's build, whoever builds it
 
