@@ -22,7 +22,8 @@ import torch
 # (220 rows at V=151,936). Why 128 MiB: every chunk re-reads and re-writes the whole [V, H] fp32
 # grad_weight accumulator (545 MB at V=151,936, H=896), so chunks of a few dozen rows make the
 # loss slower than the naive one on CPU; 128 MiB keeps the matmuls efficient while the peak stays
-# a small fraction of the naive [N, V] logits (BENCHMARKS.md, "Fused linear cross-entropy: memory").
+# a small fraction of the naive [N, V] logits (BENCHMARKS.md, "The levers, each measured on its own": "Fused linear
+# cross-entropy: memory").
 _CHUNK_BYTES = 128 * 2**20
 
 
@@ -62,7 +63,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 continue  # all-ignored chunk: contributes neither loss nor gradient
             # Logits, softmax and grad_hidden for the target rows only: in SFT most tokens are the prompt's, and
             # computing their logits only to zero them out would be most of this function's time (BENCHMARKS.md,
-            # "Logits for the target rows only").
+            # "The levers, each measured on its own": "Logits for the target rows only").
             h_c = hidden[start:end].to(acc)
             every = n == end - start  # no ignored row: nothing to select or scatter
             h_t = h_c if every else h_c.index_select(0, rows)
