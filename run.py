@@ -189,7 +189,7 @@ PRESETS = {
     # table's (stage 1 at 24), so that each is learned on every seed (a new answer format is a jump at an update
     # count that differs per seed: at the task table's epochs a seed could miss one); the generative tasks at 3,
     # short of the seed-dependent jump at which the tiny model starts copying the prompt's words. Why: BENCHMARKS.md,
-    # "The default's epochs"; what it did to the seed noise: git show 72fe6d4:BENCHMARKS.md, the same section
+    # "The default's epochs"; what it did to the seed noise: git show 72fe6d4:BENCHMARKS.md, "The default's epochs"
     "tiny": replace(PAPER, rho=0.5, lr=5e-4, global_batch=4, max_len=512, micro_tokens=4096, max_new_tokens=32,
                     sdft_max_new_tokens=32, n_train=256, n_test=128, first_epochs=24, eval_repeats=1,
                     epochs={"C-STANCE": 10, "FOMC": 6, "MeetingBank": 3, "Py150": 3, "ScienceQA": 6,
