@@ -165,8 +165,8 @@ def main(argv=None):
     from kernels import retain_freed_memory
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     from data.trace import load_filtered
-    from model import workers
-    from model.sampling import generate_tasks, resolve_engine
+    from engine import workers
+    from engine.sampling import generate_tasks, resolve_engine
 
     ckpt, tok, root, tasks, out_dir = check_inputs(args)
     engine = resolve_engine(args.engine)
@@ -189,7 +189,7 @@ def main(argv=None):
                           seed=args.seed, engine=engine, tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,
                           progress=not args.quiet)
     wall = time.perf_counter() - t0
-    if not workers.is_main():  # a data-parallel worker (model/workers.py): rank 0 scores and writes
+    if not workers.is_main():  # a data-parallel worker (engine/workers.py): rank 0 scores and writes
         return out_dir
 
     # 4. per-example scores

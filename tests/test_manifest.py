@@ -268,7 +268,7 @@ def test_a_non_finite_number_in_any_numeric_field_is_refused(tmp_path, field, co
 def sampler_stub(monkeypatch):
     """generate_tasks up to the engines: loading weights or sampling (where the KV cache is allocated) is recorded
     instead of done."""
-    from model import sampling
+    from engine import sampling
     calls = []
     monkeypatch.setattr(sampling, "load_native", lambda *a, **kw: calls.append("load"))
     monkeypatch.setattr(sampling, "generate", lambda ckpt, prompts, **kw: calls.append(kw["max_new_tokens"]) or [

@@ -45,7 +45,7 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, ma
     """Sample one response per prompt (lists of token ids, already chat-templated) from the checkpoint in ckpt_dir.
 
     stop_ids: token ids that end a response; None reads them from the checkpoint's tokenizer (ChatTokenizer.stop_ids).
-    batch_size: native engine only, sequences decoded at once (None: model.native.default_batch_size; vLLM
+    batch_size: native engine only, sequences decoded at once (None: engine.native.default_batch_size; vLLM
     schedules its own batches). tp: vLLM tensor-parallel size. model: native engine only, the checkpoint already
     loaded by load_native (generate_tasks loads it once for all its calls).
     """
@@ -55,18 +55,18 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, ma
     if stop_ids is None:
         from model.tokenizer import ChatTokenizer
         stop_ids = ChatTokenizer.from_dir(ckpt_dir).stop_ids
-    from model import workers
-    from model.sampler import row_keys
+    from engine import workers
+    from engine.sampler import row_keys
     keys = row_keys(len(prompts), seed)  # prompt i's sampling key, whichever worker samples it
     caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
 
-    def run(mine):  # this worker's share (model/workers.py; all prompts in a plain process)
+    def run(mine):  # this worker's share (engine/workers.py; all prompts in a plain process)
         kw = dict(temperature=temperature, max_new_tokens=[caps[i] for i in mine], stop_ids=stop_ids,
                   seeds=[keys[i] for i in mine], progress=progress and workers.is_main())
         if engine == "vllm":
-            from model import vllm_engine
+            from engine import vllm_engine
             return vllm_engine.sample(ckpt_dir, [prompts[i] for i in mine], seed=seed, tp=tp, **kw)
-        from model.native import sample
+        from engine.native import sample
         return sample(model if model is not None else load_native(ckpt_dir), [prompts[i] for i in mine],
                       batch_size=batch_size, **kw)
     return workers.sharded(run, [len(p) + c for p, c in zip(prompts, caps)])
@@ -97,9 +97,9 @@ def check_context(ckpt_dir, prompts: list[list[int]], max_new_tokens: int, tasks
 
 
 def load_native(ckpt_dir):
-    """The checkpoint as the native engine samples it: bf16 on a GPU (a worker's own: model/workers.py), fp32 on the
+    """The checkpoint as the native engine samples it: bf16 on a GPU (a worker's own: engine/workers.py), fp32 on the
     CPU."""
-    from model import workers
+    from engine import workers
     from model.checkpoint import load_model
     workers.start()
     cuda = torch.cuda.is_available()

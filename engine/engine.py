@@ -7,9 +7,9 @@ CUDA graph on a GPU), fused projections, shared prefill of repeated prompts, exa
 
 The cache. Keys and values live in one preallocated tensor per layer, [max_seqs, n_kv, max_len, head_dim]; a
 sequence owns one slot (row) from its admission to its last token, its token at position p in column p; the
-scheduler (model/scheduler.py) keeps the live sequences in slots 0..n-1, so a decode step reads the views [:n] (no
+scheduler (engine/scheduler.py) keeps the live sequences in slots 0..n-1, so a decode step reads the views [:n] (no
 gather, no copy). The KV cache is allocated once per engine (grown when a call needs longer sequences), so CUDA
-graphs captured in one of its calls serve the next. model.native.sample, the scripts' entry, builds an engine per
+graphs captured in one of its calls serve the next. engine.native.sample, the scripts' entry, builds an engine per
 call and keeps none: an engine packs the weights it reads once, and sdft samples from training weights that change
 between calls; a caller generating repeatedly from fixed weights keeps its own Engine to reuse the cache and graphs.
 
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu, varlen_attention
-from model.sampler import row_keys, sample
-from model.scheduler import Decode, Scheduler, Sequence
+from engine.sampler import row_keys, sample
+from engine.scheduler import Decode, Scheduler, Sequence
 from model.transformer import Transformer, pack_all, packed_products, packs, rope_cos_sin, rope_inv_freq
 
 
@@ -56,7 +56,7 @@ class Engine:
         self.max_seqs = max_seqs
         # weights that train (train.py's SDFT, under torch.distributed): capturing beside NCCL's watchdog is fragile,
         # each capture empties the allocator's cache, which training's memory relies on, and packed copies go stale.
-        # Generation workers (model/workers.py) sample from frozen weights in a gloo group: graphs and packing stay
+        # Generation workers (engine/workers.py) sample from frozen weights in a gloo group: graphs and packing stay
         training = any(p.requires_grad for p in model.parameters())
         if graphs is None:
             graphs = cuda and os.environ.get("OPR_ENGINE_GRAPHS", "1") != "0" and not training
@@ -220,7 +220,7 @@ class Engine:
     def allocate(self, cols: int):
         """The KV cache for sequences of up to `cols` tokens (and no CUDA graphs yet: they capture its addresses). It
         stays with the engine: the engine's next run() reuses it, and the graphs captured over it, when its
-        sequences fit (model.native.sample makes a new engine per call: see the module docstring)."""
+        sequences fit (engine.native.sample makes a new engine per call: see the module docstring)."""
         shape = (self.cfg.num_hidden_layers, self.max_seqs, self.cfg.num_key_value_heads, cols, self.cfg.head_dim)
         # zeros, not empty: a masked column still enters attention's weighted sum (0 * NaN would be NaN)
         self.K = torch.zeros(shape, device=self.device, dtype=self.dtype)
