@@ -5,18 +5,23 @@ CUDA graph on a GPU), fused projections, shared prefill of repeated prompts, exa
     outs = engine.run(prompts, temperature=0.1, max_new_tokens=512, stop_ids={2}, seed=0)
     outs[i] = {"token_ids": [...], "logprobs": [...], "finish_reason": "stop" | "length"}
 
-The cache. Keys and values live in one preallocated tensor per layer, [max_seqs, n_kv, max_len, head_dim]; a
-sequence owns one slot (row) from its admission to its last token, its token at position p in column p; the
-scheduler (engine/scheduler.py) keeps the live sequences in slots 0..n-1, so a decode step reads the views [:n] (no
-gather, no copy). The KV cache is allocated once per engine (grown when a call needs longer sequences), so CUDA
-graphs captured in one of its calls serve the next. engine.native.sample, the scripts' entry, builds an engine per
-call and keeps none: an engine packs the weights it reads once, and sdft samples from training weights that change
-between calls; a caller generating repeatedly from fixed weights keeps its own Engine to reuse the cache and graphs.
+The cache. Keys and values live in one preallocated tensor per layer, [max_seqs, n_kv, max_len,
+head_dim]; a sequence owns one slot (row) from its admission to its last token, its token at
+position p in column p; the scheduler (engine/scheduler.py) keeps the live sequences in slots
+0..n-1, so a decode step reads the views [:n] (no gather, no copy). An engine allocates its cache
+once (again when a run needs longer sequences) and keeps it, and the CUDA graphs captured over it,
+from one run() to the next. engine.native.sample, the scripts' and sdft's entry, builds a new
+engine at every call and keeps none, so nothing is reused across its calls: an engine packs the
+weights as they are when it is built, and sdft's change between calls. A caller that generates
+repeatedly from fixed weights keeps its own Engine to reuse the cache and graphs.
 
-The model. The engine runs the model's own blocks (model/transformer.py), plugging its cache into their attention
-(`attend`); on the CPU in fp32 their products read weights packed once for oneDNN (transformer.Packed), and each
-token attends over its own slot's columns 0..pos in one C call per layer (kernels/cpu.py), the decode rows and the
-prompts admitted after a cached prefix alike.
+The model. The engine runs the model's own blocks (model/transformer.py), plugging its cache into
+their attention (`attend`); on the CPU in fp32 their products read weights packed once for oneDNN
+(transformer.Packed). A forward's attention takes one of three paths, each a method: _attend_c
+(the CPU: each token over its own slot's columns 0..pos in one C call per layer, kernels/cpu.py,
+the decode rows and the prompts admitted after a cached prefix alike; the other prompts by one
+varlen call), else _attend_rows (the decode rows over the cache) and _attend_docs (the prompts:
+varlen, or SDPA over the slot's columns after a cached prefix).
 
 The decode step is a pure function of static-shape tensors: tokens, positions, per-row sampling keys and counters
 of the `n` live rows padded up to a batch bucket, attention over the first `span` cache columns (a multiple of
@@ -281,7 +286,7 @@ class Engine:
     def allocate(self, cols: int):
         """The KV cache for sequences of up to `cols` tokens (and no CUDA graphs yet: they capture its addresses). It
         stays with the engine: the engine's next run() reuses it, and the graphs captured over it, when its
-        sequences fit (engine.native.sample makes a new engine per call: see the module docstring)."""
+        sequences fit (engine.native.sample builds a new engine per call: see the module docstring)."""
         shape = (self.cfg.num_hidden_layers, self.max_seqs, self.cfg.num_key_value_heads, cols, self.cfg.head_dim)
         # zeros, not empty: a masked column still enters attention's weighted sum (0 * NaN would be NaN)
         self.K = torch.zeros(shape, device=self.device, dtype=self.dtype)
