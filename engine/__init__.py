@@ -8,5 +8,7 @@ workers: workers.py); vllm_engine.py wraps vLLM; native.py runs the native engin
 in this process. The native engine is nano-vllm's engine room, a page per part: engine.py (the
 step: KV cache, forward, decode step, CUDA graphs), scheduler.py (continuous batching, shared
 prefixes), sampler.py (Gumbel-max over counter-based noise, raw log-probs). It runs model/'s
-transformer, tokenizer and checkpoints with kernels/' kernels; model/ never imports it.
+transformer, tokenizer and checkpoints with kernels/' kernels; model/ never imports it. It reads
+no task table: a task's own length cap or temperature comes as numbers per prompt
+(sampling.generate_per_prompt; the scripts read them with data.manifest.sampling_settings).
 """
