@@ -154,11 +154,11 @@ def teacher_force(cur_dir, ref_dir, tok, examples, prompts, outs, args):
 
     from model.checkpoint import load_model
     from model.logprobs import response_stats
-    from model import workers
+    from engine import workers
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     cur, ref = load_model(cur_dir, device, dtype), load_model(ref_dir, device, dtype)
-    # each worker scores its share (model/workers.py): the costs are the sequences' lengths
+    # each worker scores its share (engine/workers.py): the costs are the sequences' lengths
     sampled = workers.sharded(lambda ix: response_stats(cur, [(prompts[i], outs[i]["token_ids"]) for i in ix], ref,
                                                         progress=not args.quiet and workers.is_main(), desc="kl"),
                               [len(p) + len(o["token_ids"]) for p, o in zip(prompts, outs)])
@@ -182,8 +182,8 @@ def main(argv=None):
     from kernels import retain_freed_memory
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     from data.trace import load_filtered
-    from model import workers
-    from model.sampling import check_context, generate, resolve_engine
+    from engine import workers
+    from engine.sampling import check_context, generate, resolve_engine
 
     cur_dir, ref_dir, tok, root, tasks, out_dir = check_inputs(args)
     engine = resolve_engine(args.engine)

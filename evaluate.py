@@ -165,8 +165,9 @@ def main(argv=None):
     from kernels import retain_freed_memory
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     from data.trace import load_filtered
-    from model import workers
-    from model.sampling import generate_tasks, resolve_engine
+    from data.manifest import sampling_settings
+    from engine import workers
+    from engine.sampling import generate_per_prompt, resolve_engine
 
     ckpt, tok, root, tasks, out_dir = check_inputs(args)
     engine = resolve_engine(args.engine)
@@ -184,12 +185,14 @@ def main(argv=None):
 
     # 3. all generations in one call (one model load, full batches)
     t0 = time.perf_counter()
-    outs = generate_tasks(ckpt, [p for p in prompts for _ in range(K)], [ex.task for ex, _ in jobs],
-                          temperature=args.temperature, max_new_tokens=args.max_new_tokens, evaluation=True,
-                          seed=args.seed, engine=engine, tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,
-                          progress=not args.quiet)
+    temps, caps = sampling_settings([ex.task for ex, _ in jobs], args.temperature,
+                                    args.max_new_tokens, evaluation=True)  # a task's own T and cap
+    outs = generate_per_prompt(ckpt, [p for p in prompts for _ in range(K)], temps, caps,
+                               seed=args.seed, engine=engine, tp=args.tp,
+                               batch_size=args.batch_size, stop_ids=tok.stop_ids,
+                               progress=not args.quiet)
     wall = time.perf_counter() - t0
-    if not workers.is_main():  # a data-parallel worker (model/workers.py): rank 0 scores and writes
+    if not workers.is_main():  # a data-parallel worker (engine/workers.py): rank 0 scores and writes
         return out_dir
 
     # 4. per-example scores

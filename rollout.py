@@ -21,7 +21,7 @@ Then, for all prompts at once:
   6. write <out stem>_summary.json: per-task counts, tokens, mean log-prob, and the numbers of step 5
 score.py then ranks the rollouts and builds the replay buffer for the next stage.
 
-Engine: vLLM on a GPU machine with vLLM installed, else the native KV-cache sampler (model/sampling.py). Without
+Engine: vLLM on a GPU machine with vLLM installed, else the native KV-cache sampler (engine/sampling.py). Without
 --data, the embedded synthetic 8-task benchmark (data/embedded.py) is generated once into a cache directory.
 """
 import argparse
@@ -181,8 +181,9 @@ def main(argv=None):
     retain_freed_memory()  # large tensors reuse freed memory, not fresh pages every step
     from common.outputs import write_json, write_jsonl
     from data.trace import load_filtered
-    from model import workers
-    from model.sampling import generate_tasks, resolve_engine
+    from data.manifest import sampling_settings
+    from engine import workers
+    from engine.sampling import generate_per_prompt, resolve_engine
 
     ckpt, tok, root, tasks, out_path = check_inputs(args)
     engine = resolve_engine(args.engine)
@@ -197,11 +198,13 @@ def main(argv=None):
 
     # 3. one sampled response per prompt, with raw log-probs
     t0 = time.perf_counter()
-    outs = generate_tasks(ckpt, prompts, [ex.task for ex in examples], temperature=args.temperature,
-                          max_new_tokens=args.max_new_tokens, evaluation=False, seed=args.seed, engine=engine,
-                          tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids, progress=not args.quiet)
+    temps, caps = sampling_settings([ex.task for ex in examples], args.temperature,
+                                    args.max_new_tokens, evaluation=False)  # a task's own cap
+    outs = generate_per_prompt(ckpt, prompts, temps, caps, seed=args.seed, engine=engine,
+                               tp=args.tp, batch_size=args.batch_size, stop_ids=tok.stop_ids,
+                               progress=not args.quiet)
     wall = time.perf_counter() - t0
-    if not workers.is_main():  # a data-parallel worker (model/workers.py): rank 0 writes
+    if not workers.is_main():  # a data-parallel worker (engine/workers.py): rank 0 writes
         return out_path
 
     # 4. rollout records

@@ -335,7 +335,7 @@ def main(argv=None):
     inputs = load_inputs(args, preset, cfg, methods, engine_name)  # built once before anything runs in parallel
     pipe = make_pipeline(args, run_dir, engine_name)
     if not args.dry_run:  # the steps' engine, before any runs: a missing vLLM is one line, not a failed step
-        from model.sampling import resolve_engine
+        from engine.sampling import resolve_engine
         resolve_engine(engine_name)
         if args.wandb and importlib.util.find_spec("wandb") is None:  # likewise W&B, not a failed train step
             raise UserError("--wandb: needs the wandb package; pip install wandb")
@@ -482,7 +482,7 @@ def engine_of(args) -> str:
     """The generating steps' engine: "auto" resolved here, so the keys say which engine sampled (vLLM needs GPUs: a
     CPU run samples natively). A --dry-run with --gpus plans the GPU machine it prices, not the one it runs on: its
     "auto" is vLLM there (README's GPU setup installs it), so a laptop plans the steps and keys the node will run."""
-    from model.sampling import resolve_engine
+    from engine.sampling import resolve_engine
     if args.engine == "auto" and args.gpus and args.dry_run:
         return "vllm"
     return resolve_engine(args.engine, check=False) if args.gpus or args.engine != "auto" else "native"

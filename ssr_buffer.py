@@ -66,7 +66,7 @@ def main(argv=None):
     from common.jsonl import loads_strict, read_records, read_text
     from common.outputs import check_output, write_jsonl
     from methods.ssr import cluster_select
-    from model.sampling import generate, resolve_engine
+    from engine.sampling import generate, resolve_engine
     from model.tokenizer import ChatTokenizer
 
     out = check_output(Path(args.out), "buffer", False)
@@ -90,8 +90,8 @@ def main(argv=None):
     outs = generate(args.ckpt, [tok.prompt_ids(r["prompt"]) for r in chosen], temperature=args.temperature,
                     max_new_tokens=args.max_new_tokens, seed=args.seed, engine=engine, tp=args.tp,
                     stop_ids=tok.stop_ids, progress=not args.quiet)
-    from model import workers
-    if not workers.is_main():  # a data-parallel worker (model/workers.py): rank 0 writes
+    from engine import workers
+    if not workers.is_main():  # a data-parallel worker (engine/workers.py): rank 0 writes
         return out
     # 4. the buffer
     buffer, dropped = [], 0

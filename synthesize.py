@@ -113,7 +113,7 @@ def main(argv=None):
     from common.outputs import check_output, claim_dir, write_json, write_jsonl
     from data.trace import load_filtered
     from model.checkpoint import load_model, replace_dir
-    from model.sampling import generate, resolve_engine
+    from engine.sampling import generate, resolve_engine
     from model.tokenizer import ChatTokenizer
     from safetensors.torch import save_file
 
@@ -135,8 +135,8 @@ def main(argv=None):
     # 3. the completions
     outs = generate(args.ckpt, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                     seed=args.seed, engine=engine, tp=args.tp, stop_ids=tok.stop_ids, progress=not args.quiet)
-    from model import workers
-    if not workers.is_main():  # a data-parallel worker (model/workers.py): rank 0 writes
+    from engine import workers
+    if not workers.is_main():  # a data-parallel worker (engine/workers.py): rank 0 writes
         return out
     # 4. parse and filter
     seen = {d.prompt for d in demos}

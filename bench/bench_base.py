@@ -43,7 +43,7 @@ def main():
 
     from data.embedded import _mixture_example
     from model import base
-    from model.sampling import generate
+    from engine.sampling import generate
     from model.tokenizer import ChatTokenizer
     torch.set_num_threads(args.threads)
 

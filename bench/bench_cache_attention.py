@@ -1,5 +1,5 @@
 """One layer's decode attention over the KV cache, the engine's two CPU paths side by side: the masked batched
-products over the longest live row's span (model/engine.py's torch path) and kernels/cpu.c's cache_attention over
+products over the longest live row's span (engine/engine.py's torch path) and kernels/cpu.c's cache_attention over
 each row's own span. SmolLM2-135M's heads (9 query, 3 kv, head_dim 64) by default; each row's position drawn from a
 range like a rollout's; ms per call, median of --repeats, the two alternated.
 
@@ -26,7 +26,7 @@ def main():
     import torch
     torch.set_num_threads(args.threads)
     from kernels import cpu
-    from model.engine import _row_mask
+    from engine.engine import _row_mask
     if cpu.backend() != "c":
         sys.exit("bench_cache_attention.py: the C kernels are not built here")
     hq, hkv, d = args.heads

@@ -11,9 +11,9 @@ each, greedy or at --temperature (OPR samples at 0.1, SDFT at 1.0; the native en
 engines that draw alike give the same tokens). --fixed instead: the first --batch-size prompts, exactly
 --max-new-tokens tokens each, no stop (the batch-32 row of bench_generate.py). Each engine runs in a process of its
 own (the model loaded, one warm-up on 4 prompts, then the timed call), the engines alternating, median of --repeats:
-this checkout's engine, --before's (e.g. a `git worktree` of an earlier commit: its model.native.sample, or
+this checkout's engine, --before's (e.g. a `git worktree` of an earlier commit: its engine.native.sample, or
 model.generate.generate before the rename, is imported from there), HF `generate` (batches of --batch-size prompts sorted by length, left-padded; a batch runs until
-its last row stops) and, with --vllm, vLLM run by that interpreter (model.vllm_engine's settings on the CPU backend:
+its last row stops) and, with --vllm, vLLM run by that interpreter (engine.vllm_engine's settings on the CPU backend:
 fp32, eager, its threads bound to the same cores). Reports the timed call's time to drain and new tokens/s (sampled
 answers differ in length between engines: compare the rates), the whole process's wall time (start-up, load,
 warm-up and the timed call), and how many responses equal --before's (log-prob max |diff| over those).
@@ -66,8 +66,8 @@ def worker(args):
     if args.worker == "vllm":  # run by --vllm's interpreter: the project's wrapper settings, on the CPU backend
         import os
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the engine process's threads (worker_env: not bound)
-        from model.sampler import row_keys
-        from model.vllm_engine import engine_env, llm_kwargs, sampling_params, worker_env
+        from engine.sampler import row_keys
+        from engine.vllm_engine import engine_env, llm_kwargs, sampling_params, worker_env
         import vllm
         t_start = time.perf_counter()
         with engine_env(worker_env(1, cpu=True)):
@@ -113,7 +113,7 @@ def worker(args):
     else:
         from model.checkpoint import load_model
         try:
-            from model.native import sample
+            from engine.native import sample
         except ImportError:  # a --before checkout from before the rename
             from model.generate import generate as sample
         model = load_model(job["ckpt"])

@@ -30,8 +30,8 @@ def child(args):
     sys.path.insert(0, str(REPO))
     from data.trace import load_filtered
     from model import transformer
-    from model.engine import Engine
-    from model.sampling import load_native
+    from engine.engine import Engine
+    from engine.sampling import load_native
     from model.tokenizer import ChatTokenizer
     if args.mode == "no-bucket":
         transformer.row_bucket = lambda m: m

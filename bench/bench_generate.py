@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_train import sgemm_flops  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
-from model.native import sample  # noqa: E402
+from engine.native import sample  # noqa: E402
 
 SMOLLM2_CONFIG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,

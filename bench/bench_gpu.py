@@ -22,7 +22,7 @@ with random weights instead of a checkpoint, and times train.py's step: --global
 Length mixes ("TRACE-like"): document lengths drawn around plan.PAPER_TASKS' per-task means (+-50 %), weighted by
 what each task contributes to training (examples x epochs): "trace" all eight tasks, "short" the classification
 and arithmetic tasks, "long" MeetingBank and 20Minuten (capped at --max-len).
-Rollouts: the native engine (model/engine.py) on one GPU, random weights (so no row stops by itself): prompts of the
+Rollouts: the native engine (engine/engine.py) on one GPU, random weights (so no row stops by itself): prompts of the
 "trace" mix's prompt lengths with --rollout-new-tokens new tokens each at batch 1 / 32 / 256, and the rollout mix
 (--rollout-mix-prompts prompts whose answer lengths also follow the mix: short letters next to long summaries),
 with the engine's CUDA graphs on, off or both (--rollout-graphs); new tokens/s, time to drain, and with --profile the
@@ -244,8 +244,8 @@ def rollout_worker(args):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n, _ in lengths]
     caps = [a for _, a in lengths]
-    from model.engine import Engine
-    from model.native import default_batch_size
+    from engine.engine import Engine
+    from engine.native import default_batch_size
     engine = Engine(model, max_seqs=min(batch or default_batch_size(model, max(n + a for n, a in lengths)),
                                         len(prompts)))
     kw = dict(temperature=0.1, max_new_tokens=caps, progress=False)

@@ -32,7 +32,7 @@ def worker(args):
     sys.path.insert(0, str(args.root))  # the engine under test: args.root's (nothing of the project imported yet)
     from model.checkpoint import load_model
     try:
-        from model.native import sample
+        from engine.native import sample
     except ImportError:  # a --before checkout from before the rename
         from model.generate import generate as sample
     model = load_model(job["ckpt"])

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.embedded import generate_task  # noqa: E402
 from data.tasks import TASK_ORDER  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
-from model.engine import Engine  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from model.logprobs import response_stats  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
 

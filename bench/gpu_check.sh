@@ -70,7 +70,7 @@ fi
 abort() { echo "gpu_check.sh: abort: $*"; exit 2; }
 [ -n "$REHEARSAL" ] || python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" \
     || abort "no CUDA device visible (REHEARSAL=1 runs the parts on the CPU)"
-need="import data.metrics, model.engine, run, train, rollout, evaluate, score, drift"
+need="import data.metrics, engine.engine, run, train, rollout, evaluate, score, drift"
 [ -n "$REHEARSAL" ] || need="$need; from kernels.cross_entropy import _load_liger; assert _load_liger(), 'liger_kernel'"
 python3 -c "$need" 2>/dev/null || abort "the project does not import here: $(python3 -c "$need" 2>&1 | tail -n 1)" \
     "(the wheels in .whl/: see this script's header)"

@@ -1,4 +1,4 @@
-"""Where a decode step of the native sampler (model/native.py) spends its time: torch.profiler over one sample()
+"""Where a decode step of the native sampler (engine/native.py) spends its time: torch.profiler over one sample()
 call on a random-init model of a given shape, on CUDA (bf16) or the CPU (fp32).
 
     python bench/profile_decode.py --config qwen2.5-1.5b --batch 1                 # on a GPU machine
@@ -46,7 +46,7 @@ def main(argv=None):
     from torch.profiler import ProfilerActivity, profile
 
     from model.checkpoint import load_config
-    from model.native import sample
+    from engine.native import sample
     from model.transformer import Transformer
 
     cuda = args.device == "cuda"

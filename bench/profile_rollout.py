@@ -54,7 +54,7 @@ def main():
     from kernels import retain_freed_memory
     retain_freed_memory()
     from bench_engine import checkpoint, mix_prompts
-    import model.engine as engine
+    import engine.engine as engine
     from model.checkpoint import load_model
     import model.transformer as transformer
     ckpt = args.ckpt or checkpoint(args.model)

@@ -363,15 +363,15 @@ def length_cap(name: str, max_new_tokens: int) -> tuple[int, str]:
     return max_new_tokens, "--max-new-tokens"
 
 
-def sampling_groups(task_of: list, temperature: float, max_new_tokens: int, evaluation: bool) -> dict:
-    """{temperature: ([job index], [its max_new_tokens])}: the jobs that one generate call samples together (the
-    engine takes a length cap per prompt), each task with its own cap and, in evaluations, its own temperature; one
-    group for TRACE's tasks."""
-    table, groups = active_tasks(), {}
-    for i, name in enumerate(task_of):
+def sampling_settings(task_of: list, temperature: float, max_new_tokens: int,
+                      evaluation: bool) -> tuple[list[float], list[tuple[int, str]]]:
+    """Each job's sampling settings (task_of[i]: job i's task), as generate_per_prompt takes them
+    (engine/sampling.py): (temperatures, caps), each job's temperature (in evaluations its task's
+    own when the manifest gives one, else `temperature`) and its length cap with what set it
+    (length_cap). One temperature and one cap for TRACE's tasks."""
+    table, temps, caps = active_tasks(), [], []
+    for name in task_of:
         t = table[name]
-        temp = t.temperature if evaluation and t.temperature is not None else temperature
-        ix, caps = groups.setdefault(temp, ([], []))
-        ix.append(i)
-        caps.append(length_cap(name, max_new_tokens)[0])
-    return groups
+        temps.append(t.temperature if evaluation and t.temperature is not None else temperature)
+        caps.append(length_cap(name, max_new_tokens))
+    return temps, caps

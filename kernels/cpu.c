@@ -4,7 +4,7 @@
    reads only its own span (a batched product over the longest live row's span reads every row that far) and a
    prompt with a cached prefix needs no mask. vLLM's CPU decode kernel reads its blocks the same way.
 
-   far_candidates: the sampler's candidate tokens (model/sampler.py, _c_draw): each row's largest logit, then the
+   far_candidates: the sampler's candidate tokens (engine/sampler.py, _c_draw): each row's largest logit, then the
    32-bit hash of every vocabulary id and the two compares in one pass, in registers, where eager torch makes
    eleven passes at T > 0.5 and a partial sort at T 0.1.
 
@@ -161,7 +161,7 @@ int cache_attention(const float *q, const float *kc, const float *vc, const int6
     return failed ? -1 : 0;
 }
 
-/* lowbias32, C. Wellons' integer hash (model/sampler.py's hash32_i32), on 8 words at once. */
+/* lowbias32, C. Wellons' integer hash (engine/sampler.py's hash32_i32), on 8 words at once. */
 typedef uint32_t v8u __attribute__((vector_size(32)));
 static inline v8u hash32(v8u x) {
     x ^= x >> 16;
@@ -172,7 +172,7 @@ static inline v8u hash32(v8u x) {
     return x;
 }
 
-/* Each row's candidates (model/sampler.py, _c_draw): the (row, id) pairs, in row-major order,
+/* Each row's candidates (engine/sampler.py, _c_draw): the (row, id) pairs, in row-major order,
    with hash32(row_hash[r] ^ id) >= floor or logits[r][id] >= near[r], written to r_out, j_out (room for `room` pairs);
    scratch [n][vocab] int32, count [n]. Returns how many there are (more than room: only room are written).
    near NULL: each row's own, from its largest logit's drawn score, logit / T + -log(-log(u)) (any token's score is a

@@ -10,8 +10,10 @@ Defaults: the official code's settings (idanshen/Self-Distillation main.py)."""
 import time
 from functools import partial
 
+import torch.distributed as dist
+
 from methods.base import Method, Objective
-from model.objectives import on_policy_batches, sample_responses, sample_seed, sdft_loss
+from model.objectives import fsdp_units, on_policy_batches, sample_seed, sdft_loss
 
 TEACHER = "ema"     # ema (Algorithm 1) | base (frozen initial weights: TRL's default) | student (current weights)
 ALPHA = 0.01        # EMA rate: phi <- alpha*theta + (1-alpha)*phi after every step (official: ref_model_mixup_alpha)
@@ -23,6 +25,27 @@ SKIP_TOKENS = 0     # leading response tokens left out of the loss (official mai
 TEMPLATE = ("\n{prompt}\n\nThis is an example for a response to the question:\n{demo}\n\n"
             "Now answer with a response of your own, including the thinking process.\n")  # official main.py
 GEN_BATCH = 32      # prompts per generation batch
+
+
+def sample_responses(model, prompts: list[list[int]], seeds: list[int], temperature: float,
+                     max_new_tokens: int, stop_ids, batch_size: int) -> list[dict]:
+    """One response per prompt from the training model itself, by the native engine. Under FSDP
+    each unit is gathered once and kept whole while the engine runs, so its many small forwards
+    need no collective and ranks may sample different numbers of tokens; afterwards the blocks are
+    sharded again as build_model left them."""
+    from engine.native import sample
+    units = fsdp_units(model)
+    for unit in units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False, recurse=False)  # the root's own already is False
+    try:
+        return sample(model, prompts, temperature=temperature, max_new_tokens=max_new_tokens,
+                      stop_ids=stop_ids, seeds=seeds, batch_size=batch_size, progress=False)
+    finally:
+        for unit in units[:-1]:  # the blocks
+            unit.set_reshard_after_forward(dist.get_world_size() > 1, recurse=False)
+        for unit in units:
+            unit.reshard()
 
 
 class Sdft(Method):

@@ -131,26 +131,6 @@ def fsdp_units(model) -> list:
     return [m for m in (*model.model.layers, model) if isinstance(m, FSDPModule)]
 
 
-def sample_responses(model, prompts: list[list[int]], seeds: list[int], temperature: float, max_new_tokens: int,
-                     stop_ids, batch_size: int) -> list[dict]:
-    """One response per prompt from the training model itself (sdft). Under FSDP each unit is gathered once and
-    kept whole while the KV-cache sampler runs, so its many small forwards need no collective and ranks may sample
-    different numbers of tokens; afterwards the blocks are sharded again as build_model left them."""
-    from model.native import sample
-    units = fsdp_units(model)
-    for unit in units:
-        unit.unshard()
-        unit.set_reshard_after_forward(False, recurse=False)  # the root's own setting already is False
-    try:
-        return sample(model, prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                      seeds=seeds, batch_size=batch_size, progress=False)
-    finally:
-        for unit in units[:-1]:  # the blocks
-            unit.set_reshard_after_forward(dist.get_world_size() > 1, recurse=False)
-        for unit in units:
-            unit.reshard()
-
-
 def on_policy_batches(mine: list[int], outs: list[dict], prompt_ids, teacher_ids, skip_tokens: int,
                       micro_tokens: int, device):
     """This rank's (student, teacher) example pairs, packed into micro-batches. The student's sequence is its

@@ -5,7 +5,7 @@ Parameter names are Hugging Face's but for two fused weights: q/k/v are one `sel
 names, which is all a checkpoint ever holds. Two attention modes:
   packed   (training): B == 1, documents concatenated, `cu_seqlens` marks them, `position_ids` restart at 0
   dense    (reference): plain causal attention over each row (tests compare the packed mode with it)
-Sampling runs these same blocks through model/engine.py, which plugs its KV cache in as `attend`.
+Sampling runs these same blocks through engine/engine.py, which plugs its KV cache in as `attend`.
 """
 import math
 
@@ -47,7 +47,7 @@ def split_rows(rows: int, w) -> int:
 
 
 def linear(x, w, b=None):
-    """F.linear, with the CPU inference path of SPLIT_MAX_ROWS for a few rows (model.engine calls it on its fused
+    """F.linear, with the CPU inference path of SPLIT_MAX_ROWS for a few rows (engine.engine calls it on its fused
     weights; Linear below on the model's own)."""
     if torch.is_grad_enabled() or x.numel() > SPLIT_MAX_ROWS_LARGE * w.shape[1]:  # the common cases first: cheap
         return F.linear(x, w, b)
@@ -95,7 +95,7 @@ def row_bucket(m: int) -> int:
     return -(-m // q) * q
 
 
-# Linear -> its Packed weight, while model.engine or model.logprobs runs a forward (packed_products); empty
+# Linear -> its Packed weight, while engine.engine or model.logprobs runs a forward (packed_products); empty
 # otherwise: training and every other forward multiply by the plain weights
 _PACKED: dict = {}
 

@@ -49,7 +49,7 @@ class Steps:
         self.py = [sys.executable]
         self.save_every = args.save_every  # train steps: resumable states, kept across a stop (Pipeline.run_step)
         self.wandb = args.wandb
-        # generating steps: one process, or torchrun's ranks as data-parallel workers (model/workers.py) on this node.
+        # generating steps: one process, or torchrun's ranks as data-parallel workers (engine/workers.py) on this node.
         # The layout is not in their keys: the workers give the tokens one process gives (tests/test_workers.py)
         dp = inputs.layout.dp
         self.gen_py = self.py if dp == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -32,8 +32,8 @@ SCRIPTS = ("train", "evaluate", "rollout", "score", "drift", "buffer_nll")
 # what the steps import, each once here instead of once per step. torch._dynamo: building a model on the meta device
 # imports it (nn.Embedding's normal_ runs through torch's Python reference kernels), so every model-loading step
 # would pay for it; rouge_score: every step that scores a ROUGE task (BENCHMARKS.md, "The default `python run.py`")
-PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "tqdm", "model.checkpoint", "model.native",
-           "model.sampling", "model.logprobs", "model.tokenizer", "data.metrics", "data.conventions", "data.trace",
+PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "tqdm", "model.checkpoint", "engine.native",
+           "engine.sampling", "model.logprobs", "model.tokenizer", "data.metrics", "data.conventions", "data.trace",
            "data.replay", "kernels.attention", "kernels.cross_entropy", "torch.distributed.fsdp", "torch._dynamo",
            "rouge_score.rouge_scorer", "sacrebleu.tokenizers.tokenizer_13a", *SCRIPTS)
 _PR_SET_PDEATHSIG = 1

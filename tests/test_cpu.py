@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels import cpu
-from model import sampler
+from engine import sampler
 
 pytestmark = pytest.mark.skipif(cpu.backend() != "c", reason="no C compiler: the kernels are not built")
 
@@ -58,7 +58,7 @@ def test_cache_attention_underflow_and_threads():
 def test_cache_attention_matches_the_batched_products():
     """The engine's torch path for decode rows (a masked batched product over the longest row's span) and the C
     kernel agree to float rounding."""
-    from model.engine import _row_mask
+    from engine.engine import _row_mask
     torch.manual_seed(1)
     n, hkv, g, d, cols = 16, 2, 3, 32, 50
     k, v, q = torch.randn(n, hkv, cols, d), torch.randn(n, hkv, cols, d), torch.randn(n, hkv * g, d)
@@ -179,7 +179,7 @@ def test_far_candidates_equal_the_eager_ones(vocab):
 def test_the_engine_and_sampler_without_the_c_kernels(tmp_path, monkeypatch):
     """The pure-torch paths (no compiler): the same tokens, log-probs within 1e-5, at T 0, 0.1 and 1."""
     pytest.importorskip("transformers")
-    from model.engine import Engine
+    from engine.engine import Engine
     from tiny import tiny_llama
     model = tiny_llama(tmp_path, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)  # head_dim 16
     prompts = [[5, 17, 33, 2, 9], [88, 3], [60, 6, 20, 14, 9, 1, 2, 3], [5, 17, 33, 2, 9, 40]]

@@ -112,12 +112,12 @@ def test_drift_refuses_a_length_cap_past_the_model_context_before_loading(ckpts,
     context, before any weights load."""
     import drift
     import model.checkpoint
-    import model.sampling
+    import engine.sampling
     from common.errors import InputError
 
     def never(*a, **kw):
         raise AssertionError("the weights were loaded or sampling started")
-    monkeypatch.setattr(model.sampling, "generate", never)
+    monkeypatch.setattr(engine.sampling, "generate", never)
     monkeypatch.setattr(model.checkpoint, "load_model", never)
     with pytest.raises(InputError, match=r"^--max-new-tokens: 1000000000 new tokens "
                                          r"is more than the model's context \(max_position_embeddings 4096 in "):

@@ -1,4 +1,4 @@
-"""The generation engine (model/engine.py) against a plain reference: a full forward over the whole sequence for
+"""The generation engine (engine/engine.py) against a plain reference: a full forward over the whole sequence for
 every new token (no cache, no batching, no fusion), sampling with the same keyed noise. Greedy and sampled tokens
 must be equal and log-probs within 1e-5 (fp32), whatever the batch mix, batch size, prompt order, prefix sharing or
 fusion; the slot bookkeeping must survive thousands of admissions and finishes; the decode step must compile whole."""
@@ -11,9 +11,9 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 
 from model.checkpoint import load_model  # noqa: E402
-from model.engine import Engine  # noqa: E402
-from model.sampler import row_keys, sample  # noqa: E402
-from model import native  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.sampler import row_keys, sample  # noqa: E402
+from engine import native  # noqa: E402
 from tiny import tiny_llama  # noqa: E402
 
 TOL = 1e-5

@@ -214,7 +214,7 @@ def teacher_forced(model, prompt, response):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_sampler_logprobs_equal_teacher_forced_on_cuda(cuda_models, dtype):
-    from model.native import sample
+    from engine.native import sample
     model = cuda_models[dtype]
     outs = sample(model, PROMPTS, temperature=1.0, max_new_tokens=24, seed=0, batch_size=4, progress=False)
     # fp32: only summation order differs (batched, left-padded, KV-cached vs one unpadded pass);
@@ -231,7 +231,7 @@ def test_native_sampler_logprobs_equal_teacher_forced_on_cuda(cuda_models, dtype
 
 def test_vllm_raw_logprobs_equal_the_trainers_model(setup, cuda_models):
     pytest.importorskip("vllm")
-    from model.sampling import generate
+    from engine.sampling import generate
     outs = generate(setup["base"], PROMPTS, temperature=1.0, max_new_tokens=24, seed=0, engine="vllm",
                     stop_ids=(), progress=False)
     # vLLM runs this fp32 checkpoint in its own default dtype (bf16 or fp16 on most versions): compare with our
@@ -249,7 +249,7 @@ def test_engine_cuda_graphs_give_the_eager_steps_tokens(setup, dtype):
     the first's graphs). fp32: only GEMM shapes differ (a bucket pads rows), so tokens agree and log-probs within
     fp32 rounding; bf16: the same kernels round alike in both, tokens may part after a near-tie, log-probs close."""
     from model.checkpoint import load_model
-    from model.engine import Engine
+    from engine.engine import Engine
     model = load_model(setup["base"], device="cuda", dtype=dtype)
     g = torch.Generator().manual_seed(0)
     instruction = torch.randint(3, 250, (40,), generator=g).tolist()
@@ -277,7 +277,7 @@ def test_engine_cuda_graphs_give_the_eager_steps_tokens(setup, dtype):
 def test_engine_per_prompt_seeds_do_not_depend_on_the_batch_on_cuda(cuda_models):
     """The keyed noise is the same integer hash on the GPU: a prompt's sampled tokens with its own seed do not
     depend on its neighbours (fp32: the logits do not move across batch compositions beyond rounding)."""
-    from model.native import sample
+    from engine.native import sample
     model = cuda_models[torch.float32]
     seeds = [11, 12, 13, 14]
     together = sample(model, PROMPTS, temperature=1.0, max_new_tokens=16, seeds=seeds, progress=False)
@@ -289,7 +289,7 @@ def test_engine_per_prompt_seeds_do_not_depend_on_the_batch_on_cuda(cuda_models)
 def test_the_samplers_hash_and_high_temperature_draw_are_the_cpus_on_cuda():
     """The int32 hash wraps its products on CUDA as on the CPU (the same words), and the high-temperature draw on
     CUDA picks the full draw's tokens, which are the CPU's: a prompt's tokens do not depend on the device."""
-    from model.sampler import _full_draw, _sample_thresholded, hash32
+    from engine.sampler import _full_draw, _sample_thresholded, hash32
     g = torch.Generator().manual_seed(0)
     x = torch.cat([torch.randint(0, 1 << 32, (1 << 20,), generator=g), torch.tensor([0, (1 << 31) - 1, 1 << 31,
                                                                                       (1 << 32) - 1])])

@@ -1,6 +1,7 @@
 """The project's import structure (issue 59): the step scripts stand alone, common/ is a leaf, the
-packages below the pipeline do not reach up into it, and no module imports itself back through
-others.
+packages below the pipeline do not reach up into it, the sampling engine is a package of its own
+(engine/: it builds on model/, kernels/ and common/, model/ does not import it, and it reads no
+task table), and no module imports itself back through others.
 
 An AST scan of every module of the repository (each .py outside tests/, bench/ and hidden
 directories such as .venv-vllm) that reads every import statement, at the top of a file and inside
@@ -16,7 +17,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 STEP_SCRIPTS = ("train", "rollout", "score", "evaluate", "drift", "synthesize", "ssr_buffer",
                 "buffer_nll")
-BELOW_PIPELINE = ("data", "model", "methods", "kernels")  # what the step scripts are built from
+BELOW_PIPELINE = ("data", "model", "engine", "methods", "kernels")  # the step scripts' parts
+# the sampling engine's pages (nano-vllm's engine/), and what engine/ may import
+ENGINE_MODULES = ("engine", "scheduler", "sampler", "native", "sampling", "vllm_engine", "workers")
+ENGINE_IMPORTS = ("engine", "model", "kernels", "common")
 SKIP = ("tests", "bench")  # they may import anything: nothing of the project imports them
 
 
@@ -127,10 +131,43 @@ def test_common_is_a_leaf():
 
 @pytest.mark.parametrize("package", BELOW_PIPELINE)
 def test_the_packages_below_the_pipeline_do_not_import_it(package):
-    """data/, model/, methods/ and kernels/ are what the scripts are built from; pipeline/ is built
-    on them, not the reverse."""
+    """data/, model/, engine/, methods/ and kernels/ are what the scripts are built from;
+    pipeline/ is built on them, not the reverse."""
     bad = [w for m, es in EDGES.items() if _in(m, package) for t, w in es if _in(t, "pipeline")]
     assert not bad, f"{package}/ imports pipeline/: " + "; ".join(bad)
+
+
+def test_the_engine_is_a_package_of_its_own():
+    """The sampling engine lives in engine/: none of its modules sits in model/ beside the
+    transformer it runs."""
+    for name in ENGINE_MODULES:
+        assert f"engine.{name}" in MODULES, f"engine/{name}.py: not found"
+        assert f"model.{name}" not in MODULES, f"model/{name}.py: the engine's, for engine/"
+
+
+def test_the_engine_imports_only_model_kernels_and_common():
+    """engine/ runs model/'s transformer, tokenizer and checkpoints with kernels/' kernels and
+    common/'s errors: it imports nothing else of the project (no data/, methods/, pipeline/)."""
+    bad = [w for m, es in EDGES.items() if _in(m, "engine") for t, w in es
+           if not any(_in(t, p) for p in ENGINE_IMPORTS)]
+    assert not bad, "engine/ imports beyond model/, kernels/ and common/: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("module", [f"engine.{name}" for name in ENGINE_MODULES])
+def test_the_engine_reads_no_task_table(module):
+    """A task's own length cap or temperature reaches the engine as numbers per prompt (the scripts
+    read them: data.manifest.sampling_settings); no engine module reaches data/ (the task table,
+    the manifests, the loaders), directly or through the modules it imports."""
+    assert module in MODULES, f"{module}: not found"
+    chain = _path_to(module, "data")
+    assert chain is None, f"{module} reaches data/ through " + " -> ".join(chain)
+
+
+def test_model_does_not_import_the_engine():
+    """model/ is what the engine runs; no module of it imports engine/ (sdft, which samples from
+    the training weights, is methods/sdft.py's)."""
+    bad = [w for m, es in EDGES.items() if _in(m, "model") for t, w in es if _in(t, "engine")]
+    assert not bad, "model/ imports engine/: " + "; ".join(bad)
 
 
 def _find_cycle(edges=None) -> list[tuple[str, str]] | None:

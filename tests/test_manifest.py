@@ -266,14 +266,19 @@ def test_a_non_finite_number_in_any_numeric_field_is_refused(tmp_path, field, co
 
 
 def sampler_stub(monkeypatch):
-    """generate_tasks up to the engines: loading weights or sampling (where the KV cache is allocated) is recorded
-    instead of done."""
-    from model import sampling
+    """The scripts' generation for prompts of several tasks (data.manifest.sampling_settings, then
+    engine.sampling.generate_per_prompt) up to the engines: loading weights or sampling (where the
+    KV cache is allocated) is recorded instead of done."""
+    from engine import sampling
     calls = []
     monkeypatch.setattr(sampling, "load_native", lambda *a, **kw: calls.append("load"))
     monkeypatch.setattr(sampling, "generate", lambda ckpt, prompts, **kw: calls.append(kw["max_new_tokens"]) or [
         {"token_ids": [], "logprobs": [], "finish_reason": "length"} for _ in prompts])
-    return sampling, calls
+
+    def generate_tasks(ckpt, prompts, tasks, *, temperature, max_new_tokens, evaluation, **kw):
+        temps, caps = manifest.sampling_settings(tasks, temperature, max_new_tokens, evaluation)
+        return sampling.generate_per_prompt(ckpt, prompts, temps, caps, **kw)
+    return generate_tasks, calls
 
 
 def tiny_config(path: Path, context=512) -> Path:
@@ -288,21 +293,21 @@ def test_a_length_cap_past_the_model_context_is_refused_at_once(tmp_path, monkey
     """--max-new-tokens 10**9 would size the KV cache for 10**9 columns (~1 TB): refused in one line naming the flag
     and max_position_embeddings, before any weight loads or the sampler runs; a cap within the context runs, with one
     warning line when prompts plus it overrun the context."""
-    sampling, calls = sampler_stub(monkeypatch)
+    generate_tasks, calls = sampler_stub(monkeypatch)
     ckpt = tiny_config(tmp_path / "ckpt")
     prompts, tasks = [[1] * 40, [1] * 10], ["FOMC", "NumGLUE-cm"]
     for cap in (10**9, 513):
         with pytest.raises(InputError) as e:
-            sampling.generate_tasks(ckpt, prompts, tasks, temperature=0.1, max_new_tokens=cap, evaluation=True,
-                                    engine="native")
+            generate_tasks(ckpt, prompts, tasks, temperature=0.1, max_new_tokens=cap,
+                           evaluation=True, engine="native")
         assert calls == []
         assert str(e.value) == (f"--max-new-tokens: {cap} new tokens is more than the model's context "
                                 f"(max_position_embeddings 512 in {ckpt / 'config.json'}); use at most 512")
-    sampling.generate_tasks(ckpt, prompts, tasks, temperature=0.1, max_new_tokens=472, evaluation=True,
-                            engine="native")
+    generate_tasks(ckpt, prompts, tasks, temperature=0.1, max_new_tokens=472, evaluation=True,
+                   engine="native")
     assert calls == [[472, 472]] and capsys.readouterr().err == ""
-    sampling.generate_tasks(ckpt, prompts, tasks, temperature=0.1, max_new_tokens=500, evaluation=True,
-                            engine="native")
+    generate_tasks(ckpt, prompts, tasks, temperature=0.1, max_new_tokens=500, evaluation=True,
+                   engine="native")
     assert calls[-1] == [500, 500]
     assert capsys.readouterr().err == (f"warning: 1 of 2 prompts plus --max-new-tokens 500 overrun the model's context "
                                        f"(max_position_embeddings 512 in {ckpt / 'config.json'}; the longest prompt "
@@ -310,16 +315,41 @@ def test_a_length_cap_past_the_model_context_is_refused_at_once(tmp_path, monkey
 
 
 def test_a_manifest_length_cap_past_the_model_context_names_the_manifest_field(tmp_path, monkeypatch):
-    sampling, calls = sampler_stub(monkeypatch)
+    generate_tasks, calls = sampler_stub(monkeypatch)
     ckpt = tiny_config(tmp_path / "ckpt")
     path = one_task(tmp_path, max_new_tokens=10**9)
     use_manifest(tmp_path)
     with pytest.raises(InputError) as e:
-        sampling.generate_tasks(ckpt, [[1] * 12], ["T"], temperature=0.1, max_new_tokens=8, evaluation=False,
-                                engine="native")
+        generate_tasks(ckpt, [[1] * 12], ["T"], temperature=0.1, max_new_tokens=8, evaluation=False,
+                       engine="native")
     assert str(e.value).startswith(f"{path}: task 'T', field 'max_new_tokens': 1000000000 new tokens is more than "
                                    f"the model's context (max_position_embeddings 512 in ")
     assert calls == []
+
+
+def test_a_task_s_own_temperature_and_cap_reach_the_engine_per_prompt(tmp_path, monkeypatch):
+    """A manifest task's own length cap and (in evaluations) temperature reach the engine as numbers
+    per prompt (data.manifest.sampling_settings; the engine reads no task table): one generate call
+    per temperature, the checkpoint loaded once for all; a rollout's prompts in one call."""
+    generate_tasks, calls = sampler_stub(monkeypatch)
+    ckpt = tiny_config(tmp_path / "ckpt")
+    path = one_task(tmp_path, max_new_tokens=4, temperature=0)
+    write(tmp_path / "u" / "train.jsonl", [{"prompt": f"q{i}", "answer": "b"} for i in range(4)])
+    spec = json.loads(path.read_text())
+    spec["tasks"].append({"name": "U", "dir": "u", "metric": "exact_match", "epochs": 1})
+    path.write_text(json.dumps(spec))
+    use_manifest(tmp_path)
+    tasks = ["U", "T", "U", "T"]
+    field = (4, f"{path}: task 'T', field 'max_new_tokens'")
+    assert manifest.sampling_settings(tasks, 0.7, 8, evaluation=True) == (
+        [0.7, 0, 0.7, 0], [(8, "--max-new-tokens"), field, (8, "--max-new-tokens"), field])
+    generate_tasks(ckpt, [[1] * 3] * 4, tasks, temperature=0.7, max_new_tokens=8, evaluation=True,
+                   engine="native")
+    assert calls == ["load", [8, 8], [4, 4]]
+    calls.clear()
+    generate_tasks(ckpt, [[1] * 3] * 4, tasks, temperature=0.7, max_new_tokens=8, evaluation=False,
+                   engine="native")
+    assert calls == [[8, 4, 8, 4]]
 
 
 def test_new_metrics():

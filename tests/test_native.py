@@ -1,11 +1,11 @@
-"""model/native.py: the batch size sample() picks when none is given (what the memory holds). The engine it runs:
+"""engine/native.py: the batch size sample() picks when none is given (what the memory holds). The engine it runs:
 test_engine.py."""
 import pytest
 
 pytest.importorskip("transformers")
 
-from model import native  # noqa: E402
-from model.engine import Engine  # noqa: E402
+from engine import native  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from tiny import tiny_llama  # noqa: E402
 
 
@@ -17,7 +17,7 @@ def model(tmp_path_factory):
 def test_default_batch_size_is_what_the_memory_holds(model, monkeypatch):
     """Without --batch-size the KV cache takes a quarter of the available memory (CPU), at most 64 rows, at least 1;
     a row holds keys and values of every layer for the longest prompt plus its cap."""
-    import model.native as mg
+    import engine.native as mg
     cfg = model.cfg
     per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 100 * 4  # fp32, 100 columns
     for available, rows in ((per_row * 4 * 10, 10), (per_row * 4 * 1000, 64), (per_row, 1)):

@@ -14,8 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model.checkpoint import load_model  # noqa: E402
-from model.native import sample as native_sample  # noqa: E402
-from model import sampling  # noqa: E402
+from engine.native import sample as native_sample  # noqa: E402
+from engine import sampling  # noqa: E402
 from tiny import write_bpe_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -208,7 +208,7 @@ def test_vllm_wrapper_contract(monkeypatch, new_api):
     assert params["top_k"] == (0 if new_api else -1) and params["repetition_penalty"] == 1.0
     # each request its own seed: its prompt's key in the native engine, so no other request (nor which worker
     # samples it) changes its tokens
-    from model.sampler import row_keys
+    from engine.sampler import row_keys
     assert [kw["seed"] for kw in calls["each"]] == row_keys(3, 7) and len(set(row_keys(3, 7))) == 3
     llm = calls["llm"]
     assert llm["model"] == "/ckpt/dir" and llm["tensor_parallel_size"] == 4 and llm["seed"] == 7

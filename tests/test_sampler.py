@@ -1,4 +1,4 @@
-"""The sampler (model/sampler.py): its counter-based noise is lowbias32 bit for bit and a fixed function of (key,
+"""The sampler (engine/sampler.py): its counter-based noise is lowbias32 bit for bit and a fixed function of (key,
 counter, token); every path that skips noise (candidates at low T, the hash floor at high T, the full draw in pieces)
 picks the full draw's token bit for bit, ties and the largest noise included; draws follow the softmax; log-probs are
 raw (before temperature). Each test runs on both CPU paths (kernels/cpu.c's candidates, and eager torch's)."""
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from model.sampler import (_full_draw, _row_hash, _sample_candidates, _sample_thresholded, gumbel, hash32,
+from engine.sampler import (_full_draw, _row_hash, _sample_candidates, _sample_thresholded, gumbel, hash32,
                            hash32_i32, sample)
 
 
@@ -43,7 +43,7 @@ def test_noise_is_a_fixed_function_of_key_counter_and_token():
 
 @pytest.mark.parametrize("vocab", [50, 4099, 49152])
 def test_candidate_draw_is_the_full_draw_bit_for_bit(vocab):
-    """sample() draws noise only for the tokens that can still win (model.sampler._sample_candidates at low T,
+    """sample() draws noise only for the tokens that can still win (engine.sampler._sample_candidates at low T,
     _sample_thresholded's distance and hash floor at high T) and the full draw a few rows at a time (_full_draw):
     all pick argmax(logits / T + gumbel) over the whole vocabulary, computed in one piece, on every row -- ties
     included (argmax's first id), rows whose winner is not the top logit, peaked and flat rows, T from 0.05 to 2. Fails when the bound on the noise (G_MAX) is too small or the tie rule differs."""
@@ -116,7 +116,7 @@ def test_the_far_floor_is_below_its_noise_bound_and_tight():
     hash cannot win), and 3 hashes above it one reaches it (so it filters what it can). Checked in 50-digit decimals,
     not in the fp64 that made it."""
     from decimal import Decimal, getcontext
-    from model.sampler import FAR_D, FAR_FLOOR
+    from engine.sampler import FAR_D, FAR_FLOOR
     getcontext().prec = 50
     bound = (-(Decimal(-FAR_D).exp())).exp()  # exp(-exp(-FAR_D))
     u = lambda x: (Decimal(x) + Decimal("0.5")) / Decimal(2) ** 32  # noqa: E731
@@ -146,7 +146,7 @@ def test_the_top_k_shortcut_falls_back_when_more_than_k_tokens_can_win():
     """At low T the candidates are looked for among each row's TOP_K largest logits first; when more tokens than
     that can win (here TOP_K + 8 tie at the top, far above the rest) the winner is often one topk did not return,
     and the sampler must find it over the whole vocabulary: the full draw's token on every row."""
-    from model.sampler import TOP_K
+    from engine.sampler import TOP_K
     n, vocab = 2000, 4099
     g = torch.Generator().manual_seed(1)
     logits = torch.full((n, vocab), -30.0)

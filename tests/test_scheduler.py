@@ -1,11 +1,11 @@
-"""model/scheduler.py on hand-checked cases: which batch comes next, which slots, which cache copies. The engine's
+"""engine/scheduler.py on hand-checked cases: which batch comes next, which slots, which cache copies. The engine's
 tokens against a reference sampler are tests/test_engine.py's."""
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from model.scheduler import Decode, Prefill, Scheduler, Sequence  # noqa: E402
+from engine.scheduler import Decode, Prefill, Scheduler, Sequence  # noqa: E402
 
 
 def seqs(*prompts, cap=3):

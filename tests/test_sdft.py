@@ -70,8 +70,8 @@ def runs(sharp, tmp_path_factory):
 
 def naive_sample(model, prompt: list[int], seed: int, temperature: float, stop_ids) -> list[int]:
     """y ~ pi(.|prompt): a full forward per token (no cache), softmax(logits / T) sampled with the engine's noise
-    keyed by the prompt's seed (model.sampler.sample: Gumbel-max over a hash of seed, token index, vocabulary id)."""
-    from model.sampler import sample
+    keyed by the prompt's seed (engine.sampler.sample: Gumbel-max over a hash of seed, token index, vocabulary id)."""
+    from engine.sampler import sample
     ids, y = list(prompt), []
     for t in range(MAX_NEW):
         with torch.no_grad():

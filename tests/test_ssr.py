@@ -15,7 +15,7 @@ import ssr_buffer
 from methods.ssr import cluster_select, kmeans
 from tiny import REPO, TASKS
 
-from model import sampling
+from engine import sampling
 
 
 def test_parse_pairs_keeps_complete_input_output_pairs():
@@ -63,7 +63,7 @@ def test_cluster_select_takes_each_clusters_share_closest_to_its_centroid():
 
 
 def canned(tok, texts):
-    """A stand-in for model.sampling.generate that answers the prompts with `texts` in turn (the tiny random model
+    """A stand-in for engine.sampling.generate that answers the prompts with `texts` in turn (the tiny random model
     writes no Input/Output pairs)."""
     def generate(ckpt, prompts, **kw):
         return [{"token_ids": tok.encode(texts[i % len(texts)]), "finish_reason": "stop"} for i in range(len(prompts))]

@@ -1,4 +1,4 @@
-"""Data-parallel generation workers (model/workers.py): torchrun's ranks each sample a share of the prompts and the
+"""Data-parallel generation workers (engine/workers.py): torchrun's ranks each sample a share of the prompts and the
 outputs equal one process's. The shares balance by length; rollout.py, evaluate.py and drift.py under torchrun with
 2 workers at 1 thread each write what one process at 1 thread writes (the same tokens; log-probs and KLs within the
 engine's batch-composition tolerance, since each worker batches a different set of prompts)."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from model.workers import shards
+from engine.workers import shards
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4  # tests/test_rollout.py's engine-vs-reference tolerance on a log-prob

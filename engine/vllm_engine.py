@@ -1,4 +1,4 @@
-"""Thin vLLM wrapper with the native sampler's contract (see model/native.py). vLLM is imported lazily.
+"""Thin vLLM wrapper with the native sampler's contract (see engine/native.py). vLLM is imported lazily.
 
 What we pin, and why (checked against vLLM's source/docs):
 - `LLM(generation_config="vllm")`: the default "auto" merges the checkpoint's generation_config.json (e.g. a
@@ -113,7 +113,7 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 
 
 def worker_env(tp: int, cpu: bool) -> dict:
-    """What this process's vLLM engine is given (model/workers.py): on GPUs, the tp GPUs of this node's worker
+    """What this process's vLLM engine is given (engine/workers.py): on GPUs, the tp GPUs of this node's worker
     (local rank r: r*tp .. r*tp+tp-1); on the CPU, OMP_NUM_THREADS threads left to the OS to place, as the native
     engine's are (vLLM would bind them to cores 0.. of its own choosing whatever else runs there, and hold one core
     back for its front end: half of a 2-core machine)."""
@@ -121,7 +121,7 @@ def worker_env(tp: int, cpu: bool) -> dict:
         return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     import torch
 
-    from model import workers
+    from engine import workers
     rank, _ = workers.local()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
@@ -152,11 +152,11 @@ def sample(ckpt_dir, prompts: list[list[int]], *, temperature: float, max_new_to
            seeds: list[int] | None = None, tp: int = 1, progress: bool = True) -> list[dict]:
     """One response per prompt (token id lists) in input order: {"token_ids", "logprobs", "finish_reason"}.
     max_new_tokens: one cap, or one per prompt (LLM.generate takes one SamplingParams per prompt). seeds: one per
-    prompt (model.sampler.row_keys: the native engine's keys), default (seed, i)."""
+    prompt (engine.sampler.row_keys: the native engine's keys), default (seed, i)."""
     import torch
     import vllm
 
-    from model.sampler import row_keys
+    from engine.sampler import row_keys
     cpu = not torch.cuda.is_available()
     model, adapter, rank = lora_stage(ckpt_dir)
     lora = None

@@ -1,4 +1,4 @@
-"""The native engine on a model in this process: one call, one response per prompt (model/engine.py runs it).
+"""The native engine on a model in this process: one call, one response per prompt (engine/engine.py runs it).
 
     outs = sample(model, prompts, temperature=0.1, max_new_tokens=512, stop_ids={2}, seed=0, batch_size=32)
     outs[i] = {"token_ids": [...], "logprobs": [...], "finish_reason": "stop" | "length"}
@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from model.engine import Engine
+from engine.engine import Engine
 from model.transformer import Transformer
 
 

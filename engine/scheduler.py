@@ -3,7 +3,7 @@ the live ones in KV-cache slots 0..n-1, and an index of the live prompts' prefix
 
     sched = Scheduler(seqs, max_seqs=32, max_prefill_tokens=4096, mix=True)
     while (batch := sched.schedule()) is not None:
-        tokens, logprobs = run(batch)                    # model/engine.py: one forward
+        tokens, logprobs = run(batch)                    # engine/engine.py: one forward
         for src, dst, cols in sched.postprocess(batch, tokens, logprobs, stop):
             copy cache columns [0, cols) of slot src into slot dst
 
@@ -27,7 +27,7 @@ class Sequence:
     index: int                 # its prompt's place in the call's input
     prompt: list[int]
     cap: int                   # max new tokens
-    key: int                   # sampling key (model.sampler.row_keys)
+    key: int                   # sampling key (engine.sampler.row_keys)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None  # "stop" | "length" once done

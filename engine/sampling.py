@@ -3,6 +3,7 @@ KV-cache sampler. The "auto" choice is made once, at import (nanochat style).
 
     outs = generate(ckpt_dir, prompts, temperature=0.1, max_new_tokens=512, seed=0)
     outs[i] = {"token_ids": [...], "logprobs": [...], "finish_reason": "stop" | "length"}
+    outs = generate_per_prompt(ckpt_dir, prompts, temperatures, caps, seed=0)  # one T, cap each
 
 Both engines: top-p 1, no top-k, no repetition penalty; stop at the tokenizer's stop ids (eos + end-of-turn; the stop
 token is kept as the last entry of token_ids); logprobs[t] is the RAW log-prob (before temperature) of the sampled
@@ -45,9 +46,9 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, ma
     """Sample one response per prompt (lists of token ids, already chat-templated) from the checkpoint in ckpt_dir.
 
     stop_ids: token ids that end a response; None reads them from the checkpoint's tokenizer (ChatTokenizer.stop_ids).
-    batch_size: native engine only, sequences decoded at once (None: model.native.default_batch_size; vLLM
+    batch_size: native engine only, sequences decoded at once (None: engine.native.default_batch_size; vLLM
     schedules its own batches). tp: vLLM tensor-parallel size. model: native engine only, the checkpoint already
-    loaded by load_native (generate_tasks loads it once for all its calls).
+    loaded by load_native (generate_per_prompt loads it once for all its calls).
     """
     engine = resolve_engine(engine)
     if not prompts:
@@ -55,36 +56,37 @@ def generate(ckpt_dir, prompts: list[list[int]], *, temperature: float = 0.1, ma
     if stop_ids is None:
         from model.tokenizer import ChatTokenizer
         stop_ids = ChatTokenizer.from_dir(ckpt_dir).stop_ids
-    from model import workers
-    from model.sampler import row_keys
+    from engine import workers
+    from engine.sampler import row_keys
     keys = row_keys(len(prompts), seed)  # prompt i's sampling key, whichever worker samples it
     caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
 
-    def run(mine):  # this worker's share (model/workers.py; all prompts in a plain process)
+    def run(mine):  # this worker's share (engine/workers.py; all prompts in a plain process)
         kw = dict(temperature=temperature, max_new_tokens=[caps[i] for i in mine], stop_ids=stop_ids,
                   seeds=[keys[i] for i in mine], progress=progress and workers.is_main())
         if engine == "vllm":
-            from model import vllm_engine
+            from engine import vllm_engine
             return vllm_engine.sample(ckpt_dir, [prompts[i] for i in mine], seed=seed, tp=tp, **kw)
-        from model.native import sample
+        from engine.native import sample
         return sample(model if model is not None else load_native(ckpt_dir), [prompts[i] for i in mine],
                       batch_size=batch_size, **kw)
     return workers.sharded(run, [len(p) + c for p, c in zip(prompts, caps)])
 
 
-def check_context(ckpt_dir, prompts: list[list[int]], max_new_tokens: int, tasks: list[str] | None = None):
-    """Before any weight loads: refuse a length cap longer than the model's context (the native engine sizes its KV
-    cache for the longest prompt plus its cap, so a cap of 10**9 would ask for terabytes; no response can use more
-    than the context), and warn in one line when prompts plus their cap overrun the context (positions the model was
-    never trained on: they run, as they always have). tasks[i] (prompt i's task): a task's own manifest cap counts
-    for its prompts, and is named as the manifest's field; else --max-new-tokens is named."""
+def check_context(ckpt_dir, prompts: list[list[int]], max_new_tokens: int | list[tuple[int, str]]):
+    """Before any weight loads: refuse a length cap longer than the model's context (the native
+    engine sizes its KV cache for the longest prompt plus its cap, so a cap of 10**9 would ask for
+    terabytes; no response can use more than the context), and warn in one line when prompts plus
+    their cap overrun the context (positions the model was never trained on: they run, as they
+    always have). max_new_tokens: one cap for all prompts, named --max-new-tokens in the lines; or
+    per prompt (its cap, what set it, e.g. a task manifest's field: data.manifest.length_cap)."""
     import sys
-    from data.manifest import length_cap
     from model.checkpoint import load_config
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [(max_new_tokens, "--max-new-tokens")] * len(prompts)
     longest = {}  # (cap, what set it) -> (the longest prompt under it, how many prompts overrun)
     ctx = load_config(ckpt_dir).max_position_embeddings
-    for i, p in enumerate(prompts):
-        key = length_cap(tasks[i], max_new_tokens) if tasks else (max_new_tokens, "--max-new-tokens")
+    for p, key in zip(prompts, max_new_tokens):
         n, over = longest.get(key, (0, 0))
         longest[key] = (max(n, len(p)), over + (len(p) + key[0] > ctx))
     where = f"max_position_embeddings {ctx} in {Path(ckpt_dir) / 'config.json'}"
@@ -97,27 +99,32 @@ def check_context(ckpt_dir, prompts: list[list[int]], max_new_tokens: int, tasks
 
 
 def load_native(ckpt_dir):
-    """The checkpoint as the native engine samples it: bf16 on a GPU (a worker's own: model/workers.py), fp32 on the
+    """The checkpoint as the native engine samples it: bf16 on a GPU (a worker's own: engine/workers.py), fp32 on the
     CPU."""
-    from model import workers
+    from engine import workers
     from model.checkpoint import load_model
     workers.start()
     cuda = torch.cuda.is_available()
     return load_model(ckpt_dir, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32)
 
 
-def generate_tasks(ckpt_dir, prompts: list[list[int]], tasks: list[str], *, temperature: float, max_new_tokens: int,
-                   evaluation: bool, **kw) -> list[dict]:
-    """generate() for prompts of several tasks (tasks[i]: prompt i's task): each task with its own length cap and, in
-    evaluations, its own temperature when the task manifest gives them (data.manifest.sampling_groups); one call per
-    temperature, one call in all for TRACE's tasks. Outputs in prompt order."""
-    from data.manifest import sampling_groups
-    check_context(ckpt_dir, prompts, max_new_tokens, tasks)
+def generate_per_prompt(ckpt_dir, prompts: list[list[int]], temperatures: list[float],
+                        caps: list[tuple[int, str]], **kw) -> list[dict]:
+    """generate() with each prompt's own temperature and length cap (caps[i]: its cap and what set
+    it, named when check_context refuses it before any weight loads): one generate call per
+    temperature, with the checkpoint loaded once for all of them; the scripts give a task's own
+    settings per prompt (data.manifest.sampling_settings). Outputs in prompt order."""
+    check_context(ckpt_dir, prompts, caps)
+    groups = {}  # temperature -> ([prompt index], [its cap]), in order of first use
+    for i, (temp, (cap, _)) in enumerate(zip(temperatures, caps)):
+        ix, group_caps = groups.setdefault(temp, ([], []))
+        ix.append(i)
+        group_caps.append(cap)
     outs = [None] * len(prompts)
-    groups = sampling_groups(tasks, temperature, max_new_tokens, evaluation)
     if len(groups) > 1 and resolve_engine(kw.get("engine", "auto")) == "native" and prompts:
         kw["model"] = load_native(ckpt_dir)  # one load for every temperature
-    for temp, (ix, caps) in groups.items():
-        for i, o in zip(ix, generate(ckpt_dir, [prompts[i] for i in ix], temperature=temp, max_new_tokens=caps, **kw)):
+    for temp, (ix, group_caps) in groups.items():
+        for i, o in zip(ix, generate(ckpt_dir, [prompts[i] for i in ix], temperature=temp,
+                                     max_new_tokens=group_caps, **kw)):
             outs[i] = o
     return outs

@@ -4,7 +4,7 @@ samples with every rank, each rank one worker.
     torchrun --nproc_per_node 4 rollout.py ...     # run.py does this when its layout has dp > 1
 
 Each worker takes a share of the prompts (`shards`: by length, so the shares finish together), samples it with the
-keys the prompts would have had in one process (model.sampler.row_keys of their place in the whole list; vLLM's
+keys the prompts would have had in one process (engine.sampler.row_keys of their place in the whole list; vLLM's
 per-request seeds are the same keys), and every rank gets all responses back in input order (`gather`). So N workers
 give the tokens one worker gives, and the script's outputs, written by rank 0 only, do not depend on N.
 

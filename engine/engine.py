@@ -5,18 +5,23 @@ CUDA graph on a GPU), fused projections, shared prefill of repeated prompts, exa
     outs = engine.run(prompts, temperature=0.1, max_new_tokens=512, stop_ids={2}, seed=0)
     outs[i] = {"token_ids": [...], "logprobs": [...], "finish_reason": "stop" | "length"}
 
-The cache. Keys and values live in one preallocated tensor per layer, [max_seqs, n_kv, max_len, head_dim]; a
-sequence owns one slot (row) from its admission to its last token, its token at position p in column p; the
-scheduler (model/scheduler.py) keeps the live sequences in slots 0..n-1, so a decode step reads the views [:n] (no
-gather, no copy). The KV cache is allocated once per engine (grown when a call needs longer sequences), so CUDA
-graphs captured in one of its calls serve the next. model.native.sample, the scripts' entry, builds an engine per
-call and keeps none: an engine packs the weights it reads once, and sdft samples from training weights that change
-between calls; a caller generating repeatedly from fixed weights keeps its own Engine to reuse the cache and graphs.
+The cache. Keys and values live in one preallocated tensor per layer, [max_seqs, n_kv, max_len,
+head_dim]; a sequence owns one slot (row) from its admission to its last token, its token at
+position p in column p; the scheduler (engine/scheduler.py) keeps the live sequences in slots
+0..n-1, so a decode step reads the views [:n] (no gather, no copy). An engine allocates its cache
+once (again when a run needs longer sequences) and keeps it, and the CUDA graphs captured over it,
+from one run() to the next. engine.native.sample, the scripts' and sdft's entry, builds a new
+engine at every call and keeps none, so nothing is reused across its calls: an engine packs the
+weights as they are when it is built, and sdft's change between calls. A caller that generates
+repeatedly from fixed weights keeps its own Engine to reuse the cache and graphs.
 
-The model. The engine runs the model's own blocks (model/transformer.py), plugging its cache into their attention
-(`attend`); on the CPU in fp32 their products read weights packed once for oneDNN (transformer.Packed), and each
-token attends over its own slot's columns 0..pos in one C call per layer (kernels/cpu.py), the decode rows and the
-prompts admitted after a cached prefix alike.
+The model. The engine runs the model's own blocks (model/transformer.py), plugging its cache into
+their attention (`attend`); on the CPU in fp32 their products read weights packed once for oneDNN
+(transformer.Packed). A forward's attention takes one of three paths, each a method: _attend_c
+(the CPU: each token over its own slot's columns 0..pos in one C call per layer, kernels/cpu.py,
+the decode rows and the prompts admitted after a cached prefix alike; the other prompts by one
+varlen call), else _attend_rows (the decode rows over the cache) and _attend_docs (the prompts:
+varlen, or SDPA over the slot's columns after a cached prefix).
 
 The decode step is a pure function of static-shape tensors: tokens, positions, per-row sampling keys and counters
 of the `n` live rows padded up to a batch bucket, attention over the first `span` cache columns (a multiple of
@@ -26,14 +31,35 @@ costs as much as a real one there, and there is no launch overhead to save).
 """
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engine.sampler import row_keys, sample
+from engine.scheduler import Decode, Scheduler, Sequence
 from kernels import cpu, varlen_attention
-from model.sampler import row_keys, sample
-from model.scheduler import Decode, Scheduler, Sequence
 from model.transformer import Transformer, pack_all, packed_products, packs, rope_cos_sin, rope_inv_freq
+
+
+@dataclass
+class Context:
+    """One packed forward's attention context (Engine._context): built once, read by every layer
+    (nano-vllm's Context)."""
+    slots: torch.Tensor          # [T]: each token's slot (the decode rows' are 0..n_rows-1)
+    pos: torch.Tensor            # [T]: its position, i.e. its column in the slot
+    copies: list                 # [(src slot, dst slot, columns)]: shared prefixes, made in order
+    docs: list                   # [(slot, start, end)]: the prefill documents, after the rows
+    lens: list                   # per document: its tokens, end - start
+    cu: torch.Tensor             # [len(docs) + 1] int32: the documents' cu_seqlens
+    cached: bool                 # some document has a shared prefix (start > 0)
+    row_mask: torch.Tensor | None = None  # torch: the rows' mask (_row_mask)
+    masks: list | None = None    # torch, with prefixes: per document, its mask if it has a prefix
+    doc_cu: list | None = None   # torch, with prefixes: per document without one, its cu_seqlens
+    via_cache: torch.Tensor | None = None  # C: the tokens attending over the cache (rows, prefixed)
+    own: torch.Tensor | None = None        # C: the others, causal among their document's tokens
+    own_lens: list | None = None           # C: the lengths of those documents
+    own_cu: torch.Tensor | None = None     # C: their cu_seqlens
 
 
 class Engine:
@@ -56,7 +82,7 @@ class Engine:
         self.max_seqs = max_seqs
         # weights that train (train.py's SDFT, under torch.distributed): capturing beside NCCL's watchdog is fragile,
         # each capture empties the allocator's cache, which training's memory relies on, and packed copies go stale.
-        # Generation workers (model/workers.py) sample from frozen weights in a gloo group: graphs and packing stay
+        # Generation workers (engine/workers.py) sample from frozen weights in a gloo group: graphs and packing stay
         training = any(p.requires_grad for p in model.parameters())
         if graphs is None:
             graphs = cuda and os.environ.get("OPR_ENGINE_GRAPHS", "1") != "0" and not training
@@ -88,68 +114,108 @@ class Engine:
         return self.model.lm_head(h)
 
     def _forward(self, ids, pos, slots, docs, copies, n_rows: int = 0, span: int = 0):
-        """One packed forward of n_rows decode rows and then prefill documents -> the logits of each row and of each
-        document's last token [n_rows + len(docs), V]; every token's keys and values are written into its slot.
-        ids, pos, slots [T]: the tokens, their positions and slots. The first n_rows are the live sequences' last
-        tokens (slots 0..n_rows-1), attending over cache columns [0, span) as decode_step's rows do. docs: per
-        document (slot, start, end): its tokens are positions start..end-1 of its sequence; positions before `start`
-        (a shared prefix) are in its slot, or get there through `copies` [(src slot, dst slot, columns)], made in
-        order in each layer once that layer's new keys and values are written, so a prefix may come from a document
-        of this same forward. Each document attends causally over its slot's columns: all in one varlen call when
-        none has a prefix, else one call each."""
-        dev = ids.device
-        lens = [e - b for _, b, e in docs]
-        cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
-        cached = any(b > 0 for _, b, _ in docs)
-        hkv, g = self.cfg.num_key_value_heads, self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        if self.c_attention:  # the rows and the documents with a prefix through the cache (C), the others varlen
-            plain = torch.tensor([False] * n_rows + [not b for _, b, _ in docs], device=dev)
-            plain = plain.repeat_interleave(torch.tensor([1] * n_rows + lens, device=dev))
-            via_cache, own = (~plain).nonzero().squeeze(1), plain.nonzero().squeeze(1)
-            own_lens = [n for n, (_, b, _) in zip(lens, docs) if not b]
-            own_cu = torch.tensor([0] + own_lens, device=dev).cumsum(0).to(torch.int32)
-        elif cached:  # built once, the same in every layer: per document with a prefix, the mask by which new token j
-            # (position b + j) sees columns 0..b+j; per document without one, its own cu_seqlens for the varlen call
-            masks = [(torch.arange(e, device=dev)[None, :] <= torch.arange(b, e, device=dev)[:, None]).repeat(g, 1)
-                     if b else None for _, b, e in docs]
-            own_cu = [None if b else torch.tensor([0, e], device=dev, dtype=torch.int32) for _, b, e in docs]
-        row_mask = _row_mask(pos[:n_rows], span, hkv, self.dtype) if n_rows and not self.c_attention else None
+        """One packed forward of n_rows decode rows and then prefill documents -> the logits of each
+        row and of each document's last token [n_rows + len(docs), V]; every token's keys and
+        values are written into its slot. ids, pos, slots [T]: the tokens, their positions and
+        slots. The first n_rows are the live sequences' last tokens (slots 0..n_rows-1), attending
+        over cache columns [0, span) as decode_step's rows do. docs: per document (slot, start,
+        end): its tokens are positions start..end-1 of its sequence; positions before `start` (a
+        shared prefix) are in its slot, or get there through `copies` [(src slot, dst slot,
+        columns)], made in order in each layer once that layer's new keys and values are written,
+        so a prefix may come from a document of this same forward. Each document attends causally
+        over its slot's columns. Attention takes one of two paths in every layer: _attend_c (the
+        CPU's C kernel) or the torch one, _attend_rows for the rows and _attend_docs for the
+        documents."""
+        ctx = self._context(pos, slots, docs, copies, n_rows, span)
 
         def attend(i, q, k, v):
-            self.k[i][slots, :, pos] = k
-            self.v[i][slots, :, pos] = v
-            for src, dst, n in copies:
-                self.k[i][dst, :, :n] = self.k[i][src, :, :n]
-                self.v[i][dst, :, :n] = self.v[i][src, :, :n]
+            self._write_cache(i, k, v, ctx)
             if self.c_attention:
-                if not own_lens:
-                    return cpu.cache_attention(q, self.k[i], self.v[i], slots, pos)
-                if not via_cache.numel():
-                    return varlen_attention(q, k, v, cu, max(lens)).flatten(1)
-                out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-                out[via_cache] = cpu.cache_attention(q[via_cache], self.k[i], self.v[i], slots[via_cache],
-                                                     pos[via_cache])
-                out[own] = varlen_attention(q[own], k[own], v[own], own_cu, max(own_lens)).flatten(1)
-                return out
-            out = [self._attend_rows(i, q[:n_rows], row_mask)] if n_rows else []
-            q, k, v = q[n_rows:], k[n_rows:], v[n_rows:]
-            if docs and not cached:
-                out.append(varlen_attention(q, k, v, cu, max(lens)).flatten(1))
-            elif docs:
-                at = 0
-                for (slot, b, e), n, mask, cu_d in zip(docs, lens, masks, own_cu):  # sees the slot's columns 0..e-1
-                    if not b:  # no prefix: causal among its own tokens, as in a forward without prefixes
-                        out.append(varlen_attention(q[at:at + n], k[at:at + n], v[at:at + n], cu_d, n).flatten(1))
-                        at += n
-                        continue
-                    # [n, Hq, D] -> [1, Hkv, G * n, D]: each kv head's G query heads as G * n queries (_attend_rows)
-                    qd = q[at:at + n].view(n, hkv, g, -1).permute(1, 2, 0, 3).reshape(1, hkv, g * n, -1)
-                    kd, vd = self.k[i][slot:slot + 1, :, :e], self.v[i][slot:slot + 1, :, :e]
-                    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)
-                    out.append(od.view(hkv, g, n, -1).permute(2, 0, 1, 3).reshape(n, -1))
-                    at += n
+                return self._attend_c(i, q, k, v, ctx)
+            out = [self._attend_rows(i, q[:n_rows], ctx.row_mask)] if n_rows else []
+            if docs:
+                out.append(self._attend_docs(i, q[n_rows:], k[n_rows:], v[n_rows:], ctx))
             return torch.cat(out) if len(out) > 1 else out[0]
-        return self._run(ids, pos, attend, torch.cat([torch.arange(n_rows, device=dev), n_rows + cu[1:].long() - 1]))
+        last = torch.cat([torch.arange(n_rows, device=ids.device), n_rows + ctx.cu[1:].long() - 1])
+        return self._run(ids, pos, attend, last)
+
+    def _context(self, pos, slots, docs, copies, n_rows: int, span: int) -> "Context":
+        """What every layer's attention needs in one _forward (see there), built once: the
+        documents' lengths and cu_seqlens, and the index tensors and masks of the path this engine
+        takes."""
+        dev = pos.device
+        lens = [e - b for _, b, e in docs]
+        ctx = Context(slots, pos, copies, docs, lens,
+                      torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32),
+                      any(b > 0 for _, b, _ in docs))
+        if self.c_attention:  # the rows and the documents with a prefix through the cache (C), the
+            # others by one varlen call
+            plain = torch.tensor([False] * n_rows + [not b for _, b, _ in docs], device=dev)
+            plain = plain.repeat_interleave(torch.tensor([1] * n_rows + lens, device=dev))
+            ctx.via_cache, ctx.own = (~plain).nonzero().squeeze(1), plain.nonzero().squeeze(1)
+            ctx.own_lens = [n for n, (_, b, _) in zip(lens, docs) if not b]
+            ctx.own_cu = torch.tensor([0] + ctx.own_lens, device=dev).cumsum(0).to(torch.int32)
+            return ctx
+        if ctx.cached:  # per document with a prefix, the mask by which new token j (position b + j)
+            # sees columns 0..b+j; per document without one, its own cu_seqlens for the varlen call
+            g = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+            ctx.masks = [(torch.arange(e, device=dev)[None, :]
+                          <= torch.arange(b, e, device=dev)[:, None]).repeat(g, 1) if b else None
+                         for _, b, e in docs]
+            ctx.doc_cu = [None if b else torch.tensor([0, e], device=dev, dtype=torch.int32)
+                          for _, b, e in docs]
+        if n_rows:
+            ctx.row_mask = _row_mask(pos[:n_rows], span, self.cfg.num_key_value_heads, self.dtype)
+        return ctx
+
+    def _write_cache(self, i, k, v, ctx):
+        """Layer i's new keys and values k, v [T, Hkv, D] into their slots' columns, then the
+        shared prefixes' copies, in order (a donor of this forward is written by then)."""
+        self.k[i][ctx.slots, :, ctx.pos] = k
+        self.v[i][ctx.slots, :, ctx.pos] = v
+        for src, dst, n in ctx.copies:
+            self.k[i][dst, :, :n] = self.k[i][src, :, :n]
+            self.v[i][dst, :, :n] = self.v[i][src, :, :n]
+
+    def _attend_c(self, i, q, k, v, ctx):
+        """The CPU path of layer i's attention, q [T, Hq, D] -> [T, Hq * D]: the decode rows and the
+        documents with a shared prefix attend over their slot's cache columns in C
+        (cpu.cache_attention), the other documents causally among their own tokens in one varlen
+        call."""
+        if not ctx.own_lens:
+            return cpu.cache_attention(q, self.k[i], self.v[i], ctx.slots, ctx.pos)
+        if not ctx.via_cache.numel():
+            return varlen_attention(q, k, v, ctx.cu, max(ctx.lens)).flatten(1)
+        via, own = ctx.via_cache, ctx.own
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        out[via] = cpu.cache_attention(q[via], self.k[i], self.v[i], ctx.slots[via], ctx.pos[via])
+        out[own] = varlen_attention(q[own], k[own], v[own], ctx.own_cu,
+                                    max(ctx.own_lens)).flatten(1)
+        return out
+
+    def _attend_docs(self, i, q, k, v, ctx):
+        """The torch path of layer i's attention for the prefill documents, q, k, v [T, H, D] of
+        their tokens -> [T, Hq * D]: all in one varlen call when none has a shared prefix, else one
+        call each (a document with a prefix by SDPA over its slot's columns 0..end-1)."""
+        if not ctx.cached:
+            return varlen_attention(q, k, v, ctx.cu, max(ctx.lens)).flatten(1)
+        hkv = self.cfg.num_key_value_heads
+        g = self.cfg.num_attention_heads // hkv
+        out, at = [], 0
+        for (slot, b, e), n, mask, cu_d in zip(ctx.docs, ctx.lens, ctx.masks, ctx.doc_cu):
+            if not b:  # no prefix: causal among its own tokens, as in a forward without prefixes
+                qd, kd, vd = q[at:at + n], k[at:at + n], v[at:at + n]
+                out.append(varlen_attention(qd, kd, vd, cu_d, n).flatten(1))
+                at += n
+                continue
+            # [n, Hq, D] -> [1, Hkv, G * n, D]: each kv head's G query heads as G * n queries
+            # (as _attend_rows folds them)
+            qd = q[at:at + n].view(n, hkv, g, -1).permute(1, 2, 0, 3).reshape(1, hkv, g * n, -1)
+            kd, vd = self.k[i][slot:slot + 1, :, :e], self.v[i][slot:slot + 1, :, :e]
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)
+            out.append(od.view(hkv, g, n, -1).permute(2, 0, 1, 3).reshape(n, -1))
+            at += n
+        return torch.cat(out) if len(out) > 1 else out[0]
 
     def _attend_rows(self, i, q, mask):
         """Layer i's attention of one new token in each slot 0..n-1 (q [n, Hq, D]) over the cache columns that
@@ -220,7 +286,7 @@ class Engine:
     def allocate(self, cols: int):
         """The KV cache for sequences of up to `cols` tokens (and no CUDA graphs yet: they capture its addresses). It
         stays with the engine: the engine's next run() reuses it, and the graphs captured over it, when its
-        sequences fit (model.native.sample makes a new engine per call: see the module docstring)."""
+        sequences fit (engine.native.sample builds a new engine per call: see the module docstring)."""
         shape = (self.cfg.num_hidden_layers, self.max_seqs, self.cfg.num_key_value_heads, cols, self.cfg.head_dim)
         # zeros, not empty: a masked column still enters attention's weighted sum (0 * NaN would be NaN)
         self.K = torch.zeros(shape, device=self.device, dtype=self.dtype)
