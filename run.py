@@ -157,7 +157,7 @@ class Settings:
     lora_dropout: float = setting(lora.DROPOUT, "LoRA methods: dropout on the adapters' input (TRACE's)",
                                   float_in(0, 0.99))
     lora_targets: str = setting(lora.TARGETS, "LoRA methods: modules of every block (PEFT's for Llama/Qwen)",
-                                train.lora_targets)
+                                lora.lora_targets)
     lora_lr: float = setting(lora.LR, "LoRA methods: peak learning rate, in place of --lr (TRACE's)",
                              float_in(0, lo_open=True))
     olora_lambda1: float = setting(olora.LAMBDA1, "olora: weight of sum |A_old A_new^T| (O-LoRA's code)", float_in(0))

@@ -33,7 +33,6 @@ method's file says what it computes and where its defaults come from.
 import argparse
 import hashlib
 import importlib.util
-import json
 import math
 import os
 import time
@@ -54,18 +53,18 @@ from common.outputs import check_output, sibling_tag
 from data.packing import pack, plan_steps
 import kernels
 from kernels import attention, cross_entropy
-from model.checkpoint import load_config, load_into, remove_dir, save_checkpoint
+from model.checkpoint import load_config, remove_dir, save_checkpoint
+from model.fsdp import build_model, setup_distributed
 from model.hub import resolve_model
-from model.lora import (TARGETS, LoraConfig, attach_lora, init_lora, merge_state, read_adapter, read_config,
-                        save_adapter, set_adapters)
-import methods.lora
+from model.lora import LoraConfig, merge_state, read_config, save_adapter
 from methods import OBJECTIVES
+from methods.lora import add_lora_flags, check_lora_init, lora_config
 from model.objectives import fsdp_units, trained
+from model.schedules import SCHEDULES
 from model.tokenizer import ChatTokenizer
-from model.transformer import Transformer
 from model import costs
-from model.train_state import (final_with_same_settings, hold, resume, save_state, saved_settings,
-                               state_settings)
+from model.train_state import (final_with_same_settings, hold, plan_digest, resume, save_state,
+                               saved_settings, state_settings)
 from reporting import tensorboard, wandb_run
 
 # ---- defaults: the paper's hyperparameters (7-8B models, 8xH100) ------------------------------------------
@@ -132,7 +131,7 @@ def parse_args(argv=None):
     p.add_argument("--memory", help="records held out of the training mixture, in --data's formats, for an objective "
                                     "that reads them (agem: its episodic memory)")
     add_objective_flags(p)
-    add_lora_flags(p)
+    add_lora_flags(p, LORA_RANK)
     p.add_argument("--peak-tflops", type=float_in(0, lo_open=True), help="device peak for the MFU estimate (default: H100 bf16 dense "
                                                      "on CUDA, a measured fp32 matmul on CPU)")
     p.add_argument("--max-steps", type=int_at_least(1), help="stop after this many optimizer steps (for smoke tests)")
@@ -156,148 +155,9 @@ def add_objective_flags(p):
         o.add_flags(p)
 
 
-def add_lora_flags(p):
-    g = p.add_argument_group("LoRA (model/lora.py): a frozen --model, adapters trained; OUT holds the merged weights "
-                             "and the adapter in PEFT's layout (OUT/adapter/)")
-    g.add_argument("--lora-rank", type=int_at_least(0), default=LORA_RANK,
-                   help="adapter rank r; 0 = full fine-tuning (default: %(default)s)")
-    g.add_argument("--lora-alpha", type=float_in(0, lo_open=True), default=methods.lora.ALPHA,
-                   help="scale alpha / r (default: %(default)s, TRACE's)")
-    g.add_argument("--lora-dropout", type=float_in(0, 0.99), default=methods.lora.DROPOUT,
-                   help="dropout on the adapters' input (default: %(default)s, TRACE's); its masks are seeded by "
-                        "--seed, step and rank, so a resumed run draws the same ones")
-    g.add_argument("--lora-targets", type=lora_targets, default=methods.lora.TARGETS,
-                   help=f"comma-separated modules of every block, from {','.join(TARGETS)} (default: %(default)s, "
-                        f"PEFT's for Llama/Qwen)")
-    g.add_argument("--lora-init", metavar="DIR", help="start from this PEFT adapter (a LoRA stage's OUT/adapter: "
-                   "sequential LoRA fine-tuning) instead of a new one; its r, alpha and targets must be the flags'")
-
-
-def lora_targets(text: str) -> str:
-    """--lora-targets: one spelling of a set of TARGETS (sorted, no repeats)."""
-    names = sorted({t.strip() for t in text.split(",") if t.strip()})
-    bad = [t for t in names if t not in TARGETS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"{bad[0] if bad else text!r} is not a module of a block "
-                                         f"({', '.join(TARGETS)})")
-    return ",".join(names)
-
-
-def lora_config(args) -> LoraConfig | None:
-    return (LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                       targets=tuple(args.lora_targets.split(","))) if args.lora_rank else None)
-
-
 def stacked_rank(args) -> int:
     """The rank of the frozen stack under a new adapter: --lora-init's, when the objective stacks (olora), else 0."""
     return read_config(args.lora_init).rank if args.lora_init and OBJECTIVES[args.objective].stacks else 0
-
-
-def setup_distributed():
-    """One code path for every launch: under torchrun its env:// rendezvous; as a plain process, a world of one
-    with an in-process store (no TCP port, so parallel single-process runs can never join each other)."""
-    cuda = torch.cuda.is_available()
-    if "RANK" in os.environ:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        if cuda:
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if cuda else "gloo")
-    else:
-        local_rank = 0
-        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def build_model(ckpt_dir, device, compute_dtype, activation_checkpointing=False, shard=None, compile=False,
-                lora=None, lora_init=None, seed=0, old_rank=0, frozen_dtype=None):
-    """meta -> LoRA adapters -> compile(each block) -> fully_shard(each block) -> fully_shard(root) -> materialise ->
-    load (-> the adapters' values: --lora-init's, or new ones seeded by `seed`). lm_head and the final norm stay in
-    the root unit, where forward computes the loss. With `lora` (a LoraConfig) only the adapters are trainable;
-    they live inside their block, so FSDP2 shards them with it; the frozen base is kept in the compute dtype
-    (frozen_dtype: another), what FSDP2 would cast an fp32 copy to for every forward, so the same numbers in bf16
-    in half the bytes; the adapters stay fp32. old_rank > 0: --lora-init's adapters (of that rank)
-    are a frozen stack under a new trained adapter (O-LoRA), not its start.
-
-    compile: each block's forward through torch.compile(fullgraph=True), before fully_shard as torchtitan orders it
-    (FSDP2's hooks run outside the compiled region); the token dimension is dynamic (dynamic=True), so packed
-    micro-batches of any length share one graph (one more for a 1-token micro-batch, which dynamo specialises): no
-    recompilation per length, and on the CPU a resumed run computes what an uninterrupted one does (tested; on a GPU
-    inductor may tune kernels to the first length it sees). The loss and embeddings stay eager.
-
-    A world of one on CPU that computes in fp32 (the parameters' own dtype) is not wrapped: FSDP2 would have
-    nothing to shard, gather or cast there, only its hooks and DTensor dispatch on every op, a large share of a
-    tiny model's CPU step (BENCHMARKS.md, "The levers, each measured on its own"; GPU runs keep FSDP2 whatever
-    their size).
-    The rest of the loop is the same code for both; fsdp_units() is empty for a plain model. shard=True forces
-    the FSDP2 wrapping (benchmarks and tests compare the two)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    with torch.device("meta"):
-        model = Transformer(load_config(ckpt_dir))
-        if lora is not None:
-            attach_lora(model, lora, old_rank)
-            # the frozen base is only read in the compute dtype: kept in it, bf16 takes half the bytes (FSDP2
-            # wants one dtype among the trained parameters only)
-            for p in model.parameters():
-                if not p.requires_grad:
-                    p.data = p.data.to(frozen_dtype or compute_dtype)
-    model.activation_checkpointing = activation_checkpointing
-    if compile:
-        for block in model.model.layers:
-            block.compile(fullgraph=True, dynamic=True)
-    world = dist.get_world_size()
-    if shard if shard is not None else (world > 1 or compute_dtype != torch.float32 or device.type != "cpu"):
-        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        for block in model.model.layers:
-            fully_shard(block, mp_policy=mp, reshard_after_forward=world > 1)  # one rank: nothing to free
-        fully_shard(model, mp_policy=mp)
-        # Gradients are summed across ranks (our loss is already divided by the global token count); gloo has no
-        # PREMUL_SUM, so force a plain sum everywhere.
-        for m in fsdp_units(model):
-            m.set_force_sum_reduction_for_comms(True)
-            m.set_gradient_divide_factor(1.0)
-    model.to_empty(device=device)
-    if not fsdp_units(model):
-        model.tie_weights()  # to_empty gives every parameter new storage, a tied pair two (FSDP2 keeps the pair one)
-    load_into(model, ckpt_dir)
-    if lora is not None:
-        init_lora(model, seed + old_rank)  # (a stacked stage's new adapter: a draw of its own)
-        if lora_init:
-            set_adapters(model, read_adapter(lora_init, model))
-    return model
-
-
-def cosine(step: int, total: int, warmup: float = 0.0) -> float:
-    """lr factor of optimizer step `step` (0-based) of `total`: a linear rise over the first round(warmup * total)
-    steps (step 0 trains at 1 / (n + 1) of the peak, never at 0), then a cosine decay to 0 over the rest."""
-    n = round(warmup * total)
-    if step < n:
-        return (step + 1) / (n + 1)
-    return 0.5 * (1 + math.cos(math.pi * min(step - n, total - n) / max(total - n, 1)))
-
-
-def linear(step: int, total: int, warmup: float = 0.0) -> float:
-    """cosine's warmup, then a linear decay to 0 over the rest: (total - step) / (total - n) from the peak at step n,
-    HF's get_linear_schedule_with_warmup after the warmup (the official OPR code's schedule)."""
-    n = round(warmup * total)
-    if step < n:
-        return (step + 1) / (n + 1)
-    return 1 - min(step - n, total - n) / max(total - n, 1)
-
-
-SCHEDULES = {"cosine": cosine, "linear": linear}  # --lr-schedule
-
-
-def measured_peak_flops(device, dtype) -> float:
-    if device.type == "cuda":  # H100 SXM dense: bf16 tensor cores, or TF32 for fp32 matmuls
-        return 989e12 if dtype == torch.bfloat16 else 495e12
-    a = torch.randn(1024, 1024)
-    a @ a
-    t = time.perf_counter()
-    for _ in range(8):
-        a @ a
-    return 8 * 2 * 1024**3 / (time.perf_counter() - t)
 
 
 def main(argv=None):
@@ -461,7 +321,8 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
     lock = hold(workdir, rank, device)
     start = resume(args, rank, model, opt, sched, workdir, plan_id, ema_teacher, settings, total_steps)
 
-    peak = (args.peak_tflops * 1e12) if args.peak_tflops else measured_peak_flops(device, compute_dtype)
+    peak = (args.peak_tflops * 1e12 if args.peak_tflops
+            else costs.measured_peak_flops(device, compute_dtype))
     lora = sum(p.numel() for _, p in trained(model)) if args.lora_rank else 0  # (DTensors: their global size)
     flops_per_token = costs.flops_per_token(model.cfg, sum(lengths) / len(lengths), lora)
     stage = Stage(args=args, rank=rank, world=world, device=device, compute_dtype=compute_dtype, out=out,
@@ -476,17 +337,6 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
         stage.tb = tensorboard.writer(Path(args.tensorboard), start + 1) if args.tensorboard else None
         stage.wb = wandb_run.start(Path(args.wandb), vars(args)) if args.wandb else None
     return stage
-
-
-def plan_digest(settings: dict, examples: list) -> str:
-    """What a resumable training state must have been saved for: the flags that change the weights and the tokens of
-    every example, with their loss mask and source (a data file edited between a save and a --resume, even to the
-    same lengths, is another run)."""
-    from array import array
-    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
-    for e in examples:
-        h.update(array("q", [len(e.ids), e.replay, *e.ids, *e.targets]).tobytes())
-    return h.hexdigest()
 
 
 def already_final(args, rank: int, out: Path, workdir: Path) -> bool:
@@ -539,24 +389,7 @@ def resolve_inputs(args, rank: int):
     if not Path(args.model).is_dir():  # a model id: its snapshot in the local Hugging Face cache
         args.model = str(resolve_model(args.model))
     if args.lora_init:
-        if not (Path(args.lora_init) / "adapter_config.json").is_file():
-            raise UserError(f"--lora-init {args.lora_init}: not a PEFT adapter directory (no adapter_config.json)")
-        try:
-            saved = read_config(args.lora_init)
-        except (ValueError, KeyError, TypeError) as e:
-            raise UserError(f"--lora-init {args.lora_init}: {e}") from None
-        ours = lora_config(args)
-        if OBJECTIVES[args.objective].stacks:  # a stack of k adapters of rank r: rank k r, alpha k alpha (one scale)
-            k = saved.rank // ours.rank
-            if saved.rank % ours.rank or saved.alpha != k * ours.alpha:
-                raise UserError(f"--lora-init {args.lora_init}: its adapter (rank {saved.rank}, alpha {saved.alpha:g}) "
-                                f"is not a stack of adapters of --lora-rank {ours.rank}, --lora-alpha "
-                                f"{ours.alpha:g}")
-            saved = ours
-        for flag, a, b in (("rank", saved.rank, ours.rank), ("alpha", saved.alpha, ours.alpha),
-                           ("targets", ",".join(saved.targets), args.lora_targets)):
-            if a != b:
-                raise UserError(f"--lora-init {args.lora_init}: its adapter has {flag} {a}, --lora-{flag} is {b}")
+        check_lora_init(args, OBJECTIVES[args.objective].stacks)
 
 
 def build_models(args, device, compute_dtype, obj):

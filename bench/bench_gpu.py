@@ -135,7 +135,8 @@ def mix_lengths(mix: str, n: int, max_len: int, seed: int = 0) -> list[tuple[int
 # ---------------------------------------------------------------------------------------------- workers
 
 def random_init(model, ckpt_dir):
-    """Stands in for model.checkpoint.load_into in train.build_model: N(0, 0.02) matrices, unit norms, zero biases."""
+    """Stands in for model.checkpoint.load_into in build_model (model/fsdp.py): N(0, 0.02)
+    matrices, unit norms, zero biases."""
     import torch
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -152,12 +153,13 @@ def train_worker(args):
     import train
     from data.packing import IGNORE, Example, collate, pack
     from kernels import attention, cross_entropy
+    from model import fsdp
     from model.objectives import nll
     from model.costs import flops_per_token
 
     rank, world, device = train.setup_distributed()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    train.load_into = random_init  # train.build_model, with random weights instead of a checkpoint's
+    fsdp.load_into = random_init  # train.build_model, with random weights, not a checkpoint's
     opts = argparse.Namespace(compile=args.compile_on, model=args.config, activation_checkpointing=args.ac_on,
                               max_len=args.max_len,
                               micro_tokens=None if args.micro_tokens == "auto" else int(args.micro_tokens))

@@ -23,6 +23,7 @@ pipeline.layout, which picks the layout: the cost model imports nothing of pipel
 train.py can size its micro-batches with it and stay a script of its own.
 """
 import math
+import time
 from dataclasses import dataclass, field
 
 # ---- defaults: the throughput profile (BENCHMARKS.md "Anchors"; nothing here was measured on a GPU) --------------
@@ -85,6 +86,21 @@ def flops_per_token(cfg, mean_doc: float, lora: int = 0) -> float:
     w = 4 if lora else 6
     return (w * cfg.num_params(embeddings=False) + w * cfg.vocab_size * cfg.hidden_size + 6 * lora
             + 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * mean_doc)
+
+
+def measured_peak_flops(device, dtype) -> float:
+    """train.py's peak FLOP/s of `device` for its MFU (without --peak-tflops): on CUDA an H100
+    SXM's dense peak in `dtype`, on the CPU the rate of eight fp32 1024 x 1024 matmuls timed after
+    one warm-up."""
+    import torch  # the one function here that needs it: the rest of the cost model is arithmetic
+    if device.type == "cuda":  # H100 SXM dense: bf16 tensor cores, or TF32 for fp32 matmuls
+        return 989e12 if dtype == torch.bfloat16 else 495e12
+    a = torch.randn(1024, 1024)
+    a @ a
+    t = time.perf_counter()
+    for _ in range(8):
+        a @ a
+    return 8 * 2 * 1024**3 / (time.perf_counter() - t)
 
 
 def lora_params(cfg, rank: int, targets) -> int:

@@ -126,7 +126,8 @@ def trained(model) -> list:
 
 
 def fsdp_units(model) -> list:
-    """The FSDP2 units of a model from train.py's build_model (blocks, then the root); [] when it is not sharded."""
+    """The FSDP2 units of a model from build_model (model/fsdp.py: blocks, then the root); [] when
+    it is not sharded."""
     from torch.distributed.fsdp import FSDPModule
     return [m for m in (*model.model.layers, model) if isinstance(m, FSDPModule)]
 

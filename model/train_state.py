@@ -77,6 +77,17 @@ def state_settings(args) -> dict:
             if k not in NOT_STATE_ARGS and not k.startswith(others)}
 
 
+def plan_digest(settings: dict, examples: list) -> str:
+    """What a resumable training state must have been saved for: the flags that change the weights
+    (settings: state_settings) and the tokens of every example, with their loss mask and source (a
+    data file edited between a save and a --resume, even to the same lengths, is another run)."""
+    from array import array
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for e in examples:
+        h.update(array("q", [len(e.ids), e.replay, *e.ids, *e.targets]).tobytes())
+    return h.hexdigest()
+
+
 def hold(workdir: Path, rank: int, device) -> int | None:
     """Make OUT.partial (train.py's own) and hold an exclusive flock on it for the rest of the run (rank 0), so that a
     second train.py on the same --out is refused in one line before it writes anything there (it has only read its

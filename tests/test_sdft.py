@@ -19,9 +19,9 @@ pytest.importorskip("transformers")  # train_ckpt is built by transformers
 from tiny import (MAX_LEN, assert_close_rel, assert_same_weights, kill_once_state_is_saved, log, train,  # noqa: E402
                   weights)
 
-import train as train_script  # noqa: E402
 from data.packing import plan_steps  # noqa: E402
 from methods import sdft as sdft_method  # noqa: E402
+from model import schedules  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.objectives import sample_seed  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
@@ -104,7 +104,7 @@ def reference(path: Path, name: str) -> tuple[list[dict], dict]:
     history = []
     for step in range(STEPS):
         for group in opt.param_groups:
-            group["lr"] = 1e-3 * train_script.cosine(step, len(plan))
+            group["lr"] = 1e-3 * schedules.cosine(step, len(plan))
         total, n_tokens = 0.0, 0
         for i in plan[step]:
             x = tok.prompt_ids(kept[i]["prompt"])

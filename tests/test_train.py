@@ -26,9 +26,9 @@ transformers = pytest.importorskip("transformers")
 from common.outputs import write_jsonl  # noqa: E402
 from data.packing import collate, pack, plan_steps, tokenize_sft  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
+from model import schedules  # noqa: E402
 from model.objectives import nll  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
-import train as train_script  # noqa: E402
 from tiny import (MAX_LEN, N_STEPS, REPO, WORDS, assert_close_rel, assert_same_weights, foreign_dir, foreign_file,  # noqa: E402
                   free_port, kill_once_state_is_saved, log, tiny_train, train, train_cmd, train_env, weights)
 
@@ -223,23 +223,24 @@ def test_max_steps_keeps_the_whole_plans_schedule(train_ckpt, ref, tmp_path):
 
 def test_warmup_schedule_hand_checked():
     # 8 steps, warmup 0.25: 2 warmup steps at 1/3 and 2/3 of the peak, then cosine over the remaining 6
-    got = [train_script.cosine(s, 8, 0.25) for s in range(9)]
+    got = [schedules.cosine(s, 8, 0.25) for s in range(9)]
     want = [1 / 3, 2 / 3] + [0.5 * (1 + math.cos(math.pi * k / 6)) for k in range(7)]
     assert got == pytest.approx(want, abs=1e-12)
     assert got[2] == 1.0 and got[8] == pytest.approx(0.0, abs=1e-12)
-    assert [train_script.cosine(s, 8) for s in range(9)] == [train_script.cosine(s, 8, 0.0) for s in range(9)]
+    no_warmup = [schedules.cosine(s, 8, 0.0) for s in range(9)]
+    assert [schedules.cosine(s, 8) for s in range(9)] == no_warmup
 
 
 def test_linear_schedule_hand_checked():
     # 8 steps, warmup 0.25: the warmup of cosine (1/3, 2/3), then from the peak at step 2 down by 1/6 a step to 0
-    got = [train_script.linear(s, 8, 0.25) for s in range(9)]
+    got = [schedules.linear(s, 8, 0.25) for s in range(9)]
     assert got == pytest.approx([1 / 3, 2 / 3, 1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6, 0], abs=1e-12)
-    assert [train_script.linear(s, 4) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert [schedules.linear(s, 4) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
     # without warmup, HF's get_linear_schedule_with_warmup (the official OPR code's ms-swift `linear`)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     hf = transformers.get_linear_schedule_with_warmup(opt, 0, 10)
-    assert [train_script.linear(s, 10) for s in range(10)] == pytest.approx([hf.lr_lambdas[0](s) for s in range(10)],
-                                                                           abs=1e-12)
+    assert [schedules.linear(s, 10) for s in range(10)] == pytest.approx(
+        [hf.lr_lambdas[0](s) for s in range(10)], abs=1e-12)
 
 
 def test_linear_schedule_reaches_the_logged_lr(train_ckpt, ref, tmp_path):
