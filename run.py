@@ -56,7 +56,6 @@ import argparse
 import faulthandler
 import importlib.util
 import json
-import os
 import signal
 import sys
 import time
@@ -77,9 +76,10 @@ from data import metrics
 from data.manifest import use_manifest_from_argv
 from data.tasks import task_names
 from pipeline import config, keep
-from pipeline.builders import PRUNABLE, STEP_OUTPUTS, Steps
+from pipeline.builders import Steps
 from pipeline.inputs import Inputs, load_inputs
 from pipeline.layout import TP_SIZES, WEIGHT_SHARE
+from pipeline.machine import engine_of, make_pipeline
 from pipeline.settings import add_flags, apply, setting
 from pipeline.steps import Pipeline
 from pipeline.watch import train_labels, train_status
@@ -333,7 +333,7 @@ def main(argv=None):
     run_dir = check_output(Path(args.out or f"runs/{preset}").resolve(), "run", args.overwrite)
     engine_name = engine_of(args)
     inputs = load_inputs(args, preset, cfg, methods, engine_name)  # built once before anything runs in parallel
-    pipe = make_pipeline(args, run_dir, engine_name)
+    pipe = make_pipeline(args, run_dir, engine_name, THREADS)
     if not args.dry_run:  # the steps' engine, before any runs: a missing vLLM is one line, not a failed step
         from engine.sampling import resolve_engine
         resolve_engine(engine_name)
@@ -478,52 +478,6 @@ def configure(args):
     return preset, cfg, methods, rhos, seeds
 
 
-def engine_of(args) -> str:
-    """The generating steps' engine: "auto" resolved here, so the keys say which engine sampled (vLLM needs GPUs: a
-    CPU run samples natively). A --dry-run with --gpus plans the GPU machine it prices, not the one it runs on: its
-    "auto" is vLLM there (README's GPU setup installs it), so a laptop plans the steps and keys the node will run."""
-    from engine.sampling import resolve_engine
-    if args.engine == "auto" and args.gpus and args.dry_run:
-        return "vllm"
-    return resolve_engine(args.engine, check=False) if args.gpus or args.engine != "auto" else "native"
-
-
-def make_pipeline(args, run_dir: Path, engine_name: str) -> Pipeline:
-    """The Pipeline: the steps' environment (pinned threads, the CPU's numerics), how many run
-    at once, and the numerics that are part of every step's key."""
-    gpus = args.gpus
-    threads = args.threads or pinned_threads(os.environ.get("OMP_NUM_THREADS"))
-    # GPU steps share the devices; on the CPU a generating step's workers take --threads cores each
-    jobs = 1 if gpus else (args.jobs or max(1, (os.cpu_count() or 2) // (threads * args.gen_workers)))
-    import kernels
-    cpu_env, cpu = kernels.cpu_numerics(args.portable)
-    if args.portable and "model" in cpu:
-        print(f"run.py: --portable: this CPU cannot run the pins ({kernels.cpu_model()}: no AVX2), or "
-              f"{'/'.join(kernels.PORTABLE)} are set otherwise; the steps follow this CPU", file=sys.stderr)
-    step_env = dict(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **cpu_env)
-    if not gpus:  # a CPU run: its steps on the CPU also where there is a GPU
-        step_env.update(CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="")
-    if args.debug:
-        step_env["OPR_DEBUG"] = "1"  # steps show tracebacks too
-    env = dict(os.environ, **step_env)
-    import torch
-    # everything besides the settings that changes float results: part of every step's key and of results.json
-    numerics = dict(threads=threads, torch=torch.__version__, gpus=gpus, code=kernels.NUMERICS,
-                    device=torch.cuda.get_device_name(0) if gpus and torch.cuda.is_available() else "cpu",
-                    cpu=cpu, kernels=kernels.backends())
-    pipe = Pipeline(run_dir, jobs, env, args.quiet, numerics)
-    pipe.outputs_of = STEP_OUTPUTS
-    pipe.prunable = PRUNABLE
-    pipe.use_zygote &= gpus == 0 and engine_name != "vllm"  # CUDA and vLLM start in processes of their own
-    if args.executor == "ray" and not args.dry_run:  # connected and every node checked, before anything is written
-        from pipeline.ray_executor import RayExecutor, demand
-        pipe.executor = RayExecutor(args.ray_address, run_dir, step_env, pipe.use_zygote, numerics["cpu"])
-        pipe.demand = lambda kind: demand(kind, threads, args.gen_workers, gpus)
-        pipe.retries = args.ray_retries
-        pipe.jobs = args.jobs or 1024  # Ray's resources decide how many run at once; a pool thread waits on each
-    return pipe
-
-
 # ---- after the run: results.json's meta (the run's files: reporting/collect.py) ------------------------------------
 
 
@@ -595,15 +549,6 @@ def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool, numerics
         return None
     ignored = ("methods", "drift_limit", "rho")
     return noise if all(cfg[k] == getattr(PRESETS[preset], k) for k in cfg if k not in ignored) else None
-
-
-def pinned_threads(omp_env) -> int:
-    """THREADS, or the caller's explicit OMP_NUM_THREADS."""
-    if not omp_env:
-        return THREADS
-    if not omp_env.strip().isdigit() or int(omp_env) < 1:
-        raise UserError(f"OMP_NUM_THREADS={omp_env!r} is not a positive integer; unset it or pass --threads N")
-    return int(omp_env)
 
 
 if __name__ == "__main__":
