@@ -376,7 +376,8 @@ def print_stage(s: Stage):
 
 def resolve_inputs(args, rank: int):
     """--model and --data: the embedded benchmark's first task on the tiny base when not given (built once by rank 0,
-    cached), a model id looked up in the local Hugging Face cache."""
+    cached), a model id looked up in the local Hugging Face cache; --lora-init checked against the
+    --lora-* flags."""
     if args.model is None or args.data is None:
         from data.embedded import ensure_embedded
         from model.base import ensure_base
