@@ -249,8 +249,11 @@ class Hold:
 sys.meta_path.insert(0, Hold())
 """)
     child_env = dict(env["env"], PYTHONPATH=os.pathsep.join(filter(None, [str(hook), env["env"].get("PYTHONPATH")])))
+    # SIGINT at its default, as in a terminal's foreground job: a pytest started with `&` by a non-interactive
+    # shell ignores SIGINT and its children inherit that (then run.py rightly keeps ignoring it)
     p = subprocess.Popen([sys.executable, str(REPO / "run.py"), *run_dir_args(env, tmp_path / "run")], cwd=REPO,
-                         env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 60
         while time.time() < deadline and p.poll() is None and not importing.exists():
