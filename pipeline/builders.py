@@ -1,7 +1,11 @@
 """run.py's step builders: one method per kind of step (train, evaluate, rollout, score, gold replay, drift, a gold
 buffer's NLL), each adding a step to the pipeline with its typed spec (pipeline/specs.py: what its key hashes), the
 steps it reads, the files it reads and the command that runs it. run.py's plan_chain and plan_probes call them in
-the order of the paper's algorithm; what each kind of step must leave behind is STEP_OUTPUTS."""
+the order of the paper's algorithm; what each kind of step must leave behind is STEP_OUTPUTS.
+
+A command's flags that its key holds are written from its spec (spec.argv: pipeline/specs.py's
+FLAGS), never from the settings themselves; any other flag it passes is one its spec declares
+NEUTRAL (tests/test_flag_keys.py)."""
 import sys
 from pathlib import Path
 
@@ -56,10 +60,7 @@ class Steps:
                                                f"--nproc_per_node={dp}"]
         self.trainer = args.launcher.split() if args.launcher else self.py if gpus <= 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
-        self.gen = ["--temperature", str(cfg["temperature"]), "--max-new-tokens", str(cfg["max_new_tokens"]),
-                    "--quiet"]
         self.spec_flag = ["--task-spec", str(inputs.task_spec)] if args.task_spec else []
-        self.common_data = ["--data", str(inputs.data_root), "--max-len", str(cfg["max_len"]), *self.spec_flag]
         # what generation depends on (keys eval/rollout steps): not the method list or rho, so adding a method or a
         # rho to a run re-uses the evaluations and rollouts of the checkpoints it shares
         self.gen_spec = dict(engine=self.engine, **{k: cfg[k] for k in ("temperature", "max_new_tokens", "max_len")})
@@ -69,6 +70,11 @@ class Steps:
 
     def files(self, split, task_list):
         return [task_file(self.inputs.data_root, t, split) for t in task_list]
+
+    def data(self, max_len: list) -> list:
+        """--data and --task-spec (keyed through the files a step reads and its task_fields)
+        around the step's --max-len, where its command has always had them."""
+        return ["--data", str(self.inputs.data_root), *max_len, *self.spec_flag]
 
     @staticmethod
     def scorers(task_list):  # a user's own scorer is read like a data file by the steps that score with it
@@ -98,11 +104,11 @@ class Steps:
             # adapters on the base throughout: a stage continues the previous stage's adapter
             init = ["--lora-init", str(dirs[prev] / "ckpt" / "adapter")] if prev and lora else []
             return self.trainer + [
-                str(SCRIPTS / "train.py"), "--model", str(model), "--data", str(tmp / "mixture.jsonl"),
-                "--out", str(tmp / "ckpt"), "--epochs", str(spec.ep), "--lr", str(cfg["lr"]),
-                "--global-batch", str(cfg["global_batch"]), "--max-len", str(cfg["max_len"]),
-                "--micro-tokens", str(cfg["micro_tokens"]), "--seed", str(seed), "--save-every", str(self.save_every),
-                "--resume", "--warmup", str(cfg["warmup"]), "--lr-schedule", cfg["lr_schedule"], "--quiet", *extra,
+                str(SCRIPTS / spec.SCRIPT), "--model", str(model),
+                "--data", str(tmp / "mixture.jsonl"), "--out", str(tmp / "ckpt"),
+                *spec.argv("ep", "lr", "gb", "max_len", "mt", "seed"),
+                "--save-every", str(self.save_every), "--resume",
+                *spec.argv("warmup", "lr_schedule"), "--quiet", *spec.argv("extra"),
                 *memory, *init, *self.ac,
                 "--tensorboard", str(self.pipe.run_dir / "tb" / "train" / tmp.name.removesuffix(".tmp")),
                 *(["--wandb", str(self.pipe.run_dir / "wandb" / tmp.name.removesuffix(".tmp"))] if self.wandb else [])]
@@ -112,44 +118,46 @@ class Steps:
     def evaluate(self, train_key, stage, task_list, seed):
         """Row `stage` of the matrix: the checkpoint of `train_key` (None: the base model, row 0) on `task_list`."""
         cfg, base = self.cfg, self.inputs.base
-
-        def build(tmp, dirs):
-            limit = ["--limit", str(cfg["eval_limit"])] if cfg["eval_limit"] else []
-            ckpt = dirs[train_key] / "ckpt" if train_key else base
-            return self.gen_py + [str(SCRIPTS / "evaluate.py"), "--ckpt", str(ckpt), *self.common_data,
-                              "--tasks", ",".join(task_list), "--out", str(tmp / "eval"), "--seed", str(seed),
-                              "--repeats", str(cfg["eval_repeats"]), "--scoring", cfg["scoring"], *self.gen,
-                              *self.engine, *limit]
         spec = specs.Eval(tasks=task_list, seed=seed, gen=self.gen_spec, repeats=cfg["eval_repeats"],
                           scoring=cfg["scoring"], rules=RULES, limit=cfg["eval_limit"],
                           task_fields=step_fields(task_list, "eval"))
+
+        def build(tmp, dirs):
+            ckpt = dirs[train_key] / "ckpt" if train_key else base
+            return self.gen_py + [
+                str(SCRIPTS / spec.SCRIPT), "--ckpt", str(ckpt),
+                *self.data(spec.argv("gen.max_len")), *spec.argv("tasks"),
+                "--out", str(tmp / "eval"),
+                *spec.argv("seed", "repeats", "scoring", "gen.temperature", "gen.max_new_tokens"),
+                "--quiet", *spec.argv("gen.engine", "limit")]
         return self.pipe.add("eval", f"s{stage}-eval", spec,
                              [train_key] if train_key else [], build,
                              reads=self.files("test", task_list) + self.scorers(task_list)
                              + ([] if train_key else self.base_files))
 
-    def budget_args(self, prior, next_task, rho):
-        """(score.py flags, the budget) of the replay buffer built after the stage that trained prior[-1]."""
+    def budget(self, prior, next_task, rho):
+        """The budget of the replay buffer built after the stage that trained prior[-1]."""
         cfg = self.cfg
         budget = replay_budget(cfg["replay_budget"], rho, prior, self.inputs.train_sizes, next_task)
         if (budget["total"] if "total" in budget else sum(budget["per_task"].values())) == 0:
             raise UserError(f"--rho {rho}: the replay buffer after stage {len(prior)} would hold 0 examples "
                             f"({cfg['replay_budget']} budget, round(rho x training examples)); the replay methods "
                             f"would train as sft does: raise --rho or the training set size")
-        if "per_task" in budget:
-            return ["--task-budgets", ",".join(f"{t}={k}" for t, k in budget["per_task"].items())], budget
-        return ["--budget", str(budget["total"])], budget
+        return budget
 
     def rollout(self, train_key, stage, prior, seed):
         """rollout.py: the checkpoint of `train_key` answers the training prompts of tasks `prior`."""
         cfg = self.cfg
-
-        def build(tmp, dirs):
-            return self.gen_py + [str(SCRIPTS / "rollout.py"), "--ckpt", str(dirs[train_key] / "ckpt"), *self.common_data,
-                              "--tasks", ",".join(prior), "--out", str(tmp / "rollouts.jsonl"), "--seed", str(seed),
-                              "--max-train", str(cfg["max_train"]), *self.gen, *self.engine]
         spec = specs.Rollout(prior=prior, seed=seed, gen=self.gen_spec, max_train=cfg["max_train"],
                              task_fields=step_fields(prior, "rollout"))
+
+        def build(tmp, dirs):
+            return self.gen_py + [
+                str(SCRIPTS / spec.SCRIPT), "--ckpt", str(dirs[train_key] / "ckpt"),
+                *self.data(spec.argv("gen.max_len")), *spec.argv("prior"),
+                "--out", str(tmp / "rollouts.jsonl"),
+                *spec.argv("seed", "max_train", "gen.temperature", "gen.max_new_tokens"),
+                "--quiet", *spec.argv("gen.engine")]
         return self.pipe.add("rollout", f"s{stage}-rollout", spec, [train_key], build,
                              reads=self.files("train", prior))
 
@@ -157,25 +165,26 @@ class Steps:
         """score.py: the OPR buffer of the rollouts of `rollout_key`, the top (or lowest, or a random subset) of the
         budget by `scorer` (ru: the task metric, sc: mean log-prob)."""
         cfg, data_root, base = self.cfg, self.inputs.data_root, self.inputs.base
-        flags, budget = self.budget_args(prior, next_task, rho)
-        scoring = ["--scoring", cfg["scoring"]]  # ru's metric (sc: only the RU-SC correlation in the stats)
         draw = f"{seed}:{stage}"  # ties among equal scores drawn anew at every stage, as gold replay draws its examples
+        # scoring: ru's metric (sc: only the RU-SC correlation in the stats)
+        spec = specs.Score(scorer=scorer, mode=mode, budget=self.budget(prior, next_task, rho),
+                           seed=draw, scoring=cfg["scoring"], rules=RULES, max_len=cfg["max_len"],
+                           task_fields=step_fields(prior, "score"))
 
         def build(tmp, dirs):  # --max-len and --tokenizer: only what train.py can train on
-            return self.py + [str(SCRIPTS / "score.py"), "--rollouts", str(dirs[rollout_key] / "rollouts.jsonl"),
-                              "--data", str(data_root), "--scorer", scorer, "--select", mode, *flags, *scoring,
-                              "--max-len", str(cfg["max_len"]), "--tokenizer", str(base),
-                              "--tasks", ",".join(prior), "--seed", draw, "--out", str(tmp / "buffer.jsonl"),
-                              *self.spec_flag]
-        spec = specs.Score(scorer=scorer, mode=mode, budget=budget, seed=draw, scoring=cfg["scoring"],
-                           rules=RULES, max_len=cfg["max_len"], task_fields=step_fields(prior, "score"))
+            return self.py + [
+                str(SCRIPTS / spec.SCRIPT), "--rollouts", str(dirs[rollout_key] / "rollouts.jsonl"),
+                "--data", str(data_root),
+                *spec.argv("scorer", "mode", "budget", "scoring", "max_len"),
+                "--tokenizer", str(base), "--tasks", ",".join(prior), *spec.argv("seed"),
+                "--out", str(tmp / "buffer.jsonl"), *self.spec_flag]
         return self.pipe.add("score", f"s{stage}-{scorer}-{mode}", spec,
                              [rollout_key], build, reads=self.files("train", prior) + self.scorers(prior))
 
     def gold_buffer(self, stage, prior, seed, next_task, rho):
         """replay's buffer: a seeded random draw of the budget from the gold training examples of tasks `prior`."""
         cfg, train_sets = self.cfg, self.inputs.train_sets
-        _, budget = self.budget_args(prior, next_task, rho)
+        budget = self.budget(prior, next_task, rho)
 
         def build(tmp, dirs):
             picked = gold_draw(train_sets, prior, budget, seed)
@@ -198,13 +207,12 @@ class Steps:
                            engine=self.engine, task_fields=step_fields([task], "data"))
 
         def build(tmp, dirs):
-            return self.gen_py + [str(SCRIPTS / "synthesize.py"), "--ckpt", str(self.inputs.base), *self.common_data,
-                                  "--tasks", task, "--out", str(tmp / "synth"), "--seed", str(seed),
-                                  "--demos", str(spec.demos), "--prompts", str(spec.prompts),
-                                  "--samples", str(spec.samples), "--temperature", str(spec.temperature),
-                                  "--template", spec.template,
-                                  "--max-new-tokens", str(spec.max_new_tokens), "--max-train", str(spec.max_train),
-                                  "--quiet", *self.engine]
+            return self.gen_py + [
+                str(SCRIPTS / spec.SCRIPT), "--ckpt", str(self.inputs.base),
+                *self.data(spec.argv("max_len")), *spec.argv("task"), "--out", str(tmp / "synth"),
+                *spec.argv("seed", "demos", "prompts", "samples", "temperature", "template",
+                           "max_new_tokens", "max_train"),
+                "--quiet", *spec.argv("engine")]
         return self.pipe.add("synth", f"synth-{task}", spec, [], build,
                              reads=self.files("train", [task]) + self.base_files)
 
@@ -212,41 +220,43 @@ class Steps:
         """ssr_buffer.py: SSR's buffer after stage `stage`: each prior task's synthetic inputs (synth_keys, in task
         order) chosen by K-means and answered by the checkpoint of `train_key`. It reads no training file."""
         cfg = self.cfg
-        flags, budget = self.budget_args(prior, next_task, rho)
         draw = f"{seed}{stage:03d}"  # the K-means start drawn anew at every stage, as gold replay draws its examples
-        spec = specs.Ssr(prior=prior, seed=int(draw), budget=budget, clusters=cfg["ssr_clusters"], gen=self.gen_spec,
+        spec = specs.Ssr(prior=prior, seed=int(draw), budget=self.budget(prior, next_task, rho),
+                         clusters=cfg["ssr_clusters"], gen=self.gen_spec,
                          task_fields=step_fields(prior, "data"))
 
         def build(tmp, dirs):
-            return self.gen_py + [str(SCRIPTS / "ssr_buffer.py"), "--ckpt", str(dirs[train_key] / "ckpt"),
-                                  "--synth", ",".join(str(dirs[k] / "synth") for k in synth_keys), *flags,
-                                  "--clusters", str(spec.clusters), "--max-new-tokens", str(cfg["max_new_tokens"]),
-                                  "--max-len", str(cfg["max_len"]), "--seed", draw, "--out", str(tmp / "buffer.jsonl"),
-                                  "--quiet", *self.engine]
+            return self.gen_py + [
+                str(SCRIPTS / spec.SCRIPT), "--ckpt", str(dirs[train_key] / "ckpt"),
+                "--synth", ",".join(str(dirs[k] / "synth") for k in synth_keys),
+                *spec.argv("budget", "clusters", "gen.max_new_tokens", "gen.max_len", "seed"),
+                "--out", str(tmp / "buffer.jsonl"), "--quiet", *spec.argv("gen.engine")]
         return self.pipe.add("ssr", f"s{stage}-ssr", spec, [train_key, *synth_keys], build)
 
     def drift(self, cur_key, prev_key, stage, prior, seed):
         """drift.py: KL(pi_cur || pi_prev) per update on the test prompts of tasks `prior`."""
         cfg = self.cfg
-
-        def build(tmp, dirs):
-            return self.gen_py + [str(SCRIPTS / "drift.py"), "--ckpt", str(dirs[cur_key] / "ckpt"), "--ref",
-                              str(dirs[prev_key] / "ckpt"), *self.common_data, "--tasks", ",".join(prior), "--out",
-                              str(tmp / "drift"), "--seed", str(seed), "--limit", str(cfg["drift_limit"]),
-                              "--max-new-tokens", str(cfg["max_new_tokens"]), "--quiet", *self.engine]
         spec = specs.Drift(prior=prior, seed=seed, limit=cfg["drift_limit"], temperature=self.drift_temperature,
                            max_new_tokens=cfg["max_new_tokens"], max_len=cfg["max_len"], engine=self.engine,
                            task_fields=step_fields(prior, "data"))
+
+        def build(tmp, dirs):
+            return self.gen_py + [
+                str(SCRIPTS / spec.SCRIPT), "--ckpt", str(dirs[cur_key] / "ckpt"),
+                "--ref", str(dirs[prev_key] / "ckpt"), *self.data(spec.argv("max_len")),
+                *spec.argv("prior"), "--out", str(tmp / "drift"),
+                *spec.argv("seed", "limit", "max_new_tokens"), "--quiet", *spec.argv("engine")]
         return self.pipe.add("drift", f"s{stage}-drift", spec, [cur_key, prev_key],
                              build, reads=self.files("test", prior))
 
     def gold_nll(self, train_key, buffer_key, stage):
         """buffer_nll.py: a gold buffer's per-token NLL under the checkpoint of `train_key`, which it followed."""
-        max_len = self.cfg["max_len"]
+        spec = specs.BufferNll(self.cfg["max_len"])
 
         def build(tmp, dirs):
-            return self.py + [str(SCRIPTS / "buffer_nll.py"), "--ckpt", str(dirs[train_key] / "ckpt"), "--buffer",
-                              str(dirs[buffer_key] / "buffer.jsonl"), "--max-len", str(max_len), "--out",
-                              str(tmp / "buffer_stats.json"), "--quiet"]
-        return self.pipe.add("buffer-nll", f"s{stage}-buffer-nll", specs.BufferNll(max_len), [train_key, buffer_key],
+            return self.py + [str(SCRIPTS / spec.SCRIPT), "--ckpt", str(dirs[train_key] / "ckpt"),
+                              "--buffer", str(dirs[buffer_key] / "buffer.jsonl"),
+                              *spec.argv("max_len"), "--out", str(tmp / "buffer_stats.json"),
+                              "--quiet"]
+        return self.pipe.add("buffer-nll", f"s{stage}-buffer-nll", spec, [train_key, buffer_key],
                              build)
