@@ -77,14 +77,15 @@ def options(parse_args, required) -> list:
         grabbed["parser"] = self
         raise _Grabbed
 
-    real = Parser.parse_args
+    # Parser inherits parse_args: patched on the class and then deleted, as setting the inherited
+    # function back would pin it on Parser and hide later patches of argparse's (test_flag_keys')
     Parser.parse_args = grab
     try:
         parse_args(required)
     except _Grabbed:
         pass
     finally:
-        Parser.parse_args = real
+        del Parser.parse_args
     return [a for a in grabbed["parser"]._actions if a.option_strings and a.nargs != 0]
 
 
