@@ -26,7 +26,10 @@ def cpu_flags() -> set:
 
 
 def cpu_model() -> str:
-    """Vendor, model name and numbers of the CPU, as /proc/cpuinfo gives them (else the platform's own words)."""
-    keys = ("vendor_id", "model name", "cpu family", "model", "CPU implementer", "CPU part")  # (x86; ARM)
+    """Vendor, model name and numbers of the CPU, as /proc/cpuinfo gives them (else the
+    platform's own words)."""
+    # (x86; ARM)
+    keys = ("vendor_id", "model name", "cpu family", "model", "CPU implementer", "CPU part")
     fields = _cpuinfo()
-    return " ".join(f"{k}={fields[k]}" for k in keys if fields.get(k)) or platform.processor() or platform.machine()
+    return (" ".join(f"{k}={fields[k]}" for k in keys if fields.get(k))
+            or platform.processor() or platform.machine())

