@@ -1,9 +1,10 @@
-"""The project's expected failures: what a user can fix, named in one line by common.cli.main_cli (exit 2). A leaf
-module: every package raises these, and it imports nothing of the project's."""
+"""The project's expected failures: what a user can fix, named in one line by common.cli.main_cli
+(exit 2). A leaf module: every package raises these, and it imports nothing of the project's."""
 
 
 class UserError(Exception):
-    """A failure the user can fix: the message names the file, record, field or flag and says what to do."""
+    """A failure the user can fix: the message names the file, record, field or flag
+    and says what to do."""
     exit_code = 2
 
 

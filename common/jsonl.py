@@ -1,5 +1,6 @@
-"""Reading record files: JSON Lines, or a JSON list (TRACE's release format), strictly (no NaN, no infinity); errors
-name file, record, line and field. dumps_strict is the writing side's serializer (common/outputs.py writes).
+"""Reading record files: JSON Lines, or a JSON list (TRACE's release format), strictly (no NaN, no
+infinity); errors name file, record, line and field. dumps_strict is the writing side's serializer
+(common/outputs.py writes).
 """
 import contextlib
 import json
@@ -14,13 +15,15 @@ class NonFiniteError(ValueError):
 
 
 def _refuse_constant(name: str):
-    raise NonFiniteError(f"{name} is not a number (JSON has no NaN or infinity); write a finite number")
+    raise NonFiniteError(f"{name} is not a number (JSON has no NaN or infinity); "
+                         f"write a finite number")
 
 
 def _finite_float(s: str) -> float:
     v = float(s)
     if math.isinf(v):
-        raise NonFiniteError(f"{s} is too large a number (it reads as infinity); write a finite number")
+        raise NonFiniteError(f"{s} is too large a number (it reads as infinity); "
+                             f"write a finite number")
     return v
 
 
@@ -28,7 +31,8 @@ def _int(s: str) -> int:
     try:
         return int(s)
     except ValueError:  # Python converts at most sys.get_int_max_str_digits() digits
-        raise NonFiniteError(f"an integer of {len(s)} digits is too large; write a smaller number") from None
+        raise NonFiniteError(f"an integer of {len(s)} digits is too large; "
+                             f"write a smaller number") from None
 
 
 class DuplicateKeyError(ValueError):
@@ -36,7 +40,8 @@ class DuplicateKeyError(ValueError):
 
 
 def _unique_keys(pairs: list) -> dict:
-    """An object's members, refusing a key given twice (Python's reader keeps the last one without a word)."""
+    """An object's members, refusing a key given twice (Python's reader keeps the last
+    one without a word)."""
     out = {}
     for k, v in pairs:
         if k in out:
@@ -45,17 +50,18 @@ def _unique_keys(pairs: list) -> dict:
     return out
 
 
-# Python's JSON reader takes NaN, Infinity and -Infinity (and 1e999 as an infinity), none of which is JSON; a NaN
-# passes every range check written as `x < lo`, so input must refuse them where it is parsed; and it keeps the last
-# of two equal keys, so a record or a manifest could say two things and mean one
-STRICT = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_int,
-                          object_pairs_hook=_unique_keys)
+# Python's JSON reader takes NaN, Infinity and -Infinity (and 1e999 as an infinity), none of
+# which is JSON; a NaN passes every range check written as `x < lo`, so input must refuse them
+# where it is parsed; and it keeps the last of two equal keys, so a record or a manifest could
+# say two things and mean one
+STRICT = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float,
+                          parse_int=_int, object_pairs_hook=_unique_keys)
 
 
 def loads_strict(text: str, where) -> object:
-    """json.loads for input files: a NaN, an infinity or an overlong integer is an InputError naming `where` (the
-    file, or the file's record and line) and the constant. Malformed JSON still raises json.JSONDecodeError, for
-    the caller to word."""
+    """json.loads for input files: a NaN, an infinity or an overlong integer is an InputError naming
+    `where` (the file, or the file's record and line) and the constant. Malformed JSON still raises
+    json.JSONDecodeError, for the caller to word."""
     try:
         return STRICT.decode(text)
     except NonFiniteError as e:
@@ -66,8 +72,8 @@ def loads_strict(text: str, where) -> object:
 
 
 def _non_finite_field(text: str) -> str | None:
-    """The path ('a.b[2]') of the first NaN or infinity in JSON text, read leniently, for the error line (None when
-    there is none to find, e.g. an overlong integer)."""
+    """The path ('a.b[2]') of the first NaN or infinity in JSON text, read leniently, for the error
+    line (None when there is none to find, e.g. an overlong integer)."""
     def find(x, path):
         if isinstance(x, float) and not math.isfinite(x):
             return path
@@ -85,14 +91,15 @@ def _non_finite_field(text: str) -> str | None:
 
 
 def jsonl_lines(text: str) -> list[str]:
-    """The lines of JSON Lines text: split at '\\n' only (a '\\r' before it dropped). str.splitlines() also splits
-    at U+2028, U+2029, U+0085 (which JSON allows raw inside a string), \\x0b, \\x0c and \\x1c-\\x1e, cutting a record
-    that holds one in two."""
+    """The lines of JSON Lines text: split at '\\n' only (a '\\r' before it dropped).
+    str.splitlines() also splits at U+2028, U+2029, U+0085 (which JSON allows raw inside a string),
+    \\x0b, \\x0c and \\x1c-\\x1e, cutting a record that holds one in two."""
     return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
 
 
 def _locate_bad_record(text: str, path: Path) -> str:
-    """Strict decoding failed on a list file: decode it record by record to say which record is broken."""
+    """Strict decoding failed on a list file: decode it record by record to say which
+    record is broken."""
     dec = STRICT
     n = len(text)
 
@@ -115,17 +122,21 @@ def _locate_bad_record(text: str, path: Path) -> str:
         try:
             _, end = dec.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            return f"{path}: malformed JSON in record {rec} (line {e.lineno}, column {e.colno}): {e.msg}"
+            return (f"{path}: malformed JSON in record {rec} "
+                    f"(line {e.lineno}, column {e.colno}): {e.msg}")
         except NonFiniteError as e:
             field = (_non_finite_field(text) or "").removeprefix(f"[{rec}]").lstrip(".")
-            return f"{path}: record {rec} (line {line_of(pos)}): {f'field {field!r}: ' if field else ''}{e}"
+            return (f"{path}: record {rec} (line {line_of(pos)}): "
+                    f"{f'field {field!r}: ' if field else ''}{e}")
         pos = skip_ws(end)
         if pos < n and text[pos] == ",":
             pos, rec = skip_ws(pos + 1), rec + 1
             continue
         if pos < n and text[pos] == "]":
-            return f"{path}: malformed JSON after record {rec} (line {line_of(pos)}): trailing data after the list"
-        return f"{path}: malformed JSON after record {rec} (line {line_of(pos)}): expected ',' or ']'"
+            return (f"{path}: malformed JSON after record {rec} (line {line_of(pos)}): "
+                    f"trailing data after the list")
+        return (f"{path}: malformed JSON after record {rec} (line {line_of(pos)}): "
+                f"expected ',' or ']'")
 
 
 def _single_object(text: str) -> bool:
@@ -136,14 +147,15 @@ def _single_object(text: str) -> bool:
 
 
 def read_text(path) -> str:
-    """A UTF-8 text file's contents (a leading byte-order mark dropped); non-UTF-8 bytes raise InputError naming
-    the file and the byte offset."""
+    """A UTF-8 text file's contents (a leading byte-order mark dropped); non-UTF-8 bytes raise
+    InputError naming the file and the byte offset."""
     path = Path(path)
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert the file to UTF-8") from None
+        raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); "
+                         f"convert the file to UTF-8") from None
     return text[1:] if text.startswith("\ufeff") else text
 
 
@@ -156,32 +168,38 @@ def _encodable(s: str) -> bool:
 
 
 def what_it_is(path: Path) -> str:
-    """Why `path` is no regular file to read, in words: missing, a directory, a named pipe (a FIFO, or a shell's
-    process substitution: read once, so it cannot be read as a data file), a socket or a device."""
+    """Why `path` is no regular file to read, in words: missing, a directory, a named pipe (a
+    FIFO, or a shell's process substitution: read once, so it cannot be read as a data file), a
+    socket or a device."""
     import stat as st
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
         return "file not found"
-    for test, kind in ((st.S_ISDIR, "a directory"), (st.S_ISFIFO, "a named pipe (FIFO or process substitution)"),
-                       (st.S_ISSOCK, "a socket"), (st.S_ISCHR, "a character device"), (st.S_ISBLK, "a block device")):
+    for test, kind in ((st.S_ISDIR, "a directory"),
+                       (st.S_ISFIFO, "a named pipe (FIFO or process substitution)"),
+                       (st.S_ISSOCK, "a socket"), (st.S_ISCHR, "a character device"),
+                       (st.S_ISBLK, "a block device")):
         if test(mode):
             return f"is {kind}, not a regular file: give the data as a file"
     return "not a regular file"
 
 
-def read_records(path, required=("prompt",), types=None, any_of=(), locate=False, nonblank=(), convert=None) -> list:
-    """Records of a JSON list file or a JSON Lines file (whichever the text is: a list starts with '['), or of a
-    Parquet file (.parquet, with pyarrow).
+def read_records(path, required=("prompt",), types=None, any_of=(), locate=False, nonblank=(),
+                 convert=None) -> list:
+    """Records of a JSON list file or a JSON Lines file (whichever the text is: a list starts with
+    '['), or of a Parquet file (.parquet, with pyarrow).
 
-    Each record must be an object holding every `required` field as a string (or the type, or tuple of types, in
-    `types`), and at least one of the `any_of` fields as a string when given; a `nonblank` field, when a string,
-    must hold more than whitespace (a gold answer: an empty one trains nothing and scores as whatever an empty
-    prediction scores). Every problem raises ValueError naming the file, the record number (0-based; blank JSONL
-    lines are skipped), the line for JSON Lines, and the field.
-    With locate=True, returns (where, record) pairs, where = "<file>: record i[ (line n)]", for later errors.
-    convert(where, record) -> record, when given, is applied to each record before the checks (e.g.
-    data.manifest.as_prompt_record: chat and instruction records as prompt/answer ones).
+    Each record must be an object holding every `required` field as a string (or the type, or tuple
+    of types, in `types`), and at least one of the `any_of` fields as a string when given; a
+    `nonblank` field, when a string, must hold more than whitespace (a gold answer: an empty one
+    trains nothing and scores as whatever an empty prediction scores). Every problem raises
+    ValueError naming the file, the record number (0-based; blank JSONL lines are skipped), the line
+    for JSON Lines, and the field.
+    With locate=True, returns (where, record) pairs, where = "<file>: record i[ (line n)]", for
+    later errors. convert(where, record) -> record, when given, is applied to each record before
+    the checks (e.g. data.manifest.as_prompt_record: chat and instruction records as
+    prompt/answer ones).
     """
     path = Path(path)
     if not path.is_file():
@@ -201,8 +219,8 @@ def read_records(path, required=("prompt",), types=None, any_of=(), locate=False
 
 
 def _parse_records(path: Path) -> list:
-    """(record number, " (line n)" or "", record) of every record of a JSON list, JSON Lines or Parquet file, before
-    any check of what a record holds."""
+    """(record number, " (line n)" or "", record) of every record of a JSON list, JSON Lines or
+    Parquet file, before any check of what a record holds."""
     located = []  # (record number, " (line n)" or "", record)
     text = None if path.suffix == ".parquet" else read_text(path)
     if text is None:
@@ -216,26 +234,29 @@ def _parse_records(path: Path) -> list:
             raise InputError(_locate_bad_record(text, path)) from None
         located = [(i, "", r) for i, r in enumerate(rows)]
     elif text.lstrip().startswith("{") and path.suffix != ".jsonl" and _single_object(text):
-        raise InputError(f"{path}: holds a single JSON object; expected a JSON list of records, or JSON Lines "
-                         f"(one object per line) in a .jsonl file")
+        raise InputError(f"{path}: holds a single JSON object; expected a JSON list of records, "
+                         f"or JSON Lines (one object per line) in a .jsonl file")
     else:
         for lineno, line in enumerate(jsonl_lines(text), 1):
-            if not line.strip(" \t"):  # JSON's whitespace ('\r' is gone): a line of U+2028 is no blank line
+            if not line.strip(" \t"):  # JSON's whitespace ('\r' is gone): a line of
+                                       # U+2028 is no blank line
                 continue
             try:
                 located.append((len(located), f" (line {lineno})",
-                                loads_strict(line, f"{path}: record {len(located)} (line {lineno})")))
+                                loads_strict(line, f"{path}: record {len(located)} "
+                                                   f"(line {lineno})")))
             except json.JSONDecodeError as e:
-                raise InputError(f"{path}: malformed JSON in record {len(located)} (line {lineno}, column "
-                                 f"{e.colno}): {e.msg}") from None
+                raise InputError(f"{path}: malformed JSON in record {len(located)} "
+                                 f"(line {lineno}, column {e.colno}): {e.msg}") from None
     return located
 
 
 def _check_record(where: str, r, required, types: dict, any_of, nonblank):
-    """One record's fields, as read_records's docstring says: a problem raises InputError naming `where` and the
-    field."""
+    """One record's fields, as read_records's docstring says: a problem raises InputError naming
+    `where` and the field."""
     if not isinstance(r, dict):
-        raise InputError(f"{where}: expected an object with {', '.join(map(repr, required))}, got {type(r).__name__}")
+        raise InputError(f"{where}: expected an object with {', '.join(map(repr, required))}, "
+                         f"got {type(r).__name__}")
     for field in required:
         if field not in r:
             raise InputError(f"{where}: missing field {field!r}")
@@ -243,17 +264,20 @@ def _check_record(where: str, r, required, types: dict, any_of, nonblank):
         if not isinstance(r[field], want):
             name = "a string" if want is str else " or ".join(t.__name__ for t in (
                 want if isinstance(want, tuple) else (want,)))
-            raise InputError(f"{where}: field {field!r} must be {name}, got {type(r[field]).__name__}")
+            raise InputError(f"{where}: field {field!r} must be {name}, "
+                             f"got {type(r[field]).__name__}")
     if any_of and not any(isinstance(r.get(f), str) for f in any_of):
         raise InputError(f"{where}: needs a string field {' or '.join(map(repr, any_of))}")
     for field in nonblank:
         check_answer(where, field, r.get(field))
     if isinstance(r.get("prompt"), list) and not (r["prompt"] and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            and _encodable(m["role"] + m["content"]) for m in r["prompt"])):  # a chat prompt's turns
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) and _encodable(m["role"] + m["content"])
+            for m in r["prompt"])):  # a chat prompt's turns
         raise InputError(f"{where}: field 'prompt' must be a string or a non-empty list of "
                          f"{{role, content}} objects of text")
-    for field, v in r.items():  # JSON's "\ud800" escapes decode to text no tokenizer (nor UTF-8) can take
+    for field, v in r.items():  # JSON's "\ud800" escapes decode to text no tokenizer
+                                # (nor UTF-8) can take
         if isinstance(v, str) and not _encodable(v):
             raise InputError(f"{where}: field {field!r} holds an unpaired surrogate "
                              f"(\\ud800-\\udfff escape), which is not text; fix or drop the record")
@@ -263,23 +287,27 @@ def _parquet_rows(path: Path) -> list:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise InputError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow), or convert the file to "
-                         f"JSON Lines") from None
+        raise InputError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow), "
+                         f"or convert the file to JSON Lines") from None
     return pq.read_table(path).to_pylist()
 
 
 def check_answer(where: str, field: str, value):
-    """A gold answer holds text: an empty or all-whitespace one (a string) is refused naming where it is."""
+    """A gold answer holds text: an empty or all-whitespace one (a string) is refused
+    naming where it is."""
     if isinstance(value, str) and not value.strip():
-        raise InputError(f"{where}: field {field!r} is {'empty' if not value else 'only whitespace'}: a gold answer "
-                         f"needs text; fill it in or drop the record")
+        raise InputError(f"{where}: field {field!r} is "
+                         f"{'empty' if not value else 'only whitespace'}: "
+                         f"a gold answer needs text; fill it in or drop the record")
 
 
 def _non_finite(obj, where=""):
-    """(location, value) of the first NaN or infinity in obj (location like ".scores[3]"), or None."""
+    """(location, value) of the first NaN or infinity in obj (location like
+    ".scores[3]"), or None."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return where, obj
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    items = (obj.items() if isinstance(obj, dict)
+             else enumerate(obj) if isinstance(obj, (list, tuple)) else ())
     for k, v in items:
         found = _non_finite(v, f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]")
         if found:
@@ -288,14 +316,15 @@ def _non_finite(obj, where=""):
 
 
 def dumps_strict(obj, path, **kw) -> str:
-    """json.dumps that refuses NaN and infinities (not JSON: other readers reject them), naming the file and the
-    field instead of writing them."""
+    """json.dumps that refuses NaN and infinities (not JSON: other readers reject them), naming the
+    file and the field instead of writing them."""
     try:
         return json.dumps(obj, allow_nan=False, **kw)
     except ValueError:
         found = _non_finite(obj)
         if found is None:
             raise
-        raise InputError(f"{path}: refusing to write a non-finite number ({found[0].lstrip('.') or 'the value'} is "
-                         f"{found[1]}); JSON has no NaN or infinity") from None
+        raise InputError(f"{path}: refusing to write a non-finite number "
+                         f"({found[0].lstrip('.') or 'the value'} is {found[1]}); "
+                         f"JSON has no NaN or infinity") from None
 

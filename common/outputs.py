@@ -1,13 +1,15 @@
 """Writing outputs: atomically and durably, and only over what this project wrote.
 
-Every file the pipeline writes goes through write_text_atomic (temporary file, fsync, rename, fsync of the
-directory), so neither a killed run nor a power loss leaves a half-written file under the final name.
+Every file the pipeline writes goes through write_text_atomic (temporary file, fsync, rename,
+fsync of the directory), so neither a killed run nor a power loss leaves a half-written file
+under the final name.
 
-What a script may replace (check_output, before any work): nothing at the path, an empty directory, an empty file,
-or an output this project wrote, of the same kind. Every output carries a mark that says so, written before the
-output itself: a directory output holds MARK, a file output has a hidden `.<name>` + MARK beside it
-(write_jsonl / write_json with kind=, claim_dir). Anything else -- someone's results.json, a directory of their
-files, a file that only looks like ours -- is refused in one line naming the path, unless the script's --overwrite.
+What a script may replace (check_output, before any work): nothing at the path, an empty directory,
+an empty file, or an output this project wrote, of the same kind. Every output carries a mark that
+says so, written before the output itself: a directory output holds MARK, a file output has a hidden
+`.<name>` + MARK beside it (write_jsonl / write_json with kind=, claim_dir). Anything else --
+someone's results.json, a directory of their files, a file that only looks like ours -- is refused
+in one line naming the path, unless the script's --overwrite.
 """
 import contextlib
 import hashlib
@@ -23,12 +25,14 @@ from pathlib import Path
 from common.jsonl import dumps_strict
 from common.errors import UserError
 
-MARK = ".opr-output"  # {"kind": ...}: inside a directory output, or beside a file output as .<name>.opr-output
+MARK = ".opr-output"  # {"kind": ...}: inside a directory output, or beside a file output
+                      # as .<name>.opr-output
 
 
 def fsync_dir(path):
-    """Make a directory's entries (a rename into it, a new file) durable. File systems that cannot fsync a
-    directory (some FUSE and network mounts: EINVAL, ENOTSUP, EBADF) are let be, as git and SQLite do."""
+    """Make a directory's entries (a rename into it, a new file) durable. File systems that
+    cannot fsync a directory (some FUSE and network mounts: EINVAL, ENOTSUP, EBADF) are let be,
+    as git and SQLite do."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -40,12 +44,14 @@ def fsync_dir(path):
 
 
 def fsync_tree(root):
-    """fsync every file and directory under root (and root): before a rename publishes the tree, so that a power
-    loss cannot leave it listed with truncated files (the rename alone orders nothing on ext4/xfs)."""
+    """fsync every file and directory under root (and root): before a rename publishes the tree,
+    so that a power loss cannot leave it listed with truncated files (the rename alone orders
+    nothing on ext4/xfs)."""
     for d, _, files in os.walk(root):
         for name in files:
             p = os.path.join(d, name)
-            if not stat.S_ISREG(os.lstat(p).st_mode):  # links are not followed; a FIFO would block the open
+            if not stat.S_ISREG(os.lstat(p).st_mode):  # links are not followed; a FIFO
+                                                       # would block the open
                 continue
             fd = os.open(p, os.O_RDONLY)
             try:
@@ -56,18 +62,20 @@ def fsync_tree(root):
 
 
 def sibling_tag(path: Path) -> str:
-    """path's name as its hidden siblings (temporaries, a moved-aside old copy) carry it: the name itself, or for a
-    long one its first 100 bytes and a digest of the rest, so that a name the filesystem takes (up to 255 bytes) has
-    siblings it takes too."""
+    """path's name as its hidden siblings (temporaries, a moved-aside old copy) carry it: the name
+    itself, or for a long one its first 100 bytes and a digest of the rest, so that a name the
+    filesystem takes (up to 255 bytes) has siblings it takes too."""
     name = Path(path).name
     if len(name.encode()) <= 150:
         return name
-    return f"{name.encode()[:100].decode(errors='ignore')}~{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+    return (f"{name.encode()[:100].decode(errors='ignore')}~"
+            f"{hashlib.sha256(name.encode()).hexdigest()[:16]}")
 
 
 def temp_prefix(path: Path) -> str:
-    """The name prefix of a temporary sibling of path: it carries our pid, so that a later run can tell the
-    temporaries of a killed process (SIGKILL, power loss: no cleanup ran) from those of a live one."""
+    """The name prefix of a temporary sibling of path: it carries our pid, so that a later run
+    can tell the temporaries of a killed process (SIGKILL, power loss: no cleanup ran) from
+    those of a live one."""
     return f".{sibling_tag(path)}.tmp-{os.getpid()}-"
 
 
@@ -82,8 +90,9 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale_temporaries(path: Path):
-    """Remove what a killed writer of path left beside it: its temporaries (temp_prefix), and a moved-aside old copy
-    (model.checkpoint.replace_dir) once path itself is in place, when the pid in their name is no running process."""
+    """Remove what a killed writer of path left beside it: its temporaries (temp_prefix), and a
+    moved-aside old copy (model.checkpoint.replace_dir) once path itself is in place, when the pid
+    in their name is no running process."""
     path = Path(path)
     pattern = re.compile(rf"\.{re.escape(sibling_tag(path))}\.(tmp|old)-(\d+)(-.*)?")
     try:
@@ -102,9 +111,10 @@ def remove_stale_temporaries(path: Path):
 
 
 def write_text_atomic(path, text: str, kind: str | None = None) -> Path:
-    """Write text to path atomically and durably (temp file in the same directory, fsync, os.replace, fsync of
-    the directory); kind as in write_jsonl: the mark goes first, so that a crash between the two leaves a marked old
-    file, never an unmarked new one; a failed write leaves no new mark behind."""
+    """Write text to path atomically and durably (temp file in the same directory, fsync,
+    os.replace, fsync of the directory); kind as in write_jsonl: the mark goes first, so that a
+    crash between the two leaves a marked old file, never an unmarked new one; a failed write leaves
+    no new mark behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
@@ -123,35 +133,40 @@ def write_text_atomic(path, text: str, kind: str | None = None) -> Path:
         os.unlink(tmp)
         if new_mark:
             mark.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.filename is None:  # disk full, quota, ...: a write error names no file
+        if isinstance(e, OSError) and e.filename is None:  # disk full, quota, ...: a
+                                                           # write error names no file
             raise OSError(e.errno, e.strerror, str(path)) from e
         raise
-    fsync_dir(path.parent)  # after the try: the file is in place, a failure here must not unlink its temp name
+    fsync_dir(path.parent)  # after the try: the file is in place, a failure here must not
+                            # unlink its temp name
     return path
 
 
-# characters that JSON allows raw in a string but that line splitters (str.splitlines, JavaScript before ES2019, some
-# editors) take for line ends: escaped, a JSON Lines file has one record per line for every reader
+# characters that JSON allows raw in a string but that line splitters (str.splitlines, JavaScript
+# before ES2019, some editors) take for line ends: escaped, a JSON Lines file has one record per
+# line for every reader
 LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\u0085\u2028\u2029"})
 
 
 def write_jsonl(path, records, kind: str | None = None) -> Path:
-    """Write records as JSON Lines atomically (strict JSON: a NaN or infinity is an error naming the record), one
-    record per line for any line splitter (LINE_BREAKS). kind: an output of that kind (OUTPUT_KINDS), marked as
-    this project's before it is written."""
-    return write_text_atomic(path, "".join(dumps_strict(r, f"{path}: record {i}", ensure_ascii=False)
-                                           .translate(LINE_BREAKS) + "\n" for i, r in enumerate(records)), kind)
+    """Write records as JSON Lines atomically (strict JSON: a NaN or infinity is an error naming the
+    record), one record per line for any line splitter (LINE_BREAKS). kind: an output of that kind
+    (OUTPUT_KINDS), marked as this project's before it is written."""
+    return write_text_atomic(
+        path, "".join(dumps_strict(r, f"{path}: record {i}", ensure_ascii=False)
+                      .translate(LINE_BREAKS) + "\n" for i, r in enumerate(records)), kind)
 
 
 def write_json(path, obj, kind: str | None = None) -> Path:
-    """Write obj as indented JSON atomically (strict JSON: a NaN or infinity is an error naming the field); kind as
-    in write_jsonl."""
-    return write_text_atomic(path, dumps_strict(obj, path, indent=1, ensure_ascii=False) + "\n", kind)
+    """Write obj as indented JSON atomically (strict JSON: a NaN or infinity is an error naming the
+    field); kind as in write_jsonl."""
+    return write_text_atomic(
+        path, dumps_strict(obj, path, indent=1, ensure_ascii=False) + "\n", kind)
 
 
 
 
-# ---- what a script may replace ---------------------------------------------------------------------------------------
+# ---- what a script may replace -------------------------------------------------------------------
 # kind -> (is a directory, what it is)
 OUTPUT_KINDS = {
     "checkpoint": (True, "a checkpoint written by train.py"),
@@ -189,7 +204,8 @@ def _marked_kind(where: Path):
 
 
 def claim_dir(path, kind: str) -> Path:
-    """Create directory output `path` (checked by check_output) and mark it as this project's output of `kind`."""
+    """Create directory output `path` (checked by check_output) and mark it as this project's
+    output of `kind`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _mark(mark_path(path, is_dir=True), kind)
@@ -197,17 +213,17 @@ def claim_dir(path, kind: str) -> Path:
 
 
 def is_ours(path, kind: str) -> bool:
-    """Whether `path` carries this project's mark for an output of `kind` (or is one of the outputs written before
-    marks existed that cannot be anyone else's: legacy)."""
+    """Whether `path` carries this project's mark for an output of `kind` (or is one of the outputs
+    written before marks existed that cannot be anyone else's: legacy)."""
     path = Path(path)
     is_dir = OUTPUT_KINDS[kind][0]
     return _marked_kind(mark_path(path, is_dir)) == kind or _legacy(path, kind)
 
 
 def _legacy(path: Path, kind: str) -> bool:
-    """Outputs of earlier versions, unmarked, that a re-run must still continue: a run directory whose manifest.json
-    lists steps as run.py writes them (or that holds only the run.lock of a driver stopped before it marked the
-    directory), train.py's resumable state."""
+    """Outputs of earlier versions, unmarked, that a re-run must still continue: a run directory
+    whose manifest.json lists steps as run.py writes them (or that holds only the run.lock of a
+    driver stopped before it marked the directory), train.py's resumable state."""
     if kind == "run":
         if {p.name for p in path.iterdir()} == {"run.lock"}:
             return True
@@ -223,7 +239,8 @@ def _legacy(path: Path, kind: str) -> bool:
 
 
 def _empty(path: Path) -> bool:
-    """Nothing to lose: an empty directory, or a file of nothing but whitespace (read no further than needed)."""
+    """Nothing to lose: an empty directory, or a file of nothing but whitespace (read no
+    further than needed)."""
     if path.is_dir():
         return not any(path.iterdir())
     try:
@@ -237,9 +254,10 @@ def _empty(path: Path) -> bool:
 
 
 def check_output(path, kind: str, overwrite: bool = False, flag: str = "--out") -> Path:
-    """Refuse, before any work, to replace anything at `path` that this project's script did not write itself (see
-    the module docstring): raises UserError naming the path, unless `overwrite` (the script's --overwrite flag). A
-    directory where a file goes is always refused. Returns the path."""
+    """Refuse, before any work, to replace anything at `path` that this project's script did not
+    write itself (see the module docstring): raises UserError naming the path, unless
+    `overwrite` (the script's --overwrite flag). A directory where a file goes is always
+    refused. Returns the path."""
     path = Path(path)
     is_dir, what = OUTPUT_KINDS[kind]
     if not os.path.lexists(path):
@@ -251,14 +269,15 @@ def check_output(path, kind: str, overwrite: bool = False, flag: str = "--out") 
     if overwrite:
         return path
     found = "a directory" if path.is_dir() else "a file"
-    raise UserError(f"{path} ({flag}) is {found} that is not {what} (it carries no mark of this project's); "
+    raise UserError(f"{path} ({flag}) is {found} that is not {what} "
+                    f"(it carries no mark of this project's); "
                     f"refusing to replace it (choose another {flag}, or pass --overwrite)")
 
 
 def replace_dir(tmp: Path, out_dir: Path):
-    """Move tmp to out_dir, durably (its files are fsynced before the rename, the parent after); an existing
-    out_dir is moved aside first and removed only after the swap. Callers check first that out_dir is theirs to
-    replace (check_output)."""
+    """Move tmp to out_dir, durably (its files are fsynced before the rename, the parent after); an
+    existing out_dir is moved aside first and removed only after the swap. Callers check first that
+    out_dir is theirs to replace (check_output)."""
     fsync_tree(tmp)
     old = None
     if out_dir.exists():
@@ -276,9 +295,9 @@ def replace_dir(tmp: Path, out_dir: Path):
 
 @contextlib.contextmanager
 def written_aside(out_dir: Path, kind: str):
-    """A directory output written whole: yields a temporary sibling, marked as `kind`, for the caller to fill; it
-    replaces out_dir (an earlier output's directory whole) when the block ends, and is removed if the block fails,
-    so no reader sees files of two runs side by side."""
+    """A directory output written whole: yields a temporary sibling, marked as `kind`, for the
+    caller to fill; it replaces out_dir (an earlier output's directory whole) when the block ends,
+    and is removed if the block fails, so no reader sees files of two runs side by side."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out_dir)

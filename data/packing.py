@@ -1,10 +1,10 @@
 """SFT examples -> packed micro-batches with no padding.
 
 A step's global batch (e.g. 128 sequences) is packed into micro-batches by a token budget (first-fit
-decreasing), the micro-batches are dealt to ranks so every rank runs the same number of forward/backward
-passes, and each micro-batch is one row of concatenated documents whose positions restart at 0, with
-`cu_seqlens` telling attention where documents start. Targets are shifted per document, so no document
-ever predicts the first token of the next.
+decreasing), the micro-batches are dealt to ranks so every rank runs the same number of
+forward/backward passes, and each micro-batch is one row of concatenated documents whose positions
+restart at 0, with `cu_seqlens` telling attention where documents start. Targets are shifted per
+document, so no document ever predicts the first token of the next.
 """
 import random
 from collections.abc import Sequence
@@ -18,8 +18,10 @@ IGNORE = -100
 @dataclass
 class Example:
     ids: list[int]
-    targets: list[int]  # targets[t] = ids[t+1] on response tokens, IGNORE elsewhere (already shifted)
-    replay: bool = False  # a replayed example (its record has a "source"), logged apart from the task's own
+    targets: list[int]  # targets[t] = ids[t+1] on response tokens,
+                        # IGNORE elsewhere (already shifted)
+    replay: bool = False  # a replayed example (its record has a "source"),
+                          # logged apart from the task's own
 
     @property
     def n_targets(self) -> int:
@@ -27,13 +29,15 @@ class Example:
 
 
 def sft_example(ids: list[int], labels: list[int], replay: bool = False) -> Example:
-    """From unshifted labels (labels[t] = ids[t] on the response, IGNORE elsewhere) to shifted targets."""
+    """From unshifted labels (labels[t] = ids[t] on the response, IGNORE elsewhere)
+    to shifted targets."""
     return Example(ids, labels[1:] + [IGNORE], replay)
 
 
 def tokenize_sft(records, tok, max_len: int):
-    """Chat-template each {"prompt","response"} record. Examples longer than max_len are dropped, never
-    truncated. A record's truthy "replay" field marks its example as replay. Returns (examples, n_dropped)."""
+    """Chat-template each {"prompt","response"} record. Examples longer than max_len are dropped,
+    never truncated. A record's truthy "replay" field marks its example as replay. Returns
+    (examples, n_dropped)."""
     examples, dropped = [], 0
     for r in records:
         ids, labels = tok.encode_sft(r["prompt"], r["response"])
@@ -45,14 +49,16 @@ def tokenize_sft(records, tok, max_len: int):
 
 
 class StepPlan(Sequence):
-    """Example indices of every optimizer step of the run: each epoch a seeded shuffle cut into global batches (the
-    last one of an epoch may be smaller). Deterministic in (n, global_batch, epochs, seed). Computed per step, one
-    epoch's order at a time, so a huge --epochs costs nothing up front; a prefix slice (plan[:k]) is a plan too."""
+    """Example indices of every optimizer step of the run: each epoch a seeded shuffle cut into
+    global batches (the last one of an epoch may be smaller). Deterministic in (n, global_batch,
+    epochs, seed). Computed per step, one epoch's order at a time, so a huge --epochs costs nothing
+    up front; a prefix slice (plan[:k]) is a plan too."""
 
     def __init__(self, n: int, global_batch: int, epochs: int, seed: int, limit: int | None = None):
         self.n, self.global_batch, self.epochs, self.seed = n, global_batch, epochs, seed
         self.per_epoch = -(-n // global_batch)
-        self.length = epochs * self.per_epoch if limit is None else min(limit, epochs * self.per_epoch)
+        self.length = (epochs * self.per_epoch if limit is None
+                       else min(limit, epochs * self.per_epoch))
         self._epoch, self._order = None, None
 
     def __len__(self) -> int:
@@ -81,8 +87,8 @@ class StepPlan(Sequence):
         return len(self) == len(other) and all(a == b for a, b in zip(self, other))
 
     def __repr__(self):
-        return (f"StepPlan(n={self.n}, global_batch={self.global_batch}, epochs={self.epochs}, seed={self.seed}, "
-                f"steps={self.length})")
+        return (f"StepPlan(n={self.n}, global_batch={self.global_batch}, epochs={self.epochs}, "
+                f"seed={self.seed}, steps={self.length})")
 
 
 def plan_steps(n: int, global_batch: int, epochs: int, seed: int) -> StepPlan:
@@ -90,12 +96,15 @@ def plan_steps(n: int, global_batch: int, epochs: int, seed: int) -> StepPlan:
     return StepPlan(n, global_batch, epochs, seed)
 
 
-def pack(indices: list[int], lengths: list[int], token_budget: int, world: int) -> list[list[list[int]]]:
-    """First-fit-decreasing packing of one global batch into micro-batches of at most token_budget tokens
-    (a single longer example gets a micro-batch of its own), dealt round-robin to `world` ranks.
+def pack(indices: list[int], lengths: list[int], token_budget: int,
+         world: int) -> list[list[list[int]]]:
+    """First-fit-decreasing packing of one global batch into micro-batches of at most
+    token_budget tokens (a single longer example gets a micro-batch of its own), dealt
+    round-robin to `world` ranks.
 
-    Returns per-rank lists of micro-batches (lists of example indices); every rank gets the same number of
-    micro-batches, some possibly empty, because FSDP needs every rank in every collective."""
+    Returns per-rank lists of micro-batches (lists of example indices); every rank gets the
+    same number of micro-batches, some possibly empty, because FSDP needs every rank in
+    every collective."""
     bins, room = [], []
     for i in sorted(indices, key=lambda i: (-lengths[i], i)):
         for b, free in enumerate(room):
@@ -112,8 +121,10 @@ def pack(indices: list[int], lengths: list[int], token_budget: int, world: int) 
 
 
 def collate(examples: list[Example], device="cpu"):
-    """One packed row: (input_ids [1,T], position_ids [1,T], targets [1,T], cu_seqlens int32, max_seqlen).
-    An empty micro-batch becomes a single ignored token, so the rank still runs forward/backward."""
+    """One packed row:
+    (input_ids [1,T], position_ids [1,T], targets [1,T], cu_seqlens int32, max_seqlen).
+    An empty micro-batch becomes a single ignored token, so the rank still runs
+    forward/backward."""
     if not examples:
         examples = [Example([0], [IGNORE])]
     ids = [t for e in examples for t in e.ids]

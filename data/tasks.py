@@ -2,9 +2,10 @@
 
 TRACE (Wang et al., 2023) trains on the tasks in this order; the epochs follow the paper's setup
 (C-STANCE 5, FOMC 3, MeetingBank 7, Py150 5, ScienceQA 3, NumGLUE-cm 5, NumGLUE-ds 5, 20Minuten 7).
-The task name is also the directory name in TRACE's release layout `<root>/<Task>/{train,eval,test}.json`.
-Metric names index `data.metrics.METRICS`. A task manifest (data/manifest.py: `ROOT/tasks.json` or --task-spec)
-replaces this table with the user's own tasks for the whole process (use_tasks).
+The task name is also the directory name in TRACE's release layout
+`<root>/<Task>/{train,eval,test}.json`. Metric names index `data.metrics.METRICS`. A task manifest
+(data/manifest.py: `ROOT/tasks.json` or --task-spec) replaces this table with the user's own tasks
+for the whole process (use_tasks).
 """
 
 import argparse
@@ -17,14 +18,18 @@ from common.errors import InputError
 class Task:
     name: str    # TRACE directory name, e.g. "NumGLUE-cm"
     metric: str  # key of data.metrics.METRICS
-    epochs: int | None  # default training epochs for this stage (None: a manifest's task without; run.py's --epochs)
+    epochs: int | None  # default training epochs for this stage
+                        # (None: a manifest's task without; run.py's --epochs)
     # set by a task manifest only (data/manifest.py); a TRACE task leaves them at these defaults
     dir: str = ""                     # directory of its split files ("": <root>/<name>)
-    max_new_tokens: int | None = None  # generation cap of its evaluations and rollouts (None: the run's)
+    max_new_tokens: int | None = None  # generation cap of its evaluations and rollouts
+                                       # (None: the run's)
     temperature: float | None = None   # sampling temperature of its evaluations (None: the run's)
     system: str | None = None          # system prompt put before every prompt
-    labels: tuple | None = None        # the answers a classification task allows (metric label_accuracy)
-    held_out: float = 0.1              # share of train held out as test when the task has no test split
+    labels: tuple | None = None        # the answers a classification task allows
+                                       # (metric label_accuracy)
+    held_out: float = 0.1              # share of train held out as test
+                                       # when the task has no test split
     manifest: str = ""                 # the manifest that declared it (for error messages)
 
 
@@ -46,7 +51,8 @@ _active = None  # {name: Task} of the manifest in use (use_tasks), None: TRACE's
 
 
 def use_tasks(table: dict | None):
-    """Make a manifest's tasks ({name: Task}, in stream order) the ones every lookup sees; None restores TRACE's."""
+    """Make a manifest's tasks ({name: Task}, in stream order) the ones every lookup sees; None
+    restores TRACE's."""
     global _active
     _active = table
 
@@ -64,22 +70,26 @@ def get_task(name: str) -> Task:
 
 
 def parse_tasks(spec=None) -> list[str]:
-    """Task order from a comma-separated string or a list, e.g. "FOMC,NumGLUE-cm" -> ["FOMC", "NumGLUE-cm"].
+    """Task order from a comma-separated string or a list, e.g. "FOMC,NumGLUE-cm" ->
+    ["FOMC", "NumGLUE-cm"].
 
-    None, "" and "all" give the canonical TRACE order. Names match case-insensitively and come back in
-    canonical spelling; unknown or repeated names raise ValueError (listing the valid names).
+    None, "" and "all" give the canonical TRACE order. Names match case-insensitively and come back
+    in canonical spelling; unknown or repeated names raise ValueError (listing the valid names).
     """
     order = list(active_tasks())
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("", "all")):
         return order
-    names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else [str(s).strip() for s in spec]
+    names = ([s.strip() for s in spec.split(",")] if isinstance(spec, str)
+             else [str(s).strip() for s in spec])
     by_lower = {t.lower(): t for t in order}
     out = []
     for n in names:
         if not n:
-            raise InputError(f"empty task name in task list {spec!r}; valid tasks: {', '.join(order)}")
+            raise InputError(f"empty task name in task list {spec!r}; "
+                             f"valid tasks: {', '.join(order)}")
         if n.lower() not in by_lower:
-            raise InputError(f"unknown task {n!r} in task list {spec!r}; valid tasks: {', '.join(order)}")
+            raise InputError(f"unknown task {n!r} in task list {spec!r}; "
+                             f"valid tasks: {', '.join(order)}")
         canon = by_lower[n.lower()]
         if canon in out:
             raise InputError(f"task {canon!r} appears twice in task list {spec!r}")
@@ -88,7 +98,8 @@ def parse_tasks(spec=None) -> list[str]:
 
 
 def task_names(s: str) -> list:
-    """--tasks as an argparse type: comma-separated task names (case-insensitive), checked by parse_tasks."""
+    """--tasks as an argparse type: comma-separated task names (case-insensitive),
+    checked by parse_tasks."""
     try:
         return parse_tasks(s)
     except ValueError as e:

@@ -1,5 +1,5 @@
-"""mtl — multi-task training, the upper bound: row i of its matrix is the base trained jointly on tasks 1..i (at the
-mean of their epochs), a separate run per row, so only its ACC is meaningful."""
+"""mtl — multi-task training, the upper bound: row i of its matrix is the base trained jointly on
+tasks 1..i (at the mean of their epochs), a separate run per row, so only its ACC is meaningful."""
 from methods.base import Method
 
 
@@ -10,7 +10,8 @@ class MTL(Method):
     def plan_train(self, steps, prev, stage, tasks, buffer_key, seed):
         seen, epochs = tasks[:stage], steps.inputs.epochs
         n_ep = round(sum(epochs[t] for t in seen) / len(seen))
-        return steps.train(None, stage, seen, None, seed, self.train_flags(steps.cfg), n_epochs=n_ep)
+        return steps.train(None, stage, seen, None, seed, self.train_flags(steps.cfg),
+                           n_epochs=n_ep)
 
 
 METHOD = MTL()

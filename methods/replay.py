@@ -1,5 +1,5 @@
-"""replay — Vanilla Replay: after stage i, a seeded random draw of b gold training examples of tasks 1..i (b = rho *
-n_{i+1} split over them, data/replay.py) joins stage i+1's data for plain SFT."""
+"""replay — Vanilla Replay: after stage i, a seeded random draw of b gold training examples of tasks
+1..i (b = rho * n_{i+1} split over them, data/replay.py) joins stage i+1's data for plain SFT."""
 from methods.base import Method
 
 

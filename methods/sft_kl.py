@@ -1,5 +1,7 @@
-"""sft-kl — SFT plus a per-token KL to an EMA teacher on the gold tokens, both models reading the same sequence:
-    loss = NLL + beta * KL(student || teacher),   teacher <- ema * teacher + (1 - ema) * student after each step
+"""sft-kl — SFT plus a per-token KL to an EMA teacher on the gold tokens, both models reading the
+same sequence:
+    loss = NLL + beta * KL(student || teacher),
+    teacher <- ema * teacher + (1 - ema) * student after each step
 (the OPR paper's one-line description of SDFT; the faithful SDFT is methods/sdft.py)."""
 from functools import partial
 
@@ -25,7 +27,8 @@ class SftKlObjective(Objective):
 
     def add_flags(self, p):
         from common.cli import float_in
-        p.add_argument("--sft-kl-beta", type=float_in(0), default=BETA, help="sft-kl: KL weight (default: %(default)s)")
+        p.add_argument("--sft-kl-beta", type=float_in(0), default=BETA,
+                       help="sft-kl: KL weight (default: %(default)s)")
         p.add_argument("--sft-kl-ema", type=float_in(0, 1), default=EMA,
                        help="sft-kl: EMA decay of the teacher (default: %(default)s)")
         p.add_argument("--sft-kl-direction", choices=["reverse", "forward"], default=DIRECTION,
