@@ -1,16 +1,17 @@
-"""A run's settings as one typed definition: run.py's `Settings` dataclass declares each setting once (its name, the
-paper's value, the flag that sets it and that flag's help), and everything else derives from it: the presets are
-`dataclasses.replace` of the paper's, the flags and their --help (with every preset's value) come from the fields,
-an experiment file names the same flags (pipeline/config.py), and a run's settings are the preset with the given
-flags put in their place (`apply`), which is what the step keys and results.json read.
+"""A run's settings as one typed definition: run.py's `Settings` dataclass declares each setting
+once (its name, the paper's value, the flag that sets it and that flag's help), and everything else
+derives from it: the presets are `dataclasses.replace` of the paper's, the flags and their --help
+(with every preset's value) come from the fields, an experiment file names the same flags
+(pipeline/config.py), and a run's settings are the preset with the given flags put in their place
+(`apply`), which is what the step keys and results.json read.
 """
 import argparse
 import dataclasses
 
 
 def setting(default, help: str | None = None, type=None, choices=None):
-    """A field of a settings dataclass: the paper's value, and the flag's help, type and choices (no help: a
-    setting of the presets that has no flag)."""
+    """A field of a settings dataclass: the paper's value, and the flag's help, type and choices
+    (no help: a setting of the presets that has no flag)."""
     return dataclasses.field(default=default, metadata=dict(help=help, type=type, choices=choices))
 
 
@@ -25,8 +26,8 @@ def _shown(v) -> str:
 
 
 def add_flags(parser: argparse.ArgumentParser, cls, presets: dict):
-    """A flag for each field of cls that has help, defaulting to None (the preset's value); its help ends with every
-    preset's value, so --help shows what each preset sets."""
+    """A flag for each field of cls that has help, defaulting to None (the preset's value); its help
+    ends with every preset's value, so --help shows what each preset sets."""
     for f in dataclasses.fields(cls):
         meta = f.metadata
         if not meta.get("help"):

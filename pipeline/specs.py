@@ -1,11 +1,11 @@
-"""Step specs: for each kind of step, every setting its output depends on besides the files and steps it reads. run.py
-builds them, pipeline.steps hashes their fields into the step's key, and plan.py prices the step from the same
-fields, so a setting the planner reads is one the key holds.
+"""Step specs: for each kind of step, every setting its output depends on besides the files and
+steps it reads. run.py builds them, pipeline.steps hashes their fields into the step's key, and
+plan.py prices the step from the same fields, so a setting the planner reads is one the key holds.
 
 The step's kind is Pipeline.add's first argument, named as the class is (BufferNll: "buffer-nll").
-Every spec but BufferNll holds `task_fields`: the settings of its tasks that it depends on (data.manifest.STEP_FIELDS;
-a manifest's, or TRACE's own). `gen`: the generation settings shared by rollout and evaluation (engine, temperature,
-max_new_tokens, max_len).
+Every spec but BufferNll holds `task_fields`: the settings of its tasks that it depends on
+(data.manifest.STEP_FIELDS; a manifest's, or TRACE's own). `gen`: the generation settings shared by
+rollout and evaluation (engine, temperature, max_new_tokens, max_len).
 
 A spec also says how its step's script (SCRIPT) is told these settings: FLAGS maps a field to
 the flag that carries it, and the builders write those flags from the spec's values (Spec.argv),
@@ -258,5 +258,6 @@ class Ssr(Spec):
 
 
 def fields_of(spec) -> dict:
-    """A spec's fields as the key hashes them (a plain dict passes as it is: the tests' stand-in steps)."""
+    """A spec's fields as the key hashes them
+    (a plain dict passes as it is: the tests' stand-in steps)."""
     return spec if isinstance(spec, dict) else asdict(spec)

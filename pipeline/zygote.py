@@ -1,21 +1,26 @@
-"""A zygote for run.py's steps: one process imports torch and the pipeline's scripts once, then forks a child per
-step, so a step starts in milliseconds instead of paying for `import torch` (and the scripts' own imports) again:
-the default runs over a hundred short steps, and those imports would be a large share of its wall time
-(BENCHMARKS.md, "The default `python run.py`: wall time, and where it goes").
+"""A zygote for run.py's steps: one process imports torch and the pipeline's scripts once, then
+forks a child per step, so a step starts in milliseconds instead of paying for `import torch` (and
+the scripts' own imports) again: the default runs over a hundred short steps, and those imports
+would be a large share of its wall time (BENCHMARKS.md, "The default `python run.py`: wall time,
+and where it goes").
 
     zygote = Zygote(env, pass_fds=(lock_fd,))      # started by the driver's main thread
-    rc = zygote.run("evaluate", ["--ckpt", ...], log_path, on_start=lambda pid: ...)   # from any thread
+    rc = zygote.run("evaluate", ["--ckpt", ...], log_path,
+                    on_start=lambda pid: ...)   # from any thread
     zygote.close()
 
-A child behaves like `python <script>.py ARGS` started by subprocess with the same environment (ps and top show
-it as `<script>.py`; its /proc/PID/cmdline stays the zygote's): it leads its own process group (setsid, so the driver can stop it and everything it started), is SIGKILLed by the kernel when the
-zygote dies (PR_SET_PDEATHSIG; the zygote dies the same way with the driver), has stdin on /dev/null and stdout +
-stderr in its log file, runs the script's main() under common.cli.main_cli, and exits with the script's exit code
-(negative signal numbers as subprocess reports them). Numerics are unchanged: the zygote is started with the steps'
-environment (OMP_NUM_THREADS is read when torch is imported) and every child sets torch's thread count again.
+A child behaves like `python <script>.py ARGS` started by subprocess with the same environment (ps
+and top show it as `<script>.py`; its /proc/PID/cmdline stays the zygote's): it leads its own
+process group (setsid, so the driver can stop it and everything it started), is SIGKILLed by the
+kernel when the zygote dies (PR_SET_PDEATHSIG; the zygote dies the same way with the driver), has
+stdin on /dev/null and stdout + stderr in its log file, runs the script's main() under
+common.cli.main_cli, and exits with the script's exit code (negative signal numbers as subprocess
+reports them). Numerics are unchanged: the zygote is started with the steps' environment
+(OMP_NUM_THREADS is read when torch is imported) and every child sets torch's thread count again.
 
-Protocol, JSON lines: driver -> zygote {"id", "script", "argv", "log", "env"}; zygote -> driver {"id", "pid"} when
-the child is forked and {"id", "rc"} when it has exited. The zygote exits when its stdin closes.
+Protocol, JSON lines: driver -> zygote {"id", "script", "argv", "log", "env"}; zygote -> driver
+{"id", "pid"} when the child is forked and {"id", "rc"} when it has exited. The zygote exits
+when its stdin closes.
 """
 import ctypes
 import json
@@ -29,12 +34,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
 SCRIPTS = ("train", "evaluate", "rollout", "score", "drift", "buffer_nll")
-# what the steps import, each once here instead of once per step. torch._dynamo: building a model on the meta device
-# imports it (nn.Embedding's normal_ runs through torch's Python reference kernels), so every model-loading step
-# would pay for it; rouge_score: every step that scores a ROUGE task (BENCHMARKS.md, "The default `python run.py`")
-PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "tqdm", "model.checkpoint", "engine.native",
-           "engine.sampling", "model.logprobs", "model.tokenizer", "data.metrics", "data.conventions", "data.trace",
-           "data.replay", "kernels.attention", "kernels.cross_entropy", "torch.distributed.fsdp", "torch._dynamo",
+# what the steps import, each once here instead of once per step. torch._dynamo: building a model on
+# the meta device imports it (nn.Embedding's normal_ runs through torch's Python reference kernels),
+# so every model-loading step would pay for it; rouge_score: every step that scores a ROUGE task
+# (BENCHMARKS.md, "The default `python run.py`")
+PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "tqdm", "model.checkpoint",
+           "engine.native", "engine.sampling", "model.logprobs", "model.tokenizer", "data.metrics",
+           "data.conventions", "data.trace", "data.replay", "kernels.attention",
+           "kernels.cross_entropy", "torch.distributed.fsdp", "torch._dynamo",
            "rouge_score.rouge_scorer", "sacrebleu.tokenizers.tokenizer_13a", *SCRIPTS)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -46,8 +53,9 @@ def _prctl_pdeathsig():
 
 
 def die_with_parent(parent: int, new_session: bool = False):
-    """For a child between fork and exec (or a forked step): optionally lead a new session (its own process group),
-    get SIGKILL when the parent dies, and exit at once if the parent (pid `parent`) is already gone."""
+    """For a child between fork and exec (or a forked step): optionally lead a new session (its
+    own process group), get SIGKILL when the parent dies, and exit at once if the parent (pid
+    `parent`) is already gone."""
     if new_session:
         os.setsid()
     _prctl_pdeathsig()
@@ -56,21 +64,22 @@ def die_with_parent(parent: int, new_session: bool = False):
 
 
 def _prctl_name(name: str):
-    """The process name that ps, top and /proc/PID/comm show (15 bytes at most): a forked step shows its script
-    (its command line stays the zygote's)."""
+    """The process name that ps, top and /proc/PID/comm show (15 bytes at most): a forked step shows
+    its script (its command line stays the zygote's)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15])
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The driver's side
 
 
 class Zygote:
     def __init__(self, env: dict, pass_fds=()):
         parent = os.getpid()  # the zygote dies with the thread that starts it
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.zygote"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, cwd=HERE, pass_fds=tuple(pass_fds),
+        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.zygote"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                     cwd=HERE, pass_fds=tuple(pass_fds),
                                      preexec_fn=lambda: die_with_parent(parent))
         self.lock = threading.Lock()
         self.waiting = {}  # id -> {"started": Event, "done": Event, "pid", "rc"}
@@ -78,19 +87,22 @@ class Zygote:
         threading.Thread(target=self._read, daemon=True).start()
 
     def run(self, script: str, argv: list, log_path: Path, env: dict, on_start=None) -> int:
-        """Run `script` (one of SCRIPTS) with argv in a forked child; on_start(pid) once it exists. Returns the exit
-        code; -9 (as if SIGKILLed) when the zygote itself is gone."""
+        """Run `script` (one of SCRIPTS) with argv in a forked child; on_start(pid) once it exists.
+        Returns the exit code; -9 (as if SIGKILLed) when the zygote itself is gone."""
         with self.lock:
             i, self.next_id = self.next_id, self.next_id + 1
-            w = self.waiting[i] = {"started": threading.Event(), "done": threading.Event(), "pid": None, "rc": -9}
+            w = self.waiting[i] = {"started": threading.Event(), "done": threading.Event(),
+                                   "pid": None, "rc": -9}
             try:
-                self.proc.stdin.write((json.dumps({"id": i, "script": script, "argv": [str(a) for a in argv],
-                                                   "log": str(log_path), "env": env}) + "\n").encode())
+                self.proc.stdin.write((json.dumps(
+                    {"id": i, "script": script, "argv": [str(a) for a in argv],
+                     "log": str(log_path), "env": env}) + "\n").encode())
                 self.proc.stdin.flush()
             except (BrokenPipeError, ValueError):
                 w["started"].set()
                 w["done"].set()
-        while not w["started"].wait(0.2):  # timed waits: an interrupt of this thread (Ctrl-C, ray.cancel) is seen
+        while not w["started"].wait(0.2):  # timed waits: an interrupt of this thread
+                                           # (Ctrl-C, ray.cancel) is seen
             pass
         if w["pid"] is not None and on_start is not None:
             on_start(w["pid"])
@@ -120,9 +132,9 @@ class Zygote:
                 w["done"].set()
 
     def close(self, timeout: float = 30):
-        """End the zygote: it exits once its stdin closes and its children are gone (the driver calls this after
-        every step has ended). A zygote still there after `timeout` s is SIGKILLed, its children with it, so a
-        driver never hangs in its own cleanup."""
+        """End the zygote: it exits once its stdin closes and its children are gone (the driver
+        calls this after every step has ended). A zygote still there after `timeout` s is SIGKILLed,
+        its children with it, so a driver never hangs in its own cleanup."""
         try:
             self.proc.stdin.close()
         except OSError:
@@ -134,7 +146,7 @@ class Zygote:
             self.proc.wait()
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The zygote's side
 
 
@@ -184,7 +196,8 @@ def serve():
     import importlib
     for name in PRELOAD:
         importlib.import_module(name)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the driver, which stops the steps itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the driver, which
+                                                  # stops the steps itself
     out = sys.stdout.buffer
     children, pending = {}, b""  # pid -> request id
 
@@ -192,9 +205,9 @@ def serve():
         out.write((json.dumps(msg) + "\n").encode())
         out.flush()
 
-    # a child's exit wakes the loop through its pidfd (Linux 5.3+), so the driver hears of it at once; without pidfds
-    # the loop polls every 50 ms, which was ~30 ms of every step's wall time (BENCHMARKS.md, "The default's
-    # generation steps")
+    # a child's exit wakes the loop through its pidfd (Linux 5.3+), so the driver hears of it at
+    # once; without pidfds the loop polls every 50 ms, which was ~30 ms of every step's wall time
+    # (BENCHMARKS.md, "The default's generation steps")
     exits = {}  # pid -> its pidfd
     open_ = True
     while open_ or children:
@@ -202,7 +215,8 @@ def serve():
         if 0 in ready:
             chunk = os.read(0, 65536)
             if not chunk:
-                open_ = False  # the driver is done (or gone): finish the running children, then exit
+                open_ = False  # the driver is done (or gone): finish the
+                               # running children, then exit
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
