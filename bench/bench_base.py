@@ -1,13 +1,15 @@
-"""What the tiny base can do: greedy exact match per kind of its instruction mixture, on held-out mixture prompts.
+"""What the tiny base can do: greedy exact match per kind of its instruction mixture, on
+held-out mixture prompts.
 
-    python bench/bench_base.py                                   # the default base (model/base.py's TINY_TUNE)
-    python bench/bench_base.py --n-examples 16000 --out DIR      # a base tuned on another mixture size, built in DIR
+    python bench/bench_base.py                  # the default base (model/base.py's TINY_TUNE)
+    python bench/bench_base.py --n-examples 16000 \
+        --out DIR                               # a base tuned on another mixture size, built in DIR
 
-The default base is the one run.py uses ($OPR_CACHE). With --n-examples (or --epochs) another base is built into
---out with the same recipe otherwise (model.base.build_tiny: 1 thread, the CPU pins), and its build time printed.
-The prompts come from a mixture stream of their own (seed "bench_base"), so they are not the training examples (a
-prompt can still repeat one by chance: the mixture's word lists are short). Prints one row per kind: n, exact
-matches, and one wrong answer as an example.
+The default base is the one run.py uses ($OPR_CACHE). With --n-examples (or --epochs) another base
+is built into --out with the same recipe otherwise (model.base.build_tiny: 1 thread, the CPU pins),
+and its build time printed. The prompts come from a mixture stream of their own (seed "bench_base"),
+so they are not the training examples (a prompt can still repeat one by chance: the mixture's word
+lists are short). Prints one row per kind: n, exact matches, and one wrong answer as an example.
 """
 import argparse
 import os
@@ -20,8 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-KINDS = [("Repeat these words", "repeat"), ("Reverse the order", "reverse"), ("Write these words in capital", "upper"),
-         ("How many words", "count"), ("What is the last word", "last word"), ("Is the last word", "last-word class"),
+KINDS = [("Repeat these words", "repeat"), ("Reverse the order", "reverse"),
+         ("Write these words in capital", "upper"), ("How many words", "count"),
+         ("What is the last word", "last word"), ("Is the last word", "last-word class"),
          ("Which word is", "which option"), ("What comes after", "what comes after")]
 
 
@@ -30,12 +33,17 @@ def kind_of(prompt: str) -> str:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n-prompts", type=int, default=400, help="held-out mixture prompts (default 400)")
-    p.add_argument("--n-examples", type=int, help="build a base tuned on this many mixture examples (default: use "
-                                                  "run.py's base, model/base.py's TINY_TUNE)")
-    p.add_argument("--epochs", type=int, help="build a base tuned for this many epochs (default: TINY_TUNE's)")
-    p.add_argument("--out", help="where --n-examples/--epochs build their base (required with them)")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n-prompts", type=int, default=400,
+                   help="held-out mixture prompts (default 400)")
+    p.add_argument("--n-examples", type=int,
+                   help="build a base tuned on this many mixture examples (default: use "
+                        "run.py's base, model/base.py's TINY_TUNE)")
+    p.add_argument("--epochs", type=int,
+                   help="build a base tuned for this many epochs (default: TINY_TUNE's)")
+    p.add_argument("--out",
+                   help="where --n-examples/--epochs build their base (required with them)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -62,8 +70,9 @@ def main():
     tok = ChatTokenizer.from_dir(ckpt)
     rng = random.Random("embedded/mixture/bench_base")
     examples = [_mixture_example(rng) for _ in range(args.n_prompts)]
-    outs = generate(ckpt, [tok.prompt_ids(ex["prompt"]) for ex in examples], temperature=0.0, max_new_tokens=32,
-                    engine="native", batch_size=64, stop_ids=tok.stop_ids, progress=False)
+    outs = generate(ckpt, [tok.prompt_ids(ex["prompt"]) for ex in examples], temperature=0.0,
+                    max_new_tokens=32, engine="native", batch_size=64, stop_ids=tok.stop_ids,
+                    progress=False)
     hits, n, wrong = defaultdict(int), defaultdict(int), {}
     for ex, o in zip(examples, outs):
         k = kind_of(ex["prompt"])

@@ -1,7 +1,8 @@
-"""One layer's decode attention over the KV cache, the engine's two CPU paths side by side: the masked batched
-products over the longest live row's span (engine/engine.py's torch path) and kernels/cpu.c's cache_attention over
-each row's own span. SmolLM2-135M's heads (9 query, 3 kv, head_dim 64) by default; each row's position drawn from a
-range like a rollout's; ms per call, median of --repeats, the two alternated.
+"""One layer's decode attention over the KV cache, the engine's two CPU paths side by side: the
+masked batched products over the longest live row's span (engine/engine.py's torch path) and
+kernels/cpu.c's cache_attention over each row's own span. SmolLM2-135M's heads (9 query, 3 kv,
+head_dim 64) by default; each row's position drawn from a range like a rollout's; ms per call,
+median of --repeats, the two alternated.
 
     python bench/bench_cache_attention.py --rows 8 16 32 64 --spans 100 300
 """
@@ -17,8 +18,10 @@ REPO = Path(__file__).resolve().parents[1]
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64])
-    ap.add_argument("--spans", type=int, nargs=2, default=[100, 300], help="the rows' positions lie in [lo, hi)")
-    ap.add_argument("--heads", type=int, nargs=3, default=[9, 3, 64], help="query heads, kv heads, head_dim")
+    ap.add_argument("--spans", type=int, nargs=2, default=[100, 300],
+                    help="the rows' positions lie in [lo, hi)")
+    ap.add_argument("--heads", type=int, nargs=3, default=[9, 3, 64],
+                    help="query heads, kv heads, head_dim")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -32,9 +35,10 @@ def main():
     hq, hkv, d = args.heads
     lo, hi = args.spans
     torch.manual_seed(0)
-    print(f"{args.threads} threads, heads {hq}/{hkv}, head_dim {d}, positions in [{lo}, {hi}), median of "
-          f"{args.repeats}; ms per layer call\n")
-    print("| rows | columns read by the products / by C | batched products | C, own spans | products / C |")
+    print(f"{args.threads} threads, heads {hq}/{hkv}, head_dim {d}, positions in [{lo}, {hi}), "
+          f"median of {args.repeats}; ms per layer call\n")
+    print("| rows | columns read by the products / by C | batched products | C, own spans | "
+          "products / C |")
     print("|---:|---:|---:|---:|---:|")
     for n in args.rows:
         k, v = torch.randn(n, hkv, hi, d), torch.randn(n, hkv, hi, d)
@@ -43,8 +47,8 @@ def main():
 
         def products():
             mask = _row_mask(pos, span, hkv)  # built per decode step in the engine, as here
-            scores = torch.baddbmm(mask, q.view(n, hkv, -1, d).flatten(0, 1), k[:, :, :span].flatten(0, 1)
-                                   .transpose(1, 2), alpha=d ** -0.5)
+            scores = torch.baddbmm(mask, q.view(n, hkv, -1, d).flatten(0, 1),
+                                   k[:, :, :span].flatten(0, 1).transpose(1, 2), alpha=d ** -0.5)
             return torch.bmm(torch.softmax(scores, -1), v[:, :, :span].flatten(0, 1)).view(n, -1)
 
         def c():

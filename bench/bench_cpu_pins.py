@@ -1,13 +1,14 @@
-"""What the CPU pins (kernels.CPU_PINS) change and cost: ATen's AVX2 kernels instead of the CPU's own
-(ATEN_CPU_CAPABILITY=avx2) and MKL's reproducible COMPATIBLE branch instead of its fastest code for this CPU
-(MKL_CBWR=COMPATIBLE), each alone and both, against the CPU's own kernels.
+"""What the CPU pins (kernels.CPU_PINS) change and cost: ATen's AVX2 kernels instead of the CPU's
+own (ATEN_CPU_CAPABILITY=avx2) and MKL's reproducible COMPATIBLE branch instead of its fastest code
+for this CPU (MKL_CBWR=COMPATIBLE), each alone and both, against the CPU's own kernels.
 
     python bench/bench_cpu_pins.py [--threads 1] [--repeats 5]
 
-Each configuration runs in a fresh process (both settings are read once per process). Per configuration: a digest
-of the results of the tiny model's and SmolLM2's projections (F.linear: MKL's sgemm) and one of ATen's own kernels
-(softmax, RMS norm, SiLU, and SDPA forward and backward: a configuration that changes a digest changes how those
-ops round), and microseconds per call, the median of --repeats timings of 50 calls each.
+Each configuration runs in a fresh process (both settings are read once per process). Per
+configuration: a digest of the results of the tiny model's and SmolLM2's projections (F.linear:
+MKL's sgemm) and one of ATen's own kernels (softmax, RMS norm, SiLU, and SDPA forward and backward:
+a configuration that changes a digest changes how those ops round), and microseconds per call, the
+median of --repeats timings of 50 calls each.
 """
 import argparse
 import json
@@ -72,14 +73,15 @@ def main():
     args = p.parse_args()
     from kernels import CPU_PINS, cpu_model
     one = {k: CPU_PINS[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
-    configs = {"the CPU's own": {}, "ATen AVX2": {"ATEN_CPU_CAPABILITY": one["ATEN_CPU_CAPABILITY"]},
+    configs = {"the CPU's own": {},
+               "ATen AVX2": {"ATEN_CPU_CAPABILITY": one["ATEN_CPU_CAPABILITY"]},
                "MKL COMPATIBLE": {"MKL_CBWR": one["MKL_CBWR"]}, "both (CPU_PINS)": CPU_PINS}
     base = {k: v for k, v in os.environ.items() if k not in CPU_PINS}
     base.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     rows = {}
     for name, extra in configs.items():
-        child = subprocess.run([sys.executable, "-c", CHILD, str(args.repeats)], env=dict(base, **extra),
-                               capture_output=True, text=True, check=True)
+        child = subprocess.run([sys.executable, "-c", CHILD, str(args.repeats)],
+                               env=dict(base, **extra), capture_output=True, text=True, check=True)
         rows[name] = json.loads(child.stdout)
     print(f"{cpu_model()}, {args.threads} thread(s), median of {args.repeats} x 50 calls")
     cols = [c for c in rows["the CPU's own"] if c not in ("isa",)]

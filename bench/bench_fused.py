@@ -1,7 +1,8 @@
-"""Fused projections in training on the CPU: q/k/v (and gate/up) as three (two) F.linear calls vs one call over the
-concatenated weight, forward + backward (input and weight gradients), fp32, at the tiny base's and SmolLM2-135M's
-shapes and packed micro-batches of 2,048 and 8,192 tokens. The two are alternated --repeats times; prints the median
-milliseconds of each and the ratio. (model/transformer.py trains and samples the fused form.)
+"""Fused projections in training on the CPU: q/k/v (and gate/up) as three (two) F.linear calls vs
+one call over the concatenated weight, forward + backward (input and weight gradients), fp32, at the
+tiny base's and SmolLM2-135M's shapes and packed micro-batches of 2,048 and 8,192 tokens. The two
+are alternated --repeats times; prints the median milliseconds of each and the ratio.
+(model/transformer.py trains and samples the fused form.)
 
     python bench/bench_fused.py [--threads 2] [--repeats 5]
 """
@@ -46,13 +47,16 @@ def timings(hidden: int, outs: tuple, tokens: int, repeats: int, calls: int) -> 
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"`python bench/bench_fused.py --threads {args.threads} --repeats {args.repeats}`, fp32, forward + backward\n")
-    print("| model | group | tokens | separate (ms) | fused (ms) | separate / fused |\n|---|---|---:|---:|---:|---:|")
+    print(f"`python bench/bench_fused.py --threads {args.threads} --repeats {args.repeats}`, fp32, "
+          f"forward + backward\n")
+    print("| model | group | tokens | separate (ms) | fused (ms) | separate / fused |\n"
+          "|---|---|---:|---:|---:|---:|")
     for (model, group), (hidden, outs) in SHAPES.items():
         for tokens in (2048, 8192):
             calls = max(2, int(2e9 / (6 * tokens * hidden * sum(outs))))  # ~2 GFLOP per timing

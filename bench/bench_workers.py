@@ -1,6 +1,7 @@
-"""Data-parallel generation workers on the CPU: rollout.py as one process at 1 thread against torchrun's 2 workers at
-1 thread each (engine/workers.py), for the native engine and for vLLM-CPU, alternated, whole-process wall times; the
-two layouts' tokens compared. Real TRACE prompts (../shared/trace), SmolLM2-135M-Instruct, T 0.1.
+"""Data-parallel generation workers on the CPU: rollout.py as one process at 1 thread against
+torchrun's 2 workers at 1 thread each (engine/workers.py), for the native engine and for vLLM-CPU,
+alternated, whole-process wall times; the two layouts' tokens compared. Real TRACE prompts
+(../shared/trace), SmolLM2-135M-Instruct, T 0.1.
 
     python bench/bench_workers.py --vllm .venv-vllm/bin/python --limit 48 --runs 2
 """
@@ -19,10 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def rollout(python: str, engine: str, workers: int, out: Path, args) -> tuple[float, float, float]:
-    """(whole-process wall seconds, rank 0's generation seconds, CPU seconds of all its processes)"""
+    """(whole-process wall seconds, rank 0's generation seconds, CPU seconds of
+    all its processes)"""
     cmd = [python, str(ROOT / "rollout.py"), "--ckpt", str(args.ckpt), "--data", str(args.data),
-           "--tasks", args.tasks, "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
-           "--engine", engine, "--check-logprobs", "0", "--quiet", "--out", str(out)]
+           "--tasks", args.tasks, "--limit", str(args.limit),
+           "--max-new-tokens", str(args.max_new_tokens), "--engine", engine,
+           "--check-logprobs", "0", "--quiet", "--out", str(out)]
     if workers > 1:
         cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -61,8 +64,9 @@ def main():
         print(f"RESULT engine={engine} prompts={len(recs[1])} tokens={tokens} "
               f"whole_s={med[1][0]:.1f}/{med[2][0]:.1f} ({med[1][0] / med[2][0]:.2f}x) "
               f"generate_s={med[1][1]:.1f}/{med[2][1]:.1f} ({med[1][1] / med[2][1]:.2f}x) "
-              f"cores_busy={med[1][2] / med[1][0]:.2f}/{med[2][2] / med[2][0]:.2f} (one/two workers) "
-              f"same_tokens={same}/{len(recs[1])} max_dlogp={dlp:.1e}", flush=True)
+              f"cores_busy={med[1][2] / med[1][0]:.2f}/{med[2][2] / med[2][0]:.2f} "
+              f"(one/two workers) same_tokens={same}/{len(recs[1])} max_dlogp={dlp:.1e}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""Where one rollout of the native engine spends its time, by part: the weight products, the decode rows' attention
-over the cache, the prefill's attention, the sampler, the cache's allocation, and the rest (norms, rotary, SiLU,
-cache writes, the scheduler, Python).
+"""Where one rollout of the native engine spends its time, by part: the weight products, the decode
+rows' attention over the cache, the prefill's attention, the sampler, the cache's allocation, and
+the rest (norms, rotary, SiLU, cache writes, the scheduler, Python).
 
-    python bench/profile_rollout.py --trace ../shared/trace --prompts 144 --max-new-tokens 96 --temperature 0.1
+    python bench/profile_rollout.py --trace ../shared/trace --prompts 144 --max-new-tokens 96 \
+        --temperature 0.1
 
-The prompts and settings are bench_engine.py's (SmolLM2-135M-Instruct or the tiny base, fp32, batch 64, a 4-prompt warm-up, then
-the timed call). Each part is timed by wrapping the functions that do it with a clock (no profiler: its per-op
-overhead would change the split); the CPU's ops are synchronous, so a wrapper's time is the part's.
+The prompts and settings are bench_engine.py's (SmolLM2-135M-Instruct or the tiny base, fp32, batch
+64, a 4-prompt warm-up, then the timed call). Each part is timed by wrapping the functions that do
+it with a clock (no profiler: its per-op overhead would change the split); the CPU's ops are
+synchronous, so a wrapper's time is the part's.
 """
 import argparse
 import sys
@@ -20,8 +22,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 
 def timed(owner, name: str, part: str, clock: dict):
-    """Replace owner.name by a wrapper that adds its seconds to clock[part] (calls inside another timed part are
-    not counted twice)."""
+    """Replace owner.name by a wrapper that adds its seconds to clock[part] (calls inside another
+    timed part are not counted twice)."""
     fn = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
@@ -40,7 +42,8 @@ def timed(owner, name: str, part: str, clock: dict):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=["tiny", "smollm2"], default="smollm2")
-    ap.add_argument("--ckpt", type=Path, help="a checkpoint instead of --model's (e.g. a trained stage's)")
+    ap.add_argument("--ckpt", type=Path,
+                    help="a checkpoint instead of --model's (e.g. a trained stage's)")
     ap.add_argument("--trace", type=Path, help="a TRACE root (default: the embedded mix)")
     ap.add_argument("--prompts", type=int, default=144)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -60,14 +63,16 @@ def main():
     ckpt = args.ckpt or checkpoint(args.model)
     prompts, stop = mix_prompts(ckpt, args.prompts, args.trace)
     eng = engine.Engine(load_model(ckpt), max_seqs=args.batch_size)
-    kw = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, stop_ids=stop, progress=False)
+    kw = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, stop_ids=stop,
+              progress=False)
     eng.run(prompts[:4], **kw)
 
     clock = defaultdict(float, _in=False)
     timed(transformer.Packed, "__call__", "weight products", clock)
     timed(transformer, "linear", "weight products", clock)
     timed(engine.Engine, "_attend_rows", "decode rows' attention", clock)  # (the torch path)
-    timed(engine.cpu, "cache_attention", "attention over the cache (C)", clock)  # decode rows, prefixed prompts
+    # decode rows, prefixed prompts
+    timed(engine.cpu, "cache_attention", "attention over the cache (C)", clock)
     timed(engine, "varlen_attention", "prefill attention", clock)
     timed(engine, "sample", "sampler", clock)
     timed(engine.Engine, "allocate", "cache allocation", clock)

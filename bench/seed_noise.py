@@ -1,6 +1,7 @@
-"""The seed noise of a multi-seed run: each method's ACC and BWT over seeds (mean, sample std and the std's 95 %
-chi-square interval), the paired differences against replay and sft (mean, the t interval over seeds, the std of
-the per-seed difference), and the SEED_NOISE entry run.py attaches to one-seed reports of the same preset.
+"""The seed noise of a multi-seed run: each method's ACC and BWT over seeds (mean, sample std and
+the std's 95 % chi-square interval), the paired differences against replay and sft (mean, the t
+interval over seeds, the std of the per-seed difference), and the SEED_NOISE entry run.py attaches
+to one-seed reports of the same preset.
 
     python run.py --seeds 0,1,...,9 --drift-limit 0 --out DIR --quiet
     python bench/seed_noise.py DIR
@@ -17,7 +18,8 @@ sys.path.insert(0, str(REPO))
 
 
 def per_seed(results: dict) -> dict:
-    """{method: {seed: {"acc", "bwt"}}} from results.json (cl_metrics recomputed from each matrix)."""
+    """{method: {seed: {"acc", "bwt"}}} from results.json (cl_metrics recomputed from
+    each matrix)."""
     from data.metrics import cl_metrics
     out = {}
     for m, entry in results["methods"].items():
@@ -29,7 +31,8 @@ def per_seed(results: dict) -> dict:
 
 
 def chi2_quantile(p: float, k: int) -> float:
-    """The chi-square quantile by Wilson and Hilferty's cube-root normal approximation (within 1 % at k >= 5)."""
+    """The chi-square quantile by Wilson and Hilferty's cube-root normal approximation
+    (within 1 % at k >= 5)."""
     z = statistics.NormalDist().inv_cdf(p)
     return k * (1 - 2 / (9 * k) + z * (2 / (9 * k)) ** 0.5) ** 3
 
@@ -58,8 +61,8 @@ def main():
             std[m][k] = round(statistics.stdev(xs), 2)
             cells.append(f"{statistics.mean(xs):.2f} ± **{std[m][k]:.2f}**")
         ivs = [std_interval(std[m][k], n) for k in ("acc", "bwt")]
-        print(f"| {m} | {cells[0]} | {cells[1]} | [{ivs[0][0]:.2f}, {ivs[0][1]:.2f}] | [{ivs[1][0]:.2f}, "
-              f"{ivs[1][1]:.2f}] |")
+        print(f"| {m} | {cells[0]} | {cells[1]} | [{ivs[0][0]:.2f}, {ivs[0][1]:.2f}] | "
+              f"[{ivs[1][0]:.2f}, {ivs[1][1]:.2f}] |")
     from reporting.stats import t_quantile
     t = t_quantile(n - 1, 0.95)
     delta_std = {}
@@ -67,7 +70,8 @@ def main():
         if ref not in data:
             continue
         delta_std[ref] = {}
-        print(f"\n| vs {ref}, {n} seeds | ΔACC | 95 % CI | ΔBWT | 95 % CI |\n|---|---:|---:|---:|---:|")
+        print(f"\n| vs {ref}, {n} seeds | ΔACC | 95 % CI | ΔBWT | 95 % CI |\n"
+              f"|---|---:|---:|---:|---:|")
         for m in data:
             if m == ref:
                 continue
@@ -82,7 +86,8 @@ def main():
     meta = results.get("meta", {})
     weights = Path(meta.get("base", "")) / "model.safetensors"
     sha = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None
-    print(f"\nSEED_NOISE entry (run.py), numerics {meta.get('numerics', {}).get('code')}, base {sha}:")
+    print(f"\nSEED_NOISE entry (run.py), numerics {meta.get('numerics', {}).get('code')}, "
+          f"base {sha}:")
     print(json.dumps({"seeds": n, "std": std, "delta_std": delta_std}))
 
 
