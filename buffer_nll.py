@@ -10,13 +10,11 @@ them). A gold buffer (Vanilla Replay) has no log-probs, so this script computes 
   2. encode each pair as training does (chat template; the response tokens + end-of-turn are the
      targets; pairs longer than --max-len are dropped and counted, as train.py drops them)
   3. teacher-force --ckpt on them (model/logprobs.py): l = mean NLL per target token of each record
-  4. write --out atomically in score.py's buffer_stats.json layout, so the report compares l across
-     buffers:
-       {"scorer": "gold", "select": null, "budget": n, "spearman_ru_sc": null, "dropped_overlong",
-        "tasks": {task: {"n", "spearman_ru_sc": null,
-                         "selected": {"n", "nll_mean", "nll_max", "token_nll_max"},
-                         "rejected": null}},
-        "all": {"selected": {...}, "rejected": null}}
+  4. per task and over all records: l's mean and max and the largest single-token NLL, in
+     score.py's _stats.json layout (scorer "gold", every record "selected"), so the report
+     compares l across buffers
+
+The file's fields: README, "drift.py — the per-update KL that bounds forgetting".
 """
 from pathlib import Path
 

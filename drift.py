@@ -19,19 +19,11 @@ Then, for all prompts at once:
      truncated to --max-new-tokens tokens
   5. teacher-force both on the GOLD answers (prompt + answer + end-of-turn, as training sees
      them): per-token NLL
-  6. write (atomically, only once everything above succeeded)
-       OUT/drift_samples.jsonl  one line per prompt: task, idx, token_ids (sampled), num_tokens,
-                                seq_kl, kl (per token), gold_tokens, gold_nll_cur, gold_nll_ref
-                                (sums over the gold tokens)
-       OUT/drift.json           {"tasks": {task: {"n", "mean_seq_kl", "median_seq_kl",
-                                "kl_per_token" (total KL / total sampled tokens), "mean_tokens",
-                                "gold_nll_cur", "gold_nll_ref" (per gold token, token-weighted over
-                                the task)}}, "all": the same over every prompt, "ckpt", "ref",
-                                "temperature", "max_new_tokens", "seed", "limit", "max_len",
-                                "engine", "data"}
-     drift.json is written last, so its presence means the measurement finished.
+  6. per prompt the sequence KL and the gold NLLs; per task and over all prompts: n, the mean and
+     median sequence KL, the KL per token (total KL / total sampled tokens), the mean sampled
+     tokens, and the gold NLL under CUR and PREV per gold token (token-weighted over the task)
 
-Engine handling and the embedded-benchmark fallback are the same as evaluate.py's.
+Its files, engine, data default: README, "drift.py — the per-update KL that bounds forgetting".
 """
 import math
 import statistics

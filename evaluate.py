@@ -16,17 +16,10 @@ Then, for all tasks at once:
      (data.conventions.score, 0..100) under the --scoring convention: lenient (default: reads
      the answer a small model means), paper (the official OPR code's tools/eval.py) or trace
      (TRACE's metrics.py); see data/metrics.py
-  5. write (atomically, only once everything above succeeded)
-       OUT/predictions.jsonl  one line per (example, repeat): task, idx, repeat, prompt, prediction,
-                              gold, score, finish_reason, num_tokens
-       OUT/scores.json        {"ckpt", "scores": {task: mean over examples and repeats},
-                              "std_over_repeats": {task: population std of the K per-repeat means},
-                              "n": {task: examples}, "dropped_overlong": {task: n}, "scoring",
-                              "temperature", "repeats", "seed", "max_new_tokens", "max_len",
-                              "engine", "data"}
-     scores.json is written last, so its presence means the evaluation finished.
+  5. per task: the mean score over examples and repeats, and the population std of the K
+     per-repeat means
 
-Engine handling, defaults and the embedded-benchmark fallback are the same as rollout.py's.
+Its files, engine, data default: README, "evaluate.py — one row of the accuracy matrix".
 """
 import statistics
 import time

@@ -1,8 +1,9 @@
 """plan.py — the cost planner: what a run.py command will train and generate, in
 GPU-hours, before it runs.
 
-    python run.py --model DIR --data TRACE --gpus 8 --dry-run     # the plan of that exact command; runs nothing
-    python plan.py --paper [--trace ../shared/trace]              # the paper's grid on Qwen2.5-7B shapes
+    python run.py --model DIR --data TRACE --gpus 8 --dry-run   # that command's plan; runs nothing
+    python plan.py --paper                          # the paper's grid on Qwen2.5-7B shapes
+    python plan.py --paper --trace ../shared/trace  # the same, the tasks found there measured
 
 For every step the pipeline would run (the same keys as run.py's Pipeline), from the real data:
   train    tokens = epochs x sum of the chat-templated lengths of its mixture (the task's examples

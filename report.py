@@ -1,16 +1,13 @@
 """report.py — the paper-style report of a continual-learning run: tables
 (Markdown) and figures (PNG).
 
-    python report.py runs/tiny            # rebuilds runs/tiny/report.md and its figures from runs/tiny/results.json
+    python report.py runs/tiny   # rebuilds runs/tiny/report.md and figures from its results.json
 
 run.py calls write_report() and format_table() at the end of every run; this script redoes that step
 alone, e.g. after a change to the report or on a results.json copied from another machine. Nothing
 is recomputed but the report: the numbers come from results.json only.
 
-What results.json holds: reporting/schema.py. The report's parts: reporting/numbers.py (summaries,
-intervals, noise, drift), reporting/tables.py (the Markdown tables and report.md),
-reporting/figures.py. A new part of the report adds its numbers, table and figure there and its
-fields to the schema.
+What results.json holds, the report's parts: README, "Layout" (reporting/).
 """
 import argparse
 import contextlib

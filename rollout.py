@@ -13,24 +13,19 @@ Then, for all prompts at once:
   3. sample ONE response per prompt: temperature 0.1, top-p 1, no top-k, no repetition penalty, <=
      512 new tokens, stopping at end-of-turn/EOS, seeded; keep each sampled token's RAW log-prob
      (log_softmax before temperature)
-  4. write one JSONL line per rollout (atomically): task, idx (record number in the task's train
-     file), prompt, response (decoded text, stop token removed), token_ids, logprobs, mean_logprob,
-     num_tokens, finish_reason
+  4. write one JSONL line per rollout: its prompt's task and record number, the response, its
+     token ids and their raw log-probs
   5. log-prob agreement (--check-logprobs K, on by default): re-score K random rollouts with the
      training model's own teacher-forced forward pass (our Transformer, in train.py's compute dtype)
      and compare its log-prob of every sampled token with the engine's: mean and max |d| per token
      and a k3 estimate mean(exp(d) - 1 - d), d = logp_trainer - logp_engine (>= 0, 0 iff they agree;
-     Schulman's estimator of KL(engine || trainer) for tokens drawn at temperature 1). OPR-SC ranks
-     rollouts by these log-probs, and engines can disagree with the trainer (vLLM in bf16 by up to
-     ~0.3 nats on single tokens, vllm issue 18352), so a warning is printed when the mean |d|
-     exceeds LOGPROB_TOL_MEAN or the max exceeds LOGPROB_TOL_MAX
+     Schulman's estimator of KL(engine || trainer) for tokens drawn at temperature 1); a warning is
+     printed when the mean |d| exceeds LOGPROB_TOL_MEAN or the max exceeds LOGPROB_TOL_MAX
   6. write <out stem>_summary.json: per-task counts, tokens, mean log-prob, and
      the numbers of step 5
 score.py then ranks the rollouts and builds the replay buffer for the next stage.
 
-Engine: vLLM on a GPU machine with vLLM installed, else the native KV-cache sampler
-(engine/sampling.py). Without --data, the embedded synthetic 8-task benchmark (data/embedded.py) is
-generated once into a cache directory.
+Why step 5, its files' fields, engine, data default: README, "rollout.py — on-policy responses".
 """
 import argparse
 import math

@@ -1,10 +1,14 @@
 """run.py — the whole continual-learning pipeline, every method, a paper-style report.
 
-    python run.py                                         # embedded default: tiny base, 8 synthetic tasks, CPU
-    python run.py --base smollm2                          # SmolLM2-135M-Instruct, budgets sized for CPU
-    python run.py --model DIR --data TRACE_ROOT --gpus 8  # the paper's setting (bf16, flash-attn, liger, vLLM)
-    python run.py --data ROOT --tasks Tickets,SQL          # your own tasks: ROOT/tasks.json names them, their
-                                                          # metrics, epochs and formats (README, "Your own tasks")
+    # the embedded default: tiny base, 8 synthetic tasks, CPU
+    python run.py
+    # SmolLM2-135M-Instruct, budgets sized for CPU
+    python run.py --base smollm2
+    # the paper's setting (bf16, flash-attn, liger, vLLM)
+    python run.py --model DIR --data TRACE_ROOT --gpus 8
+    # your own tasks: ROOT/tasks.json names them, their metrics, epochs and formats
+    # (README, "Your own tasks")
+    python run.py --data ROOT --tasks Tickets,SQL
 
 Row 0 = evaluate.py(base) on the test split of every task (once per base and seed,
 shared by all methods).
@@ -30,33 +34,7 @@ ckpt_{i-1}) on the test prompts of tasks 1..i-1 (per-update KL, --drift-limit pr
 and every buffer's per-token NLL under the checkpoint that built it (score.py for OPR,
 buffer_nll.py for gold replay).
 
-Every step runs as a process of its own writing into a temporary directory that is renamed into
-runs/NAME/steps/ and recorded in manifest.json when it succeeds (on CPU a fork of one zygote process
-that imported torch and the scripts once, pipeline/zygote.py; OPR_NO_ZYGOTE=1 for a fresh
-interpreter per step: same results). A step's key hashes everything that changes its numbers: its
-settings, the keys of the steps it reads, the content of the files it reads (data files, the base
-checkpoint; digests cached by size and mtime) and the numerics (CPU threads per step, torch version,
-kernels.NUMERICS, the CPU's model or --portable's pins). Identical work (e.g. stage 1 of every
-method) runs once, re-running the same command continues where it stopped (killing it anywhere loses
-at most the steps in progress), an edited data file re-runs exactly the steps that read it, and a
-step directory deleted by hand re-runs with every step that read it (manifest.json records which
-execution of each input a step read: a re-run may differ in its bytes on a GPU). A step's files are
-fsynced before its rename, so a power loss cannot leave a listed step truncated.
-
-Stopping: Ctrl-C, SIGTERM or SIGHUP stop every running step (SIGTERM, then SIGKILL after 10 s) and
-keep the finished ones, and the driver exits 130, 143 or 129 (128 + the signal, as shells expect); a
-step outlives no driver, even one killed by SIGKILL. A signal ignored when the driver starts stays
-ignored (`nohup` keeps SIGHUP away; a shell script's `python run.py &` starts with SIGINT ignored:
-stop that one with kill). `kill -USR1 PID` makes a driver print every thread's stack to stderr (for
-a driver that seems stuck) and go on.
-
-Determinism: results are a function of the command, its inputs and its seeds. Every CPU step runs
-with the same pinned thread count (THREADS below, or --threads, or the caller's explicit
-OMP_NUM_THREADS), whatever --jobs or the machine's core count, and the tiny base is always built
-single-threaded with the CPU pins (kernels.CPU_PINS), so it is the same bytes on every x86-64 CPU
-with AVX2. The steps round as the CPU's own kernels do: on another CPU model a seed's table moves
-about as far as another seed moves it (the CPU model is part of every step's key). --portable runs
-the steps with the pins too: the same table on every such CPU, at ~1.5x the wall time.
+Steps, keys, resuming, determinism: README, "run.py — the pipeline"; stopping: "Killing run.py".
 """
 import argparse
 import faulthandler

@@ -15,11 +15,10 @@ stage's replay buffer.
        sc (OPR-SC): self-confidence = mean raw log-prob of the sampled tokens
      An empty (all-whitespace) response gets the lowest score: 0 for ru (the metric's minimum;
      TRACE's metrics score empty predictions 0 too; under --scoring paper/trace the metric alone
-     decides, as in those sources), -inf for sc (written as null). A rollout whose logprobs hold a
-     NaN or an infinity is an error naming its file and record: no score can rank it, and the loss
-     bound of step 5 would be NaN.
+     decides, as in those sources), -inf for sc
   3. budget b = --budget, or round(rho * n) with --rho/--n (0.01 * 5000 = 50); split equally over
-     the prior tasks, remainder to the earliest tasks, each capped by its rollouts, shortfall moved
+     the prior tasks, remainder to the earliest tasks (in --tasks' order when given, else in the
+     order of first appearance in the rollout file), each capped by its rollouts, shortfall moved
      to the others (data.replay.allocate). --task-budgets T=K,... instead gives each task its own
      count (run.py --replay-budget per-task: rho times that task's own training-set size), capped by
      its rollouts, no shortfall moved
@@ -32,20 +31,10 @@ stage's replay buffer.
      rejected rollouts, and the Spearman rank correlation of the RU and SC scores (the paper's
      assumption that task-correct rollouts are high-likelihood; RU needs the gold answers, so with
      --scorer sc it is computed only when --data is given)
-  6. write the buffer atomically as SFT examples {"prompt", "response"} (what train.py reads) plus
-     task, idx, score, scorer, select and source (the rollout file), and the numbers of step 5 as
-     <buffer stem>_stats.json:
-       {"scorer", "select", "budget", "spearman_ru_sc",
-        "tasks": {task: {"n", "overlong", "spearman_ru_sc",
-                         "selected": {"n", "nll_mean", "nll_max", "token_nll_max"},
-                         "rejected": {same}}},
-        "all": {"selected", "rejected"}}  (null where a set is empty or a correlation undefined)
-     nothing is written when any step fails
+  6. write the buffer as SFT examples {"prompt", "response"} (what train.py reads), and the numbers
+     of step 5 as <buffer stem>_stats.json
 
-Task order (for the remainder) is --tasks when given, else the order of first appearance in the
-rollout file.
-The summary's "passed" column: ru -> score == 100 (exactly right); sc -> score above the task's
-median score.
+The files' fields, the printed summary, bad rollouts: README, "score.py — the replay buffer".
 """
 import argparse
 import math

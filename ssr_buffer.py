@@ -10,8 +10,10 @@ after a stage, from the prior tasks' synthetic inputs (synthesize.py) and the la
      share, closest to the centroid)
   3. the latest checkpoint answers the chosen inputs with its chat template, greedily (the
      official refinement)
-  4. buffer.jsonl: {task, idx, prompt, response, source "ssr"}; an answer that makes the example
-     longer than --max-len is dropped (train.py would drop it), and said
+  4. write them as SFT examples (source "ssr"); an answer that makes the example longer than
+     --max-len is dropped (train.py would drop it), and said
+
+The buffer's fields: README, "Methods (`methods/`)", SSR's paragraph.
 """
 import argparse
 import json

@@ -2,8 +2,8 @@
 synthetic inputs of one task by in-context learning from a few of its stored demonstrations; no
 other training prompt is read.
 
-    python synthesize.py --ckpt BASE --data ROOT --tasks FOMC --out synth/   (run.py: once per task
-                                                                              and seed)
+    # run.py runs it once per task and seed
+    python synthesize.py --ckpt BASE --data ROOT --tasks FOMC --out synth/
 
   1. load the task's training split with training's subsample and over-long filter, and draw --demos
      of its examples (seeded): the only prompts of this task that SSR ever stores
@@ -15,7 +15,8 @@ other training prompt is read.
      in a user turn after CHAT_HEADER, the assistant's answer expected as "Input: ...\nOutput:
      ..." (EasyCL's form)
   3. --samples completions of each at --temperature (each with a seed of its
-     own), <= --max-new-tokens
+     own), <= --max-new-tokens; no top-p, no repetition penalty (the official code's 0.6 and 1.2:
+     the engines sample at a temperature alone)
   4. parse each completion into (input, output) pairs (split on "Input:", then "Output:");
      keep pairs with both parts non-empty, whose chat-templated input + output fit --max-len,
      whose input is no demonstration's, the first of each distinct input; a pair cut by the
@@ -23,14 +24,10 @@ other training prompt is read.
   5. embed each kept input: the base model's final-normed hidden states, averaged over its
      chat-templated prompt tokens (the paper clusters SimCSE embeddings; the model's own are the
      substitute, no second model)
-  6. write synth.jsonl ({task, idx, prompt, icl_output}), embeddings.safetensors ([N, H] fp32)
-     and info.json (the task, the demonstrations' record numbers, the counts), as one
-     directory renamed into place
-
-The official settings (DeepLearnXMU/SSR: 20 demonstrations, 2 shots, every ordered pair, 3 samples,
-T 0.9) are the defaults; its top-p 0.6 and repetition penalty 1.2 are not applied (the engines
-sample at a temperature alone).
+  6. write the kept inputs, their embeddings and the demonstrations' record numbers
 ssr_buffer.py then selects and answers these inputs with the latest checkpoint.
+
+Its defaults and files: README, "Methods (`methods/`)", SSR's paragraph.
 """
 import argparse
 import itertools

@@ -2,9 +2,8 @@
 checkpoint on a data mixture.
 
     torchrun --nproc_per_node 8 train.py --model DIR --data task.jsonl,buffer.jsonl --out DIR
-    python train.py ...                      (one process)
-    torchrun --nproc_per_node 8 train.py     (no flags: the embedded benchmark's first task on the
-                                             tiny base)
+    python train.py --model DIR --data task.jsonl,buffer.jsonl --out DIR  # one process
+    torchrun --nproc_per_node 8 train.py  # no flags: the embedded benchmark's first task, tiny base
 
 The algorithm, top to bottom:
   1. tokenize the mixture with the model's chat template; loss only on the response (+ end-of-turn
@@ -21,19 +20,14 @@ The algorithm, top to bottom:
      get_linear_schedule_with_warmup), grad-norm clip
   5. periodic resumable training state; final weights as a Hugging Face checkpoint directory (--out)
 
-Records that carry a "source" field (the replay buffers score.py and run.py write) are replay
-examples, the others the stage's own task examples; when the mixture has both, each step's log also
-holds loss_task and loss_replay (each source's NLL per response token of that source) and
-target_tokens_replay, so that
-    loss * target_tokens == loss_task * (target_tokens - target_tokens_replay)
-                            + loss_replay * target_tokens_replay
-
 --objective picks what step 3 minimises: a method's Objective (methods/), asked by the loop at named
 moments, never by name: sft (the response-token NLL above: the paper's fine-tuning, and OPR's),
 sft-kl (NLL + beta * KL to an EMA teacher), sdft (on-policy self-distillation: the student
 samples, a demonstration-conditioned teacher scores), ewc (NLL + 1/2 * lambda * sum F * (theta -
 theta*)^2, its Fisher written with the checkpoint). Each method's file says what it computes and
 where its defaults come from.
+
+Outputs, the log's per-source losses, --resume: README, "train.py — one continual-learning stage".
 """
 import argparse
 import hashlib
