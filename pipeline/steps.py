@@ -10,7 +10,7 @@ durably to a run directory.
 A step's key hashes its settings, the keys of the steps it reads, the content of the files it reads
 (pipeline.digest) and the numerics. Each step runs as a process of its own (a fork of the zygote on
 CPU, pipeline/zygote.py) writing into `steps/KEY.tmp`, which is fsynced and renamed to `steps/KEY`
-and recorded in manifest.json when the step succeeds. Signals: see run.py's docstring ("Stopping").
+and recorded in manifest.json when the step succeeds. Signals: README, "Killing run.py".
 
 A committed step's large files may be pruned (pipe.prune(key), run.py --keep-checkpoints;
 pipeline/keep.py says which): they are deleted and their digests moved from the manifest entry's
