@@ -1,5 +1,6 @@
-"""The native generation engine: continuous batching over a slot KV cache, a static-shape decode step (captured as a
-CUDA graph on a GPU), fused projections, shared prefill of repeated prompts, exact raw log-probs.
+"""The native generation engine: continuous batching over a slot KV cache, a static-shape decode
+step (captured as a CUDA graph on a GPU), fused projections, shared prefill of repeated prompts,
+exact raw log-probs.
 
     engine = Engine(model, max_seqs=32)
     outs = engine.run(prompts, temperature=0.1, max_new_tokens=512, stop_ids={2}, seed=0)
@@ -23,11 +24,12 @@ the decode rows and the prompts admitted after a cached prefix alike; the other 
 varlen call), else _attend_rows (the decode rows over the cache) and _attend_docs (the prompts:
 varlen, or SDPA over the slot's columns after a cached prefix).
 
-The decode step is a pure function of static-shape tensors: tokens, positions, per-row sampling keys and counters
-of the `n` live rows padded up to a batch bucket, attention over the first `span` cache columns (a multiple of
-`key_bucket`), sampling on the device, no host sync. On a GPU each (bucket, span) is captured once as a CUDA graph and
-replayed; the scheduler syncs once per step (the sampled tokens). On the CPU it runs eagerly, unpadded (a pad row
-costs as much as a real one there, and there is no launch overhead to save).
+The decode step is a pure function of static-shape tensors: tokens, positions, per-row sampling keys
+and counters of the `n` live rows padded up to a batch bucket, attention over the first `span` cache
+columns (a multiple of `key_bucket`), sampling on the device, no host sync. On a GPU each
+(bucket, span) is captured once as a CUDA graph and replayed; the scheduler syncs once per step (the
+sampled tokens). On the CPU it runs eagerly, unpadded (a pad row costs as much as a real one there,
+and there is no launch overhead to save).
 """
 import os
 import time
@@ -39,7 +41,8 @@ import torch.nn.functional as F
 from engine.sampler import row_keys, sample
 from engine.scheduler import Decode, Scheduler, Sequence
 from kernels import cpu, varlen_attention
-from model.transformer import Transformer, pack_all, packed_products, packs, rope_cos_sin, rope_inv_freq
+from model.transformer import (Transformer, pack_all, packed_products, packs, rope_cos_sin,
+                               rope_inv_freq)
 
 
 @dataclass
@@ -63,26 +66,28 @@ class Context:
 
 
 class Engine:
-    """See the module docstring. model: a Transformer (plain tensors, or an FSDP2 model whose units are unsharded
-    for the duration, as train.py's SDFT does). max_seqs: live sequences at once (the KV cache holds this many
-    rows of max prompt + max_new_tokens columns). graphs: capture the decode step as CUDA graphs (default: on CUDA
-    unless OPR_ENGINE_GRAPHS=0).
+    """See the module docstring. model: a Transformer (plain tensors, or an FSDP2 model whose units
+    are unsharded for the duration, as train.py's SDFT does). max_seqs: live sequences at once (the
+    KV cache holds this many rows of max prompt + max_new_tokens columns). graphs: capture the
+    decode step as CUDA graphs (default: on CUDA unless OPR_ENGINE_GRAPHS=0).
     lm_head_fp32: compute the logits in fp32 from a bf16 model (an fp32 copy of lm_head's weight).
-    mix: run the live sequences' decode step inside each admission's prefill forward (default: on the CPU).
-    pack: multiply by copies of the weights packed once for oneDNN (default: on the CPU in fp32, unless the weights
-    are being trained: train.py's SDFT samples from them between optimizer steps)."""
+    mix: run the live sequences' decode step inside each admission's prefill forward (default: on
+    the CPU). pack: multiply by copies of the weights packed once for oneDNN (default: on the CPU
+    in fp32, unless the weights are being trained: train.py's SDFT samples from them between
+    optimizer steps)."""
 
     def __init__(self, model: Transformer, max_seqs: int = 32, *, graphs: bool | None = None,
-                 max_prefill_tokens: int | None = None, key_bucket: int | None = None, lm_head_fp32: bool = False,
-                 mix: bool | None = None, pack: bool | None = None):
+                 max_prefill_tokens: int | None = None, key_bucket: int | None = None,
+                 lm_head_fp32: bool = False, mix: bool | None = None, pack: bool | None = None):
         self.model, self.cfg = model, model.cfg
         w = model.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
         cuda = self.device.type == "cuda"
         self.max_seqs = max_seqs
-        # weights that train (train.py's SDFT, under torch.distributed): capturing beside NCCL's watchdog is fragile,
-        # each capture empties the allocator's cache, which training's memory relies on, and packed copies go stale.
-        # Generation workers (engine/workers.py) sample from frozen weights in a gloo group: graphs and packing stay
+        # weights that train (train.py's SDFT, under torch.distributed): capturing beside NCCL's
+        # watchdog is fragile, each capture empties the allocator's cache, which training's memory
+        # relies on, and packed copies go stale. Generation workers (engine/workers.py) sample from
+        # frozen weights in a gloo group: graphs and packing stay
         training = any(p.requires_grad for p in model.parameters())
         if graphs is None:
             graphs = cuda and os.environ.get("OPR_ENGINE_GRAPHS", "1") != "0" and not training
@@ -93,21 +98,23 @@ class Engine:
         self.packs = packs(model) if pack is None else (pack_all(model) if pack else {})
         self.lm_head_fp32 = w.float() if lm_head_fp32 and w.dtype != torch.float32 else None
         self.inv_freq = rope_inv_freq(self.cfg, self.device)
-        # on the CPU each token attends over its own slot's columns in one C call (kernels/cpu.c), where the batched
-        # products read every row up to the longest's position (BENCHMARKS.md, "Attention over each sequence's own
-        # cache span, in C")
+        # on the CPU each token attends over its own slot's columns in one C call (kernels/cpu.c),
+        # where the batched products read every row up to the longest's position (BENCHMARKS.md,
+        # "Attention over each sequence's own cache span, in C")
         self.c_attention = cpu.runs_attention(self.device, self.dtype, self.cfg.num_attention_heads,
                                               self.cfg.num_key_value_heads, self.cfg.head_dim)
         self._graphs, self.K = {}, None
 
-    # -- the model, as the engine runs it --------------------------------------------------------------------------
+    # -- the model, as the engine runs it ----------------------------------------------------------
     def _run(self, ids, pos, attend, last=None):
-        """The model's blocks over tokens ids [T] at positions pos [T], attention through `attend` -> the logits of
-        the rows `last` (all when None) [len, V]."""
+        """The model's blocks over tokens ids [T] at positions pos [T], attention through `attend`
+        -> the logits of the rows `last` (all when None) [len, V]."""
         x = self.model.model.embed_tokens(ids)[None]
-        cos, sin = rope_cos_sin(self.inv_freq, pos[None], self.dtype)  # [1, T, D], as the training model
+        # [1, T, D], as the training model
+        cos, sin = rope_cos_sin(self.inv_freq, pos[None], self.dtype)
         for layer in self.model.model.layers:
-            x = layer.forward(x, cos, sin, attend=attend)  # forward, not __call__: no FSDP hooks, no compiled block
+            # forward, not __call__: no FSDP hooks, no compiled block
+            x = layer.forward(x, cos, sin, attend=attend)
         h = self.model.model.norm(x[0] if last is None else x[0, last])
         if self.lm_head_fp32 is not None:
             return F.linear(h.float(), self.lm_head_fp32)
@@ -218,27 +225,32 @@ class Engine:
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def _attend_rows(self, i, q, mask):
-        """Layer i's attention of one new token in each slot 0..n-1 (q [n, Hq, D]) over the cache columns that
-        mask [n, 1, 1, span] (_row_mask) lets it see."""
+        """Layer i's attention of one new token in each slot 0..n-1 (q [n, Hq, D]) over the cache
+        columns that mask [n, 1, 1, span] (_row_mask) lets it see."""
         n, span, hkv, d = q.shape[0], mask.shape[-1], self.cfg.num_key_value_heads, q.shape[-1]
-        # the G query heads of each kv head as G queries of one head (q head h reads kv head h // G, as enable_gqa
-        # does): a boolean mask with enable_gqa sends CUDA to the math kernel, this shape does not
+        # the G query heads of each kv head as G queries of one head (q head h reads kv head
+        # h // G, as enable_gqa does): a boolean mask with enable_gqa sends CUDA to the math
+        # kernel, this shape does not
         qg = q.view(n, hkv, -1, d)
         k, v = self.k[i][:n, :, :span], self.v[i][:n, :, :span]
         if q.is_cuda:
             return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(n, -1)
-        # the CPU: two batched products over the (row, kv head) pairs and a softmax between them, faster than SDPA's
-        # flash kernel with a mask at a few queries per head (BENCHMARKS.md, "Numerics versions", 12)
-        scores = torch.baddbmm(mask, qg.flatten(0, 1), k.flatten(0, 1).transpose(1, 2), alpha=d ** -0.5)
+        # the CPU: two batched products over the (row, kv head) pairs and a softmax between them,
+        # faster than SDPA's flash kernel with a mask at a few queries per head (BENCHMARKS.md,
+        # "Numerics versions", 12)
+        scores = torch.baddbmm(mask, qg.flatten(0, 1), k.flatten(0, 1).transpose(1, 2),
+                               alpha=d ** -0.5)
         return torch.bmm(torch.softmax(scores, -1), v.flatten(0, 1)).view(n, -1)
 
     def decode_step(self, tokens, pos, keys, counters, span: int, temperature: float):
-        """One token for each of the first len(tokens) slots: tokens, pos, keys, counters [n] (int64, device);
-        attention over cache columns [0, span). Returns (next tokens [n], their raw log-probs [n]). Static shapes,
-        no host sync: compiles with fullgraph=True and is what the CUDA graphs capture."""
+        """One token for each of the first len(tokens) slots: tokens, pos, keys, counters [n]
+        (int64, device); attention over cache columns [0, span). Returns (next tokens [n], their raw
+        log-probs [n]). Static shapes, no host sync: compiles with fullgraph=True and is what the
+        CUDA graphs capture."""
         n = tokens.shape[0]
         rows = torch.arange(n, device=tokens.device)
-        mask = None if self.c_attention else _row_mask(pos, span, self.cfg.num_key_value_heads, self.dtype)
+        mask = (None if self.c_attention
+                else _row_mask(pos, span, self.cfg.num_key_value_heads, self.dtype))
 
         def attend(i, q, k, v):
             self.k[i][rows, :, pos] = k
@@ -249,10 +261,11 @@ class Engine:
         return sample(self._run(tokens, pos, attend), temperature, keys, counters)
 
     def _round(self, n: int) -> int:
-        """n up to a multiple of key_bucket (CUDA: spans repeat, so graphs and attention plans do)."""
+        """n up to a multiple of key_bucket (CUDA: spans repeat, so graphs and
+        attention plans do)."""
         return -(-n // self.key_bucket) * self.key_bucket
 
-    # -- CUDA graphs --------------------------------------------------------------------------------------------------
+    # -- CUDA graphs -------------------------------------------------------------------------------
     def _bucket(self, n: int) -> int:
         if not self.graphs:
             return n
@@ -270,7 +283,8 @@ class Engine:
             static = [t.clone() for t in (tokens, pos, keys, counters)]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up off the capture: lazy initialisations happen here
+            # warm-up off the capture: lazy initialisations happen here
+            with torch.cuda.stream(stream):
                 self.decode_step(*static, span, temperature)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
@@ -284,25 +298,31 @@ class Engine:
         return out
 
     def allocate(self, cols: int):
-        """The KV cache for sequences of up to `cols` tokens (and no CUDA graphs yet: they capture its addresses). It
-        stays with the engine: the engine's next run() reuses it, and the graphs captured over it, when its
-        sequences fit (engine.native.sample builds a new engine per call: see the module docstring)."""
-        shape = (self.cfg.num_hidden_layers, self.max_seqs, self.cfg.num_key_value_heads, cols, self.cfg.head_dim)
-        # zeros, not empty: a masked column still enters attention's weighted sum (0 * NaN would be NaN)
+        """The KV cache for sequences of up to `cols` tokens (and no CUDA graphs yet: they capture
+        its addresses). It stays with the engine: the engine's next run() reuses it, and the graphs
+        captured over it, when its sequences fit (engine.native.sample builds a new engine per call:
+        see the module docstring)."""
+        shape = (self.cfg.num_hidden_layers, self.max_seqs, self.cfg.num_key_value_heads, cols,
+                 self.cfg.head_dim)
+        # zeros, not empty: a masked column still enters attention's weighted sum
+        # (0 * NaN would be NaN)
         self.K = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.V = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.k, self.v = list(self.K.unbind(0)), list(self.V.unbind(0))
         self._graphs, self._pool = {}, torch.cuda.graph_pool_handle() if self.graphs else None
 
-    # -- generation: the scheduler's batches, run --------------------------------------------------------------------
+    # -- generation: the scheduler's batches, run --------------------------------------------------
     @torch.inference_mode()
-    def run(self, prompts: list[list[int]], *, temperature: float = 0.1, max_new_tokens: int | list = 512,
-            stop_ids=(), seed: int = 0, seeds: list[int] | None = None, progress: bool = True) -> list[dict]:
+    def run(self, prompts: list[list[int]], *, temperature: float = 0.1,
+            max_new_tokens: int | list = 512, stop_ids=(), seed: int = 0,
+            seeds: list[int] | None = None, progress: bool = True) -> list[dict]:
         """One response per prompt (token id lists), in the input order. See the module docstring.
-        max_new_tokens: one cap for all, or one per prompt (tasks of one call may need 4 tokens or 512)."""
+        max_new_tokens: one cap for all, or one per prompt
+        (tasks of one call may need 4 tokens or 512)."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        caps = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        caps = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
+                else list(max_new_tokens))
         if len(caps) != len(prompts):
             raise ValueError(f"generate: {len(caps)} max_new_tokens for {len(prompts)} prompts")
         if any(c < 1 for c in caps):
@@ -314,10 +334,12 @@ class Engine:
         if not prompts:
             return []
         stop = set(int(t) for t in stop_ids)
-        seqs = [Sequence(i, p, c, k) for i, (p, c, k) in enumerate(zip(prompts, caps, row_keys(len(prompts), seed,
-                                                                                              seeds)))]
+        seqs = [Sequence(i, p, c, k)
+                for i, (p, c, k) in enumerate(zip(prompts, caps,
+                                                  row_keys(len(prompts), seed, seeds)))]
         cols = self._round(max(len(p) + c for p, c in zip(prompts, caps)))
-        if self.K is None or self.K.shape[3] < cols:  # else the cache (and the graphs that read it) serve again
+        # else the cache (and the graphs that read it) serve again
+        if self.K is None or self.K.shape[3] < cols:
             self.allocate(cols)
         sched = Scheduler(seqs, self.max_seqs, self.max_prefill_tokens, self.mix)
         bar = None
@@ -335,38 +357,49 @@ class Engine:
                 done = sum(s.finish is not None for s in batch.seqs)
                 if bar is not None and done:
                     bar.update(done)
-                    bar.set_postfix(tok_s=f"{n_new / (time.perf_counter() - t0):.1f}", live=len(sched.live))
+                    bar.set_postfix(tok_s=f"{n_new / (time.perf_counter() - t0):.1f}",
+                                    live=len(sched.live))
         if bar is not None:
             bar.close()
-        return [{"token_ids": s.tokens, "logprobs": s.logprobs, "finish_reason": s.finish} for s in seqs]
+        return [{"token_ids": s.tokens, "logprobs": s.logprobs, "finish_reason": s.finish}
+                for s in seqs]
 
     def _step(self, batch, temperature: float) -> tuple[list, list]:
-        """Run one batch of the scheduler's -> (a new token for each of batch.seqs, its raw log-prob)."""
+        """Run one batch of the scheduler's -> (a new token for each of batch.seqs,
+        its raw log-prob)."""
         dev = dict(device=self.device, dtype=torch.long)
         seqs = batch.seqs
         if isinstance(batch, Decode):
             n = len(seqs)
             pos = [s.pos for s in seqs]
-            pad = [0] * (self._bucket(n) - n)  # pad rows write into free slots, which a prefill overwrites
+            # pad rows write into free slots, which a prefill overwrites
+            pad = [0] * (self._bucket(n) - n)
             tokens, logprobs = self._decode(
-                torch.tensor([s.tokens[-1] for s in seqs] + pad, **dev), torch.tensor(pos + pad, **dev),
+                torch.tensor([s.tokens[-1] for s in seqs] + pad, **dev),
+                torch.tensor(pos + pad, **dev),
                 torch.tensor([s.key for s in seqs] + pad, **dev),
-                torch.tensor([len(s.tokens) for s in seqs] + pad, **dev), self._round(max(pos) + 1), temperature)
+                torch.tensor([len(s.tokens) for s in seqs] + pad, **dev),
+                self._round(max(pos) + 1), temperature)
             return tokens[:n].tolist(), logprobs[:n].tolist()
-        rows, docs = batch.rows, batch.docs  # a prefill, with the live rows' decode step riding along
-        ids = [s.tokens[-1] for s in rows] + [t for s, (_, b, _) in zip(batch.take, docs) for t in s.prompt[b:]]
+        # a prefill, with the live rows' decode step riding along
+        rows, docs = batch.rows, batch.docs
+        ids = ([s.tokens[-1] for s in rows]
+               + [t for s, (_, b, _) in zip(batch.take, docs) for t in s.prompt[b:]])
         pos = [s.pos for s in rows] + [q for _, b, e in docs for q in range(b, e)]
         slots = list(range(len(rows))) + [slot for slot, b, e in docs for _ in range(e - b)]
-        logits = self._forward(torch.tensor(ids, **dev), torch.tensor(pos, **dev), torch.tensor(slots, **dev), docs,
-                               batch.copies, len(rows), self._round(max(pos[:len(rows)], default=0) + 1))
+        logits = self._forward(torch.tensor(ids, **dev), torch.tensor(pos, **dev),
+                               torch.tensor(slots, **dev), docs, batch.copies, len(rows),
+                               self._round(max(pos[:len(rows)], default=0) + 1))
         tokens, logprobs = sample(logits, temperature, torch.tensor([s.key for s in seqs], **dev),
-                                  torch.tensor([len(s.tokens) for s in seqs], **dev))  # the index in its response
+                                  # the index in its response
+                                  torch.tensor([len(s.tokens) for s in seqs], **dev))
         return tokens.tolist(), logprobs.tolist()
 
 
 def _row_mask(pos, span: int, hkv: int = 1, dtype=torch.float32):
-    """Row i (at position pos[i]) sees cache columns 0..pos[i]: on CUDA a boolean mask [n, 1, 1, span]; on the CPU
-    one to add to the scores (the cache's dtype), 0 or -inf, [n * hkv, 1, span] (a row's for each of its kv heads)."""
+    """Row i (at position pos[i]) sees cache columns 0..pos[i]: on CUDA a boolean mask
+    [n, 1, 1, span]; on the CPU one to add to the scores (the cache's dtype), 0 or -inf,
+    [n * hkv, 1, span] (a row's for each of its kv heads)."""
     seen = torch.arange(span, device=pos.device)[None, :] <= pos[:, None]
     if pos.is_cuda:
         return seen[:, None, None, :]

@@ -1,5 +1,5 @@
-"""What the engine runs next (nano-vllm's scheduler, simplified): one Sequence per prompt, a queue of waiting ones,
-the live ones in KV-cache slots 0..n-1, and an index of the live prompts' prefixes.
+"""What the engine runs next (nano-vllm's scheduler, simplified): one Sequence per prompt, a queue
+of waiting ones, the live ones in KV-cache slots 0..n-1, and an index of the live prompts' prefixes.
 
     sched = Scheduler(seqs, max_seqs=32, max_prefill_tokens=4096, mix=True)
     while (batch := sched.schedule()) is not None:
@@ -7,14 +7,16 @@ the live ones in KV-cache slots 0..n-1, and an index of the live prompts' prefix
         for src, dst, cols in sched.postprocess(batch, tokens, logprobs, stop):
             copy cache columns [0, cols) of slot src into slot dst
 
-Prompts wait in token order, so that prompts sharing a prefix (a task's instruction, evaluation's repeats) meet.
-`schedule` admits waiting prompts into free slots while there are any (a Prefill: at most `max_prefill_tokens`
-prompt tokens, one packed forward); with `mix` (the CPU) the live sequences' next tokens ride in that forward (vLLM's
-mixed batches: a product of a few rows reads the whole weight anyway), else a Decode of every live sequence follows.
-When nothing can be admitted it returns a Decode. A prompt that shares a prefix with a resident sequence or an
-earlier admission copies that prefix's cache columns and prefills only the rest. A finished sequence frees its slot
-at once, and the highest live slot moves down into the hole (`postprocess` returns the one copy that takes), so the
-live sequences stay in slots 0..n-1 and a decode step reads the cache's first n rows without a gather.
+Prompts wait in token order, so that prompts sharing a prefix (a task's instruction, evaluation's
+repeats) meet. `schedule` admits waiting prompts into free slots while there are any (a Prefill: at
+most `max_prefill_tokens` prompt tokens, one packed forward); with `mix` (the CPU) the live
+sequences' next tokens ride in that forward (vLLM's mixed batches: a product of a few rows reads
+the whole weight anyway), else a Decode of every live sequence follows. When nothing can be
+admitted it returns a Decode. A prompt that shares a prefix with a resident sequence or an earlier
+admission copies that prefix's cache columns and prefills only the rest. A finished sequence frees
+its slot at once, and the highest live slot moves down into the hole (`postprocess` returns the one
+copy that takes), so the live sequences stay in slots 0..n-1 and a decode step reads the cache's
+first n rows without a gather.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -40,10 +42,13 @@ class Sequence:
 
 @dataclass
 class Prefill:
-    rows: list[Sequence]   # live sequences (slots 0..len(rows)-1) whose decode step rides in this forward
+    rows: list[Sequence]   # live sequences (slots 0..len(rows)-1) whose decode step
+                           # rides in this forward
     take: list[Sequence]   # the admitted prompts, each with a document in `docs`
-    docs: list[tuple]      # per admitted prompt (slot, start, end): it prefills prompt[start:end]; start: shared prefix
-    copies: list[tuple]    # (src slot, dst slot, columns): shared prefixes, copied before they are read
+    docs: list[tuple]      # per admitted prompt (slot, start, end): it prefills prompt[start:end];
+                           # start: shared prefix
+    copies: list[tuple]    # (src slot, dst slot, columns): shared prefixes, copied
+                           # before they are read
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -60,8 +65,10 @@ class Scheduler:
         self.max_seqs, self.max_prefill_tokens, self.mix = max_seqs, max_prefill_tokens, mix
         self.waiting = deque(sorted(seqs, key=lambda s: (s.prompt, s.index)))
         self.live: list[Sequence] = []  # slot i holds live[i]
-        self.decode_next = False  # a prefill without decode rows is followed by a decode of every live sequence
-        self._prefix, self._hashes, self._prompt = {}, {}, {}  # prefix key -> slots; slot -> its keys, its prompt
+        # a prefill without decode rows is followed by a decode of every live sequence
+        self.decode_next = False
+        # prefix key -> slots; slot -> its keys, its prompt
+        self._prefix, self._hashes, self._prompt = {}, {}, {}
 
     def schedule(self) -> Prefill | Decode | None:
         """The next batch to run, or None when every sequence is done."""
@@ -76,9 +83,11 @@ class Scheduler:
         self.decode_next = not rows
         return Prefill(rows, take, docs, copies)
 
-    def postprocess(self, batch, tokens: list[int], logprobs: list[float], stop: set) -> list[tuple]:
-        """Append each sequence's new token; free the slots of those that finished. Returns the cache copies
-        [(src slot, dst slot, columns)] that keep the live sequences in slots 0..n-1, to make in order."""
+    def postprocess(self, batch, tokens: list[int], logprobs: list[float],
+                    stop: set) -> list[tuple]:
+        """Append each sequence's new token; free the slots of those that finished. Returns the
+        cache copies [(src slot, dst slot, columns)] that keep the live sequences in slots 0..n-1,
+        to make in order."""
         for seq, tok, lp in zip(batch.seqs, tokens, logprobs):
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
@@ -97,9 +106,10 @@ class Scheduler:
         return moves
 
     def _take(self, first_slot: int):
-        """The next waiting prompts for slots first_slot.., at most max_prefill_tokens tokens to prefill. A prompt
-        that repeats, or shares a prefix of at least BLOCK tokens with, a resident sequence or a prompt taken before
-        it copies that prefix's cache columns and prefills only the rest (a repeat: its last token)."""
+        """The next waiting prompts for slots first_slot.., at most max_prefill_tokens tokens to
+        prefill. A prompt that repeats, or shares a prefix of at least BLOCK tokens with, a resident
+        sequence or a prompt taken before it copies that prefix's cache columns and prefills only
+        the rest (a repeat: its last token)."""
         take, docs, copies, n_tok = [], [], [], 0
         while self.waiting and first_slot + len(take) < self.max_seqs:
             seq, slot = self.waiting[0], first_slot + len(take)
@@ -115,15 +125,16 @@ class Scheduler:
         return take, docs, copies
 
     def _donor(self, prompt) -> tuple:
-        """(slot, shared length) of the resident sequence whose prompt shares the longest prefix with `prompt` (the
-        whole prompt, or at least BLOCK tokens: found through prefix_keys; at most len(prompt) - 1, since the last
-        token is prefilled for its logits), or (None, 0)."""
+        """(slot, shared length) of the resident sequence whose prompt shares the longest prefix
+        with `prompt` (the whole prompt, or at least BLOCK tokens: found through prefix_keys; at
+        most len(prompt) - 1, since the last token is prefilled for its logits), or (None, 0)."""
         for h in reversed(prefix_keys(prompt)):
             slots = self._prefix.get(h)
             if slots:
                 slot = min(slots)
                 other = self._prompt[slot]
-                n = next((i for i, (a, b) in enumerate(zip(prompt, other)) if a != b), min(len(prompt), len(other)))
+                n = next((i for i, (a, b) in enumerate(zip(prompt, other)) if a != b),
+                         min(len(prompt), len(other)))
                 n = min(n, len(prompt) - 1)
                 return (slot, n) if n > 0 else (None, 0)
         return None, 0
@@ -140,8 +151,9 @@ class Scheduler:
 
 
 def prefix_keys(prompt) -> list:
-    """Keys of the prompt's prefixes, shortest first: chained hashes of its full BLOCK-token prefixes (key k
-    identifies prompt[:BLOCK * (k + 1)]), then the whole prompt (a repeat of a short prompt shares it too)."""
+    """Keys of the prompt's prefixes, shortest first: chained hashes of its full BLOCK-token
+    prefixes (key k identifies prompt[:BLOCK * (k + 1)]), then the whole prompt (a repeat of a short
+    prompt shares it too)."""
     out, h = [], 0
     for k in range(len(prompt) // BLOCK):
         h = hash((h, tuple(prompt[k * BLOCK:(k + 1) * BLOCK])))

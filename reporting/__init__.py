@@ -1,1 +1,2 @@
-"""What the report computes from results.json: statistics (intervals, paired differences) and answer diagnostics."""
+"""What the report computes from results.json: statistics (intervals, paired differences) and
+answer diagnostics."""

@@ -1,5 +1,5 @@
-"""The report's figures (matplotlib, Agg backend: no display needed), one function per file of FIGURES and
-MECHANISM_FIGURES."""
+"""The report's figures (matplotlib, Agg backend: no display needed), one function per file of
+FIGURES and MECHANISM_FIGURES."""
 import statistics
 from pathlib import Path
 
@@ -9,20 +9,23 @@ from reporting.schema import REFERENCE
 
 FIGURES = {  # file name -> what it shows (paper figure)
     "fig_matrix.png": "accuracy matrices: score of each task (column) after each stage (row)",
-    "fig_trajectories.png": "per-task score across stages, from the stage that trains it (paper Fig. 3); dotted: "
-                            "before it is trained (stage 0 = the base model)",
+    "fig_trajectories.png": "per-task score across stages, from the stage that trains it (paper "
+                            "Fig. 3); dotted: before it is trained (stage 0 = the base model)",
     "fig_loss.png": "training loss per step, each stage stretched to unit width (paper Fig. 4)",
-    "fig_delta_vs_replay.png": f"final per-task score minus the '{REFERENCE}' method's (paper Fig. 5)",
-    "fig_bwt_acc.png": "BWT vs ACC, one point per method (paper Fig. 1, right); mtl left out: its rows are separate "
-                       "runs",
-    "fig_forgetting.png": "per-task forgetting (best earlier score - final score) per method; FWT in the legend; mtl "
-                          "left out",
+    "fig_delta_vs_replay.png": f"final per-task score minus the '{REFERENCE}' method's "
+                               f"(paper Fig. 5)",
+    "fig_bwt_acc.png": "BWT vs ACC, one point per method (paper Fig. 1, right); mtl left out: its "
+                       "rows are separate runs",
+    "fig_forgetting.png": "per-task forgetting (best earlier score - final score) per method; FWT "
+                          "in the legend; mtl left out",
 }
 MECHANISM_FIGURES = {  # drawn when results.json holds run.py's mechanism probes
-    "fig_drift.png": "per-update KL(pi_i || pi_i-1) on the prior tasks' held-out prompts, per stage (paper Eq. 1's "
-                     "quantity)",
-    "fig_drift_vs_forgetting.png": "per-task forgetting a(i, j) - a(i-1, j) against the KL on task j's prompts",
-    "fig_loss_sources.png": "training loss per step on the stage's own examples (solid) and on replayed ones (dashed)",
+    "fig_drift.png": "per-update KL(pi_i || pi_i-1) on the prior tasks' held-out prompts, per "
+                     "stage (paper Eq. 1's quantity)",
+    "fig_drift_vs_forgetting.png": "per-task forgetting a(i, j) - a(i-1, j) against the KL on task "
+                                   "j's prompts",
+    "fig_loss_sources.png": "training loss per step on the stage's own examples (solid) and on "
+                            "replayed ones (dashed)",
 }
 
 
@@ -44,7 +47,8 @@ def plot_matrices(tasks, summary, path: Path):
         im = ax.imshow(grid, vmin=0, vmax=100, cmap="viridis")
         for i, row in enumerate(s["matrix"]):
             for j, v in enumerate(row):
-                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7, color="w" if v < 60 else "k")
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7,
+                        color="w" if v < 60 else "k")
         ax.set_title(m)
         ax.set_xticks(range(n), tasks, rotation=60, ha="right", fontsize=7)
         ax.set_yticks(range(n), [f"{i + 1}" for i in range(n)], fontsize=7)
@@ -73,7 +77,8 @@ def plot_trajectories(tasks, summary, path: Path):
             x = [i + 1 for i in stages]
             y = [s["matrix"][i][j] for i in stages]
             (line,) = ax.plot(x, y, marker="o", ms=3, label=m)
-            if s.get("row0") is not None:  # before training it: the base (stage 0) and the previous stage
+            # before training it: the base (stage 0) and the previous stage
+            if s.get("row0") is not None:
                 bx, by = [0], [s["row0"][j]]
                 if j > 0 and j - 1 < len(s["next_task"]):
                     bx, by = [0, j], [s["row0"][j], s["next_task"][j - 1]]
@@ -94,7 +99,8 @@ def plot_trajectories(tasks, summary, path: Path):
 
 
 def mean_loss_curves(runs: list[dict]) -> list[list[float]]:
-    """Per stage, the per-step loss averaged over seeds (cut to the shortest seed's length for that stage)."""
+    """Per stage, the per-step loss averaged over seeds (cut to the shortest seed's
+    length for that stage)."""
     curves = [r.get("loss_curves") or [] for r in runs]
     out = []
     for i in range(min(len(c) for c in curves)):
@@ -104,7 +110,8 @@ def mean_loss_curves(runs: list[dict]) -> list[list[float]]:
 
 
 def plot_loss(tasks, results, path: Path):
-    """Each stage occupies [i, i+1) on the x axis, whatever its step count (methods with replay take more steps)."""
+    """Each stage occupies [i, i+1) on the x axis, whatever its step count (methods with replay
+    take more steps)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(tasks)), 3.2))
     for m, entry in results["methods"].items():
@@ -132,7 +139,8 @@ def plot_delta(tasks, summary, path: Path):
     width = 0.8 / max(1, len(others))
     fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(shown)), 3.2))
     for k, m in enumerate(others):
-        d = [summary[m]["final"][t]["mean"] - ref[t]["mean"] if t in summary[m]["final"] else np.nan for t in shown]
+        d = [summary[m]["final"][t]["mean"] - ref[t]["mean"] if t in summary[m]["final"] else np.nan
+             for t in shown]
         ax.bar(np.arange(len(shown)) + (k - (len(others) - 1) / 2) * width, d, width, label=m)
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(range(len(shown)), shown, rotation=30, ha="right", fontsize=8)
@@ -150,9 +158,10 @@ def plot_bwt_acc(summary, path: Path):
     for m, s in summary.items():
         if s["bwt"]["mean"] is None:  # one stage, or an acc_only method: no BWT
             continue
-        ax.errorbar(s["bwt"]["mean"], s["acc"]["mean"], xerr=s["bwt"]["std"], yerr=s["acc"]["std"], fmt="o",
-                    capsize=3, label=m)
-        ax.annotate(m, (s["bwt"]["mean"], s["acc"]["mean"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.errorbar(s["bwt"]["mean"], s["acc"]["mean"], xerr=s["bwt"]["std"], yerr=s["acc"]["std"],
+                    fmt="o", capsize=3, label=m)
+        ax.annotate(m, (s["bwt"]["mean"], s["acc"]["mean"]), textcoords="offset points",
+                    xytext=(4, 4), fontsize=8)
     ax.axvline(0, color="0.6", ls=":", lw=0.8)
     ax.set_xlabel("BWT")
     ax.set_ylabel("ACC")
@@ -171,7 +180,8 @@ def plot_forgetting(tasks, summary, path: Path):
     for k, (m, s) in enumerate(summary.items()):
         d = [s["forgetting"][t]["mean"] if t in s["forgetting"] else np.nan for t in shown]
         fwt = f", FWT {s['fwt']['mean']:.1f}" if s["fwt"]["mean"] is not None else ""
-        ax.bar(np.arange(len(shown)) + (k - (len(summary) - 1) / 2) * width, d, width, label=f"{m}{fwt}")
+        ax.bar(np.arange(len(shown)) + (k - (len(summary) - 1) / 2) * width, d, width,
+               label=f"{m}{fwt}")
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(range(len(shown)), shown, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("best earlier - final score")
@@ -181,7 +191,7 @@ def plot_forgetting(tasks, summary, path: Path):
     plt.close(fig)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The paper's mechanism
 
 
@@ -190,7 +200,8 @@ def plot_drift(tasks, dn: dict, path: Path):
     fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(tasks)), 3.2))
     for m, v in dn["per_stage"].items():
         ax.plot(list(v), [x["seq_kl"] for x in v.values()], "o-", lw=1, ms=3, label=m)
-    ax.set_xticks(range(2, len(tasks) + 1), [f"{s}\n{tasks[s - 1]}" for s in range(2, len(tasks) + 1)], fontsize=7)
+    ax.set_xticks(range(2, len(tasks) + 1),
+                  [f"{s}\n{tasks[s - 1]}" for s in range(2, len(tasks) + 1)], fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("KL(π_i ‖ π_i−1), nats / response")
     ax.legend(fontsize=7)
@@ -219,8 +230,8 @@ def plot_drift_vs_forgetting(dn: dict, path: Path):
 
 
 def plot_loss_sources(tasks, results, path: Path):
-    """Methods that replay: the loss on the stage's own task examples (solid) and on the replayed ones (dashed),
-    seed-mean per step, each stage stretched to unit width as in fig_loss.png."""
+    """Methods that replay: the loss on the stage's own task examples (solid) and on the replayed
+    ones (dashed), seed-mean per step, each stage stretched to unit width as in fig_loss.png."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(tasks)), 3.2))
     for k, (m, entry) in enumerate(results["methods"].items()):

@@ -1,10 +1,11 @@
-"""TensorBoard event files, for `tensorboard --logdir RUN_DIR`: train.py's per-step numbers, run.py's scores.
+"""TensorBoard event files, for `tensorboard --logdir RUN_DIR`: train.py's per-step numbers,
+run.py's scores.
 
     w = writer(path, purge_step=start + 1)  # a resumed or restarted stage drops the events after its restart point
     add(w, "train", {"loss": 0.7, "lr": 1e-5, "task": "C-STANCE"}, step)   # numbers only; None and text skipped
 
-    board = Board(run_dir / "tb" / "results")        # emptied: each run writes it anew
-    board.update(results_scalars(results))           # as often as results grow: each scalar is written once
+    board = Board(run_dir / "tb" / "results")  # emptied: each run writes it anew
+    board.update(results_scalars(results))  # as often as results grow: each scalar is written once
     board.close()
 """
 import math
@@ -18,7 +19,8 @@ def writer(path: Path, purge_step: int | None = None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:  # torch's writer needs the tensorboard package
-        raise UserError(f"--tensorboard {path}: needs the tensorboard package ({e}); pip install tensorboard") from None
+        raise UserError(f"--tensorboard {path}: needs the tensorboard package ({e}); "
+                        f"pip install tensorboard") from None
     return SummaryWriter(str(path), purge_step=purge_step, flush_secs=10)
 
 
@@ -33,16 +35,18 @@ def is_number(v) -> bool:
 
 
 class Board:
-    """Scalars of several TensorBoard runs (sub-directories of root), each (run, tag, step) written once however
-    often update() sees it, and flushed at every update, so that `tensorboard --logdir` shows them as they come.
-    root is emptied first: its events are a function of the numbers given to it in this process."""
+    """Scalars of several TensorBoard runs (sub-directories of root), each (run, tag, step) written
+    once however often update() sees it, and flushed at every update, so that `tensorboard --logdir`
+    shows them as they come. root is emptied first: its events are a function of the numbers given
+    to it in this process."""
 
     def __init__(self, root: Path):
         self.root, self.writers, self.written = Path(root), {}, set()
         shutil.rmtree(self.root, ignore_errors=True)
 
     def update(self, scalars: dict):
-        """scalars: {run: [(tag, step, value)]}; values that are not finite numbers (None) are left out."""
+        """scalars: {run: [(tag, step, value)]}; values that are not finite numbers
+        (None) are left out."""
         touched = set()
         for run, items in scalars.items():
             for tag, step, value in items:
@@ -63,12 +67,13 @@ class Board:
 
 
 def results_scalars(results: dict) -> dict:
-    """{"<method>-seed<k>": [(tag, step, value)]} of a results.json (whole, or partial as the run goes: each list
-    grows stage by stage). Step i is stage i: a/<task> each cell of row i of the accuracy matrix, stage/acc_so_far
-    the row's mean (ACC after stage i); drift/kl_per_token and drift/mean_seq_kl of KL(pi_i || pi_i-1) over every
-    prior task's prompts (i >= 2); buffer/* the buffer built after stage i (per-token NLL under the checkpoint that
-    built it, of the selected records and of the rejected ones where scoring ranked them, and the RU-SC rank
-    correlation); final/* the continual-learning metrics at the last stage, once the matrix is whole."""
+    """{"<method>-seed<k>": [(tag, step, value)]} of a results.json (whole, or partial as the run
+    goes: each list grows stage by stage). Step i is stage i: a/<task> each cell of row i of the
+    accuracy matrix, stage/acc_so_far the row's mean (ACC after stage i); drift/kl_per_token and
+    drift/mean_seq_kl of KL(pi_i || pi_i-1) over every prior task's prompts (i >= 2); buffer/* the
+    buffer built after stage i (per-token NLL under the checkpoint that built it, of the selected
+    records and of the rejected ones where scoring ranked them, and the RU-SC rank correlation);
+    final/* the continual-learning metrics at the last stage, once the matrix is whole."""
     tasks, out = results["tasks"], {}
     for label, entry in results["methods"].items():
         for seed, r in entry["seeds"].items():
@@ -77,7 +82,8 @@ def results_scalars(results: dict) -> dict:
                 items += [(f"a/{t}", i, v) for t, v in zip(tasks, row)]
                 items.append(("stage/acc_so_far", i, sum(row) / len(row)))
             for d in r.get("drift") or []:
-                items += [(f"drift/{k}", d["stage"], d["all"].get(k)) for k in ("kl_per_token", "mean_seq_kl")]
+                items += [(f"drift/{k}", d["stage"], d["all"].get(k))
+                          for k in ("kl_per_token", "mean_seq_kl")]
             for b in r.get("buffer_stats") or []:
                 selected, rejected = b["all"]["selected"], b["all"].get("rejected") or {}
                 items += [("buffer/selected_nll_mean", b["stage"], selected.get("nll_mean")),
