@@ -185,14 +185,22 @@ def test_keys_follow_what_a_setting_changes(setup):
         assert len(portable) == len(auto) and not set(portable) & set(auto)
 
 
-def test_a_methods_settings_key_its_own_train_steps_only(setup):
+def test_a_methods_settings_key_its_own_train_steps_only(setup, capsys, monkeypatch):
     """Each method's settings (methods/: Method.flags) reach train.py and its train steps' keys, and no other
-    method's; agem's stage 2 reads replay's gold buffer as its memory (one step, shared with replay)."""
-    import plan
+    method's; agem's stage 2 reads replay's gold buffer as its memory (one step, shared with replay). The dry
+    runs are run.main in this process (the plan's keys as run.py prints them: test_keys_follow_what_a_setting_changes
+    and tests/test_plan.py read them from the printed plan)."""
+    import run
+
+    monkeypatch.setenv("OPR_CACHE", setup["env"]["OPR_CACHE"])
+    monkeypatch.setattr(run.faulthandler, "register", lambda *a, **k: None)  # (pytest's captured stderr has no fd)
 
     def steps(*extra):
-        cmd = command(setup["base"], setup["data"], setup["root"] / "dry", jobs=1) + ["--dry-run", *extra]
-        return plan.parse_plan(run(cmd, setup["env"]).stdout)
+        argv = [str(a) for a in command(setup["base"], setup["data"], setup["root"] / "dry", jobs=1)[2:]]
+        costs = run.main([*argv, "--dry-run", *extra])
+        capsys.readouterr()
+        assert not (setup["root"] / "dry").exists()
+        return {c.key: dict(kind=c.kind, deps=list(c.deps)) for c in costs}
 
     def trains(s, method_free):  # train keys of stage 2 (those after a buffer or a prior stage)
         return {k for k, x in s.items() if x["kind"] == "train"} - method_free
