@@ -185,20 +185,29 @@ def test_keys_follow_what_a_setting_changes(setup):
         assert len(portable) == len(auto) and not set(portable) & set(auto)
 
 
-def test_a_methods_settings_key_its_own_train_steps_only(setup, capsys, monkeypatch):
+@pytest.fixture
+def dry_run(setup, capsys, monkeypatch):
+    """run.py --dry-run on the setup's command as run.main in this process: (*extra flags) -> the planner's StepCost
+    list (the keys, kinds and deps the printed plan formats)."""
+    import run
+    monkeypatch.setenv("OPR_CACHE", setup["env"]["OPR_CACHE"])
+    monkeypatch.setattr(run.faulthandler, "register", lambda *a, **k: None)  # (pytest's captured stderr has no fd)
+
+    def go(*extra):
+        argv = [str(a) for a in command(setup["base"], setup["data"], setup["root"] / "dry", jobs=1)[2:]]
+        costs = run.main([*argv, "--dry-run", *extra])
+        capsys.readouterr()
+        return costs
+    return go
+
+
+def test_a_methods_settings_key_its_own_train_steps_only(setup, dry_run):
     """Each method's settings (methods/: Method.flags) reach train.py and its train steps' keys, and no other
     method's; agem's stage 2 reads replay's gold buffer as its memory (one step, shared with replay). The dry
     runs are run.main in this process (the plan's keys as run.py prints them: test_keys_follow_what_a_setting_changes
     and tests/test_plan.py read them from the printed plan)."""
-    import run
-
-    monkeypatch.setenv("OPR_CACHE", setup["env"]["OPR_CACHE"])
-    monkeypatch.setattr(run.faulthandler, "register", lambda *a, **k: None)  # (pytest's captured stderr has no fd)
-
     def steps(*extra):
-        argv = [str(a) for a in command(setup["base"], setup["data"], setup["root"] / "dry", jobs=1)[2:]]
-        costs = run.main([*argv, "--dry-run", *extra])
-        capsys.readouterr()
+        costs = dry_run(*extra)
         assert not (setup["root"] / "dry").exists()
         return {c.key: dict(kind=c.kind, deps=list(c.deps)) for c in costs}
 
@@ -236,7 +245,7 @@ ALL_METHODS = ("sft,replay,opr-ru,opr-sc,opr-low,opr-random,mtl,sdft,sft-kl,ewc,
                "olora,ilora")
 
 
-def test_every_setting_changes_the_keys_of_the_steps_it_changes(setup, capsys, monkeypatch):
+def test_every_setting_changes_the_keys_of_the_steps_it_changes(dry_run):
     """Issue 59's flag-key rule at run.py's level: a setting that reaches a step's command but not its key would let
     a run reuse another run's cached steps. For every flagged setting of run.Settings, the dry run's step keys with
     another value differ from the default's (every method in the run, so each method's settings act)."""
@@ -247,13 +256,8 @@ def test_every_setting_changes_the_keys_of_the_steps_it_changes(setup, capsys, m
     assert flagged == set(OTHER_VALUE), "a new setting gets a value in OTHER_VALUE"
 
     def keys(*extra):
-        argv = [str(a) for a in command(setup["base"], setup["data"], setup["root"] / "dry", jobs=1)[2:]]
-        costs = run.main([*argv, "--methods", ALL_METHODS, "--dry-run", *extra])
-        capsys.readouterr()
-        return {c.key for c in costs}
+        return {c.key for c in dry_run("--methods", ALL_METHODS, *extra)}
 
-    monkeypatch.setenv("OPR_CACHE", setup["env"]["OPR_CACHE"])
-    monkeypatch.setattr(run.faulthandler, "register", lambda *a, **k: None)  # (pytest's captured stderr has no fd)
     base = keys()
     for name, value in OTHER_VALUE.items():
         if value is None:
