@@ -75,9 +75,9 @@ def _prctl_name(name: str):
 
 
 class Zygote:
-    def __init__(self, env: dict, pass_fds=()):
+    def __init__(self, env: dict, pass_fds=(), server=("-m", "pipeline.zygote")):
         parent = os.getpid()  # the zygote dies with the thread that starts it
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.zygote"],
+        self.proc = subprocess.Popen([sys.executable, *server],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                      cwd=HERE, pass_fds=tuple(pass_fds),
                                      preexec_fn=lambda: die_with_parent(parent))
@@ -86,9 +86,11 @@ class Zygote:
         self.next_id = 0
         threading.Thread(target=self._read, daemon=True).start()
 
-    def run(self, script: str, argv: list, log_path: Path, env: dict, on_start=None) -> int:
+    def run(self, script: str, argv: list, log_path: Path, env: dict, on_start=None,
+            **fields) -> int:
         """Run `script` (one of SCRIPTS) with argv in a forked child; on_start(pid) once it exists.
-        Returns the exit code; -9 (as if SIGKILLed) when the zygote itself is gone."""
+        Returns the exit code; -9 (as if SIGKILLed) when the zygote itself is gone. `fields` go
+        into the request as they are (for a server with a child function of its own)."""
         with self.lock:
             i, self.next_id = self.next_id, self.next_id + 1
             w = self.waiting[i] = {"started": threading.Event(), "done": threading.Event(),
@@ -96,7 +98,7 @@ class Zygote:
             try:
                 self.proc.stdin.write((json.dumps(
                     {"id": i, "script": script, "argv": [str(a) for a in argv],
-                     "log": str(log_path), "env": env}) + "\n").encode())
+                     "log": str(log_path), "env": env, **fields}) + "\n").encode())
                 self.proc.stdin.flush()
             except (BrokenPipeError, ValueError):
                 w["started"].set()
@@ -192,9 +194,11 @@ def _child(req: dict, zygote: int):
         os._exit(code)
 
 
-def serve():
+def serve(preload=PRELOAD, child=_child, scripts=SCRIPTS):
+    """The zygote's loop: import `preload`, then fork `child(request, zygote_pid)` (which never
+    returns) for each request whose script is in `scripts` (None: any)."""
     import importlib
-    for name in PRELOAD:
+    for name in preload:
         importlib.import_module(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the driver, which
                                                   # stops the steps itself
@@ -221,7 +225,7 @@ def serve():
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 req = json.loads(line)
-                if req["script"] not in SCRIPTS:
+                if scripts is not None and req["script"] not in scripts:
                     say({"id": req["id"], "rc": 2})
                     continue
                 zygote = os.getpid()
@@ -229,7 +233,7 @@ def serve():
                 if pid == 0:
                     for fd in exits.values():  # its siblings' pidfds are the zygote's
                         os.close(fd)
-                    _child(req, zygote)
+                    child(req, zygote)
                 children[pid] = req["id"]
                 try:
                     exits[pid] = os.pidfd_open(pid)

@@ -2,7 +2,6 @@
 contracts."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import attention, varlen_attention
+import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -244,11 +244,11 @@ def test_attention_backend_forced_by_env_var_and_reported_by_train(tmp_path):
            "--max-steps", "1", "--save-every", "0", "--quiet"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(env, KERNELS_ATTN_BACKEND="sdpa",
+    p = forkserver.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(env, KERNELS_ATTN_BACKEND="sdpa",
                                                                                  KERNELS_CE_BACKEND="chunked"))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "train.py: kernels: attention sdpa; cross-entropy chunked" in p.stdout, p.stdout
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(env, KERNELS_ATTN_BACKEND="nope"))
+    p = forkserver.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(env, KERNELS_ATTN_BACKEND="nope"))
     assert p.returncode != 0 and "unknown backend 'nope'" in p.stderr
 
 

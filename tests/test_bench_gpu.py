@@ -3,9 +3,9 @@ the timed tokens are the mix's documents, and the rollout generates batch x new 
 in the rollout-mix row each prompt's own answer length."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -18,7 +18,7 @@ def test_bench_gpu_cpu_smoke_path(tmp_path):
            "trace", "--steps", "1", "--warmup", "1", "--global-batch", "8", "--micro-tokens", "2048", "--max-len",
            "512", "--rollout-batches", "1,3", "--rollout-new-tokens", "5", "--rollout-mix-prompts", "6",
            "--out", str(out)]
-    p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+    p = forkserver.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -43,7 +43,7 @@ def test_profile_decode_cpu_path_reports_the_step_and_the_ops(tmp_path):
     """bench/profile_decode.py (the decode profile that found the cuDNN per-shape plans on the H100) runs on CPU."""
     cmd = [sys.executable, str(REPO / "bench" / "profile_decode.py"), "--device", "cpu", "--config", "tiny",
            "--batch", "2", "--prompt-len", "20", "--new-tokens", "6", "--rows", "5"]
-    p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+    p = forkserver.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "config tiny, cpu float32, batch 2, prompt 20, 6 new tokens, SDPA default" in p.stdout

@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from data.embedded import write_benchmark  # noqa: E402
 from data.trace import load_task  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
+import forkserver
 from tiny import hf, naive  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def data_root(tmp_path_factory):
 # --- drift.py ------------------------------------------------------------------------------------------------------
 
 def run_drift(*args):
-    return subprocess.run([sys.executable, "drift.py", *map(str, args), "--engine", "native", "--quiet"],
+    return forkserver.run([sys.executable, "drift.py", *map(str, args), "--engine", "native", "--quiet"],
                           cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
 
 

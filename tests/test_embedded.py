@@ -3,7 +3,6 @@ of their prompts, its sizes are bounded by its prompts, and its tasks share inpu
 import hashlib
 import random
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from data import embedded
 from data.conventions import score
 from data.tasks import TASK_ORDER
 from data.trace import load_task
+import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def test_embedded_deterministic(tmp_path):
 
 def test_embedded_cli(tmp_path):
     out = tmp_path / "emb"
-    r = subprocess.run([sys.executable, "-m", "data.embedded", "--out", str(out), "--n-train", "8", "--n-test", "4",
+    r = forkserver.run([sys.executable, "-m", "data.embedded", "--out", str(out), "--n-train", "8", "--n-test", "4",
                         "--n-eval", "2", "--seed", "0", "--tasks", "FOMC,20Minuten"],
                        cwd=REPO, capture_output=True, text=True, check=True)
     assert "FOMC: train 8 eval 2 test 4" in r.stdout

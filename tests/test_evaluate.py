@@ -4,7 +4,6 @@ nothing."""
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from data.conventions import score
 from data.tasks import TASK_ORDER
 from data.trace import load_task
 from model.tokenizer import ChatTokenizer
+import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 PRED_FIELDS = {"task", "idx", "repeat", "prompt", "prediction", "gold", "score", "finish_reason", "num_tokens"}
@@ -43,7 +43,7 @@ def evaluate(*args) -> Path:
 def test_evaluate_script_end_to_end(tiny_ckpt, data_root):
     """Subprocess, default tasks and output dir, 2 repeats at temperature 1: every number in scores.json is
     recomputed here from predictions.jsonl with data.conventions.score."""
-    r = subprocess.run([sys.executable, "evaluate.py", "--ckpt", str(tiny_ckpt), "--data", str(data_root),
+    r = forkserver.run([sys.executable, "evaluate.py", "--ckpt", str(tiny_ckpt), "--data", str(data_root),
                         "--max-new-tokens", "8", "--repeats", "2", "--temperature", "1.0", "--engine", "native",
                         "--quiet"], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env=ENV)
@@ -149,7 +149,7 @@ def test_checkpoint_without_tokenizer_fails_naming_it(tiny_ckpt, data_root, tmp_
     bare.mkdir()
     for f in ("config.json", "model.safetensors"):
         (bare / f).write_bytes((tiny_ckpt / f).read_bytes())
-    r = subprocess.run([sys.executable, "evaluate.py", "--ckpt", str(bare), "--data", str(data_root), "--quiet"],
+    r = forkserver.run([sys.executable, "evaluate.py", "--ckpt", str(bare), "--data", str(data_root), "--quiet"],
                        cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode != 0
     assert f"{bare}: tokenizer.json not found" in r.stderr

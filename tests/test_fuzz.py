@@ -12,7 +12,6 @@ import math
 import random
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import score
 import train
 from data.mixture import load_mixture
 from common.cli import Parser, user_message
+import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 39
@@ -276,7 +276,7 @@ def test_fuzzed_flag_in_a_real_script_is_one_line_and_leaves_nothing(case, tmp_p
     bad = {"train": ["--epochs", "0"], "rollout": ["--limit", "-3"], "score": ["--rho", "nan"],
            "evaluate": ["--repeats", "x"], "drift": ["--temperature", "-inf"], "run": ["--seeds", "1,1"],
            "plan": ["--plan-mfu", "0"], "buffer_nll": ["--max-len", "0"]}[name]
-    r = subprocess.run([sys.executable, str(REPO / f"{name}.py"), *argv, *bad], cwd=tmp_path, capture_output=True,
+    r = forkserver.run([sys.executable, str(REPO / f"{name}.py"), *argv, *bad], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert len([l for l in r.stderr.splitlines() if f"{name}.py: error:" in l]) == 1, r.stderr[-3000:]

@@ -4,7 +4,6 @@ the cache lacks is one line naming where it looked; a directory stays exactly wh
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from model.checkpoint import load_config
 from model.hub import resolve_model
 from model.tokenizer import ChatTokenizer
 from common.errors import MissingFileError, UserError
+import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_VARS = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
@@ -112,7 +112,7 @@ def test_scripts_take_a_model_id_from_the_cache(cache, tiny_ckpt, tmp_path):
         evaluate.main(["--ckpt", "Org/Tiny", *common])
     assert not (snap / "eval").exists()
 
-    r = subprocess.run([sys.executable, "train.py", "--model", "Org/Missing", "--data", str(data / "FOMC" / "train.json"),
+    r = forkserver.run([sys.executable, "train.py", "--model", "Org/Missing", "--data", str(data / "FOMC" / "train.json"),
                         "--out", str(tmp_path / "out"), "--quiet"], cwd=REPO, capture_output=True, text=True,
                        timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -8,7 +8,6 @@ config.json alone.
 """
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +21,7 @@ from model.costs import (GEN_TOK_S, GPU_MEMORY_GB, PREFILL_FACTOR, STEP_OVERHEAD
 from pipeline.layout import TP_SIZES, WEIGHT_SHARE, generation_layout, heads_refusal
 from model.config import ModelConfig
 from common.errors import UserError
+import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "bench" / "configs"
@@ -46,7 +46,7 @@ def run_py(tmp_path, model, *extra):
     cmd = [sys.executable, str(REPO / "run.py"), "--model", str(model), *SMALL, "--out", str(tmp_path / "run"),
            *extra]
     env = {**os.environ, "OPR_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return forkserver.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 # ---- the rule -----------------------------------------------------------------------------------------------------

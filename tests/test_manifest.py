@@ -26,6 +26,7 @@ from data.tasks import TASKS, get_task, parse_tasks, use_tasks
 from data.trace import load_task, task_file
 from common.errors import InputError
 from reporting.diagnostics import diagnose, warnings
+import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 LABELS = ["refund", "bug", "praise"]
@@ -393,7 +394,7 @@ def run(base: Path, data: Path, out: Path, env: dict, *extra) -> subprocess.Comp
     cmd = [sys.executable, str(REPO / "run.py"), "--model", str(base), "--data", str(data), "--methods",
            "sft,replay,opr-ru", "--global-batch", "4", "--lr", "1e-4", "--max-new-tokens", "6", "--rho", "0.5",
            "--eval-repeats", "1", "--drift-limit", "0", "--jobs", "2", "--quiet", "--out", str(out), *extra]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return forkserver.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -479,7 +480,7 @@ def test_evaluate_reads_a_task_spec_outside_the_data_root(e2e, tmp_path):
     spec["tasks"][2]["metric"] = "exact_match"
     (tmp_path / "stream.json").write_text(json.dumps(spec))
     out = tmp_path / "eval"
-    r = subprocess.run([sys.executable, str(REPO / "evaluate.py"), "--ckpt", str(e2e["root"] / "base"), "--task-spec",
+    r = forkserver.run([sys.executable, str(REPO / "evaluate.py"), "--ckpt", str(e2e["root"] / "base"), "--task-spec",
                         str(tmp_path / "stream.json"), "--tasks", "Words,Tickets", "--limit", "2",
                         "--max-new-tokens", "5", "--out", str(out), "--quiet"],
                        cwd=REPO, env=e2e["env"], capture_output=True, text=True, timeout=300)

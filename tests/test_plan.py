@@ -8,7 +8,6 @@ rollout and eval steps generate for exactly the planned prompts, within the plan
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 import plan
 from model.costs import PREFILL_FACTOR, Profile, StepCost, price, train_tok_s
+import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ["C-STANCE", "Py150"]
@@ -34,7 +34,7 @@ def env(tmp_path_factory):
 
 def run_py(env, out, *extra):
     cmd = [sys.executable, str(REPO / "run.py"), "--model", str(env["base"]), *FLAGS, "--out", str(out), *extra]
-    p = subprocess.run(cmd, cwd=REPO, env=env["env"], capture_output=True, text=True, timeout=1200)
+    p = forkserver.run(cmd, cwd=REPO, env=env["env"], capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, f"run.py failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p.stdout
 
@@ -164,7 +164,7 @@ def test_sdft_training_prices_its_students_samples(env):
     (["--paper", "--trace", "{tmp}"], "--trace {tmp}: holds none"),
 ])
 def test_plan_failures_are_one_line(tmp_path, argv, named):
-    r = subprocess.run([sys.executable, str(REPO / "plan.py"), *(a.format(tmp=tmp_path) for a in argv)], cwd=REPO,
+    r = forkserver.run([sys.executable, str(REPO / "plan.py"), *(a.format(tmp=tmp_path) for a in argv)], cwd=REPO,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("plan.py: error: ") and len(r.stderr.splitlines()) == 1, r.stderr
@@ -173,7 +173,7 @@ def test_plan_failures_are_one_line(tmp_path, argv, named):
 
 
 def test_run_dry_run_checks_the_planner_flags(env, tmp_path):
-    r = subprocess.run([sys.executable, str(REPO / "run.py"), "--model", str(env["base"]), *FLAGS, "--out",
+    r = forkserver.run([sys.executable, str(REPO / "run.py"), "--model", str(env["base"]), *FLAGS, "--out",
                         str(tmp_path / "run"), "--dry-run", "--plan-gpus", "0"], cwd=REPO, env=env["env"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "--plan-gpus" in r.stderr and "Traceback" not in r.stderr, r.stderr

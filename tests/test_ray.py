@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import forkserver
 
 # every node of the harness binds 127.0.0.1: Ray reads this when it is imported, so before the import
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -50,7 +51,7 @@ def world(tmp_path_factory):
 
 
 def run(world, out, *extra):
-    return subprocess.run(command(world["base"], out, *extra), cwd=REPO, env=world["env"], capture_output=True,
+    return forkserver.run(command(world["base"], out, *extra), cwd=REPO, env=world["env"], capture_output=True,
                           text=True, timeout=900)
 
 
@@ -75,7 +76,7 @@ def test_ray_missing_is_one_line(world, tmp_path):
     (tmp_path / "ray").mkdir()
     (tmp_path / "ray" / "__init__.py").write_text("raise ImportError(\"No module named 'ray'\")\n")
     env = dict(world["env"], PYTHONPATH=str(tmp_path))
-    p = subprocess.run(command(world["base"], tmp_path / "out", "--executor", "ray"), cwd=REPO, env=env,
+    p = forkserver.run(command(world["base"], tmp_path / "out", "--executor", "ray"), cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1] == ("run.py: error: --executor ray: needs the ray package; "

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+import forkserver
 from tiny import REPO, foreign_dir, foreign_file, run, run_args, score_args
 
 
@@ -422,7 +423,7 @@ def test_a_damaged_saved_state_is_one_line_on_resume(tiny_env, tmp_path):
     state = tmp_path / "out.partial" / "state"
     for victim in (sorted(state.glob("*.distcp"))[0], state / "progress.pt"):
         victim.write_bytes(victim.read_bytes()[:100])
-        r = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=REPO,
+        r = forkserver.run([sys.executable, str(REPO / "train.py"), *args], cwd=REPO,
                            env=tiny_env["env"], capture_output=True, text=True, timeout=600)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
         line = r.stderr.strip().splitlines()[-1]
@@ -477,7 +478,7 @@ def test_a_full_cache_disk_names_the_file_and_leaves_nothing(tiny_env, tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert f"run.py: error: {cache}/.embedded-" in r.stderr and ".json: File too large" in r.stderr, r.stderr
     assert list(cache.iterdir()) == []
-    r = subprocess.run(list(map(str, cmd)), cwd=REPO, env=e, capture_output=True, text=True, timeout=600)
+    r = forkserver.run(list(map(str, cmd)), cwd=REPO, env=e, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and [p.name for p in cache.iterdir()][0].startswith("embedded-"), r.stderr[-3000:]
 
 
@@ -493,7 +494,7 @@ def test_unwritable_output_is_one_line(tiny_env):
 def test_help_works(script):
     """--help is the first thing a new user runs: it must print the usage and exit 0 (a '%' in a help string once
     made run.py --help a traceback)."""
-    r = subprocess.run([sys.executable, str(REPO / script), "--help"], cwd=REPO, capture_output=True, text=True)
+    r = forkserver.run([sys.executable, str(REPO / script), "--help"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("usage:") and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 

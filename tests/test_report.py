@@ -10,6 +10,7 @@ import statistics
 import numpy as np
 import pytest
 
+import forkserver
 import report
 from reporting import figures, numbers, tables
 from reporting.diagnostics import diagnose
@@ -202,12 +203,11 @@ def test_bad_results_name_the_field(tmp_path, mutate, where):
 
 def test_command_line_rebuilds_the_report_from_results_json(tmp_path):
     """`python report.py RUN_DIR` writes what write_report writes; a missing or broken results.json is one line."""
-    import subprocess
     import sys
     from pathlib import Path
     repo = Path(__file__).resolve().parents[1]
     (tmp_path / "results.json").write_text(json.dumps(RESULTS))
-    p = subprocess.run([sys.executable, str(repo / "report.py"), str(tmp_path)], cwd=repo, capture_output=True,
+    p = forkserver.run([sys.executable, str(repo / "report.py"), str(tmp_path)], cwd=repo, capture_output=True,
                        text=True)
     assert p.returncode == 0, p.stderr
     assert format_table(RESULTS) in p.stdout
@@ -221,7 +221,7 @@ def test_command_line_rebuilds_the_report_from_results_json(tmp_path):
         bad.mkdir()
         if content is not None:
             (bad / "results.json").write_text(content)
-        p = subprocess.run([sys.executable, str(repo / "report.py"), str(bad)], cwd=repo, capture_output=True,
+        p = forkserver.run([sys.executable, str(repo / "report.py"), str(bad)], cwd=repo, capture_output=True,
                            text=True)
         # README's promise for every script: one line `report.py: error: ...`, exit 2
         assert p.returncode == 2 and "Traceback" not in p.stderr and says in p.stderr, p.stderr

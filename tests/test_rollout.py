@@ -3,7 +3,6 @@ wrapper against a stand-in `vllm` module, bad input, and rollout.py -> score.py 
 import dataclasses
 import json
 import math
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -16,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from model.checkpoint import load_model  # noqa: E402
 from engine.native import sample as native_sample  # noqa: E402
 from engine import sampling  # noqa: E402
+import forkserver
 from tiny import write_bpe_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -259,7 +259,7 @@ def data_root(tmp_path_factory):
 
 
 def run_script(*args, cwd=REPO):
-    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300)
+    return forkserver.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 def test_rollout_then_score_end_to_end(ckpt, data_root, tmp_path):

@@ -35,6 +35,7 @@ from data.conventions import score as metric
 from data.replay import allocate, buffer_size, select
 from report import FIGURES, format_table, summarize, warning_lines
 from data.trace import load_task
+import forkserver
 from tiny import run, run_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +86,7 @@ def env(tmp_path_factory):
 def run_a(env):
     """The uninterrupted run, shared by the artefact checks and the kill/resume comparison."""
     out = env["root"] / "run_a"
-    p = subprocess.run(command(env["base"], out), cwd=REPO, env=env["env"], capture_output=True, text=True)
+    p = forkserver.run(command(env["base"], out), cwd=REPO, env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return out
 
@@ -99,7 +100,7 @@ def train_sets(env, run_a):
 
 def test_unknown_method_fails_before_running_anything(env):
     out = env["root"] / "bad"
-    p = subprocess.run(command(env["base"], out, methods="sft,opr-bogus"), cwd=REPO, env=env["env"],
+    p = forkserver.run(command(env["base"], out, methods="sft,opr-bogus"), cwd=REPO, env=env["env"],
                        capture_output=True, text=True)
     assert p.returncode != 0
     assert "unknown method 'opr-bogus'" in p.stderr and "opr-ru" in p.stderr  # names the culprit and the choices
@@ -111,7 +112,7 @@ def test_zero_replay_budget_fails_before_running_anything(env):
     used to crash at stage 2 on the empty buffer file instead)."""
     out = env["root"] / "zero"
     cmd = command(env["base"], out, "replay") + ["--rho", "0.01"]
-    p = subprocess.run(cmd, cwd=REPO, env=env["env"], capture_output=True, text=True)
+    p = forkserver.run(cmd, cwd=REPO, env=env["env"], capture_output=True, text=True)
     assert p.returncode != 0
     assert "--rho 0.01: the replay buffer after stage 1 would hold 0 examples" in p.stderr
     assert not out.exists()
@@ -295,7 +296,7 @@ def test_a_subset_of_methods_reuses_every_step(env, run_a):
     eval, 2 rollouts, 2 score, 2 drift; row 0) and only re-collects the results."""
     out = env["root"] / "run_subset"
     shutil.copytree(run_a, out)
-    p = subprocess.run(command(env["base"], out, methods="replay,opr-sc"), cwd=REPO, env=env["env"],
+    p = forkserver.run(command(env["base"], out, methods="replay,opr-sc"), cwd=REPO, env=env["env"],
                        capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     assert re.search(r"; 23 steps \(23 already done\)", p.stdout), p.stdout[:2000]
@@ -382,7 +383,7 @@ def test_the_saved_experiment_reruns_the_same_steps(env, run_a):
     import yaml
     saved = yaml.safe_load((run_a / "config.yaml").read_text())
     assert saved["methods"] == ",".join(METHODS) and saved["out"] == str(run_a) and saved["tasks"] == TASKS
-    p = subprocess.run([sys.executable, str(REPO / "run.py"), "--config", str(run_a / "config.yaml"), "--dry-run"],
+    p = forkserver.run([sys.executable, str(REPO / "run.py"), "--config", str(run_a / "config.yaml"), "--dry-run"],
                        cwd=REPO, env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
     n = sum(N_STEPS.values())
@@ -404,7 +405,7 @@ def test_a_committed_step_edited_by_hand_runs_again(env, run_a):
     (ev / "eval" / "scores.json").write_text((ev / "eval" / "scores.json").read_text().replace("0.0", "100.0"))
     rollout = step_dirs(out, "s2-rollout-*")[0]
     (rollout / "rollouts.jsonl").write_text("")
-    p = subprocess.run(command(env["base"], out), cwd=REPO, env=env["env"], capture_output=True, text=True)
+    p = forkserver.run(command(env["base"], out), cwd=REPO, env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     assert f"{ev}: eval/predictions.jsonl, eval/scores.json changed since the step committed" in p.stderr
     assert f"{rollout}: rollouts.jsonl changed since the step committed" in p.stderr
@@ -425,7 +426,7 @@ def test_generation_workers_give_the_same_results(env, run_a):
     regenerated = [d.name for d in step_dirs(out, "*-eval-*") + step_dirs(out, "*-drift-*")]
     for name in regenerated:
         shutil.rmtree(out / "steps" / name)
-    p = subprocess.run(command(env["base"], out, "sft", "--gen-workers", "2", "--jobs", "1"), cwd=REPO,
+    p = forkserver.run(command(env["base"], out, "sft", "--gen-workers", "2", "--jobs", "1"), cwd=REPO,
                        env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     ran = [d for d in regenerated if (out / "steps" / d).is_dir()]
@@ -457,7 +458,7 @@ def test_per_task_replay_budget_and_eval_repeats(env, run_a):
     re-runs with --eval-repeats 2 (in the step key), which reaches evaluate.py."""
     out = env["root"] / "run_per_task"
     shutil.copytree(run_a, out)
-    p = subprocess.run(command(env["base"], out, "replay", "--replay-budget", "per-task", "--eval-repeats", "2"),
+    p = forkserver.run(command(env["base"], out, "replay", "--replay-budget", "per-task", "--eval-repeats", "2"),
                        cwd=REPO, env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     # s1-train re-used; 4 evals, 3 trainings, 2 gold buffers, 2 drift steps, 2 gold-buffer NLL steps are new
@@ -511,14 +512,14 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(env, run_a):
                 assert r["matrix"] == whole[:len(r["matrix"])]
                 assert r.get("partial") == (len(r["matrix"]) < len(whole)) and (r["cl_metrics"] is None) == r.get(
                     "partial", False)
-        rep = subprocess.run([sys.executable, str(REPO / "report.py"), str(out)], cwd=REPO, capture_output=True,
+        rep = forkserver.run([sys.executable, str(REPO / "report.py"), str(out)], cwd=REPO, capture_output=True,
                              text=True)
         assert rep.returncode == 2 and "partial results of a run that has not finished" in rep.stderr
     assert all((out / "steps" / k).is_dir() for k in killed)  # a recorded step is always complete
     assert list((out / "steps").glob("*.tmp")), "the kill should have interrupted a step in progress"
     stamps = {k: (out / "steps" / k).stat().st_ino for k in killed}
 
-    p = subprocess.run(cmd, cwd=REPO, env=env["env"], capture_output=True, text=True)
+    p = forkserver.run(cmd, cwd=REPO, env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0, f"resumed run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     assert f"({len(killed)} already done)" in p.stdout
 
@@ -592,7 +593,7 @@ def test_a_stage_stopped_mid_training_resumes_from_its_saved_state(env, run_a):
         if stopped:
             break
     assert len(stopped) == 1
-    p = subprocess.run(cmd, cwd=REPO, env=env["env"], capture_output=True, text=True)
+    p = forkserver.run(cmd, cwd=REPO, env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0, f"resumed run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     log = (out / "steps" / stopped[0] / "log.txt").read_text()
     assert "train.py: resumed at step 1 of 2 from " in log, log[-2000:]
@@ -638,7 +639,7 @@ def test_sdft_and_sft_kl_rows(env):
     """Both SDFT rows exist: sdft trains on-policy (train.py --objective sdft with the preset's Algorithm 1 settings),
     sft-kl is SFT + KL to an EMA teacher; every stage of each is its own training step."""
     out = env["root"] / "sdft"
-    p = subprocess.run(command(env["base"], out, methods="sdft,sft-kl") + ["--sdft-max-new-tokens", "6"], cwd=REPO,
+    p = forkserver.run(command(env["base"], out, methods="sdft,sft-kl") + ["--sdft-max-new-tokens", "6"], cwd=REPO,
                        env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     results = json.loads((out / "results.json").read_text())
@@ -712,7 +713,7 @@ def test_keep_checkpoints_last(env, run_a):
     out = env["root"] / "run_last"
     methods = ["sft", "replay"]
     cmd = lambda ms: command(env["base"], out, ",".join(ms), "--keep-checkpoints", "last")  # noqa: E731
-    p = subprocess.run(cmd(methods), cwd=REPO, env=env["env"], capture_output=True, text=True)
+    p = forkserver.run(cmd(methods), cwd=REPO, env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     manifest = json.loads((out / "manifest.json").read_text())
     trains = [k for k, v in manifest.items() if v["kind"] == "train"]
@@ -726,14 +727,14 @@ def test_keep_checkpoints_last(env, run_a):
     assert b["methods"] == {m: a["methods"][m] for m in methods} and b["test_idx"] == a["test_idx"]
     assert "--keep-checkpoints last: 3 stage checkpoint(s) pruned by this run, 2 on disk" in p.stdout
 
-    p = subprocess.run(cmd(methods), cwd=REPO, env=env["env"], capture_output=True, text=True)
+    p = forkserver.run(cmd(methods), cwd=REPO, env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0 and "; 19 steps (19 already done)" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     assert json.loads((out / "manifest.json").read_text()) == manifest
 
     (stage1,) = [k for k in trains if k.startswith("s1-")]
     log = out / "steps" / stage1 / "ckpt" / "train_log.jsonl"
     first = log.stat().st_ino  # a step that runs again is a new directory, renamed into place
-    p = subprocess.run(cmd(methods + ["opr-ru"]), cwd=REPO, env=env["env"], capture_output=True, text=True)
+    p = forkserver.run(cmd(methods + ["opr-ru"]), cwd=REPO, env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     assert "already done" in p.stdout and "changed since the step committed" not in p.stderr
     after = json.loads((out / "manifest.json").read_text())
@@ -754,7 +755,7 @@ def test_keep_checkpoints_final_on_a_finished_run_and_its_plan(env, run_a):
     final one is pruned, results.json stays byte for byte. The dry run prices the policy's disk."""
     out = env["root"] / "run_final"
     shutil.copytree(run_a, out)
-    p = subprocess.run(command(env["base"], out, ",".join(METHODS), "--keep-checkpoints", "final"), cwd=REPO,
+    p = forkserver.run(command(env["base"], out, ",".join(METHODS), "--keep-checkpoints", "final"), cwd=REPO,
                        env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     n = sum(N_STEPS.values())
@@ -763,7 +764,7 @@ def test_keep_checkpoints_final_on_a_finished_run_and_its_plan(env, run_a):
     assert (out / "results.json").read_bytes() == (run_a / "results.json").read_bytes()
     plans = {}
     for policy in ("all", "last", "final"):
-        p = subprocess.run(command(env["base"], out, ",".join(METHODS), "--keep-checkpoints", policy, "--dry-run"),
+        p = forkserver.run(command(env["base"], out, ",".join(METHODS), "--keep-checkpoints", policy, "--dry-run"),
                            cwd=REPO, env=env["env"], capture_output=True, text=True)
         assert p.returncode == 0, p.stderr[-3000:]
         (plans[policy],) = [line for line in p.stdout.splitlines() if line.startswith("disk: ")]

@@ -17,11 +17,11 @@ import json
 from dataclasses import asdict
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ["C-STANCE", "Py150"]
@@ -38,7 +38,7 @@ def command(base: Path, data: Path, out: Path, jobs: int) -> list[str]:
 def run(cmd, env, cores=None):
     if cores is not None and shutil.which("taskset"):
         cmd = ["taskset", "-c", cores] + cmd
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    p = forkserver.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return p
 

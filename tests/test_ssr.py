@@ -3,7 +3,6 @@ hand-checked cases; synthesize.py keeps only new, parsed, non-demonstration inpu
 numbers and embeds with the base model; ssr_buffer.py builds its buffer from synthetic inputs alone (it takes no
 training data at all) and the budget exactly; run.py plans SSR's steps (one synthesis per task, shared by stages)."""
 import json
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ from safetensors.torch import load_file
 import synthesize
 import ssr_buffer
 from methods.ssr import cluster_select, kmeans
+import forkserver
 from tiny import REPO, TASKS
 
 from engine import sampling
@@ -128,7 +128,7 @@ def test_run_plans_one_synthesis_per_task_shared_by_every_stage(tiny_env, tmp_pa
     cmd = [sys.executable, str(REPO / "run.py"), "--model", str(tiny_env["base"]), "--data", str(tiny_env["data"]),
            "--tasks", ",".join(TASKS), "--methods", "ssr", "--epochs", "1", "--global-batch", "4", "--rho", "0.5",
            "--eval-limit", "2", "--max-new-tokens", "4", "--dry-run", "--out", str(tmp_path / "dry")]
-    p = subprocess.run(cmd, cwd=REPO, env=tiny_env["env"], capture_output=True, text=True)
+    p = forkserver.run(cmd, cwd=REPO, env=tiny_env["env"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
     import plan
     steps = plan.parse_plan(p.stdout)
@@ -147,7 +147,7 @@ def test_run_py_runs_ssr_end_to_end(tiny_env, tmp_path):
            "--tasks", ",".join(TASKS), "--methods", "ssr", "--epochs", "1", "--global-batch", "4", "--rho", "0.5",
            "--eval-limit", "2", "--max-new-tokens", "4", "--ssr-demos", "3", "--ssr-prompts", "4", "--quiet",
            "--out", str(out)]
-    p = subprocess.run(cmd, cwd=REPO, env=tiny_env["env"], capture_output=True, text=True)
+    p = forkserver.run(cmd, cwd=REPO, env=tiny_env["env"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert list(results["methods"]) == ["ssr"]

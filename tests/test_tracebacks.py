@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from common.outputs import claim_dir, write_jsonl
+import forkserver
 from tiny import write_statements
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,7 +64,7 @@ def env(tmp_path_factory):
 
 def run(script: str, args, env, hide=None, **kw) -> subprocess.CompletedProcess:
     pre = ["-c", HIDE, hide] if hide else []
-    return subprocess.run([sys.executable, *pre, str(REPO / script), *map(str, args)], cwd=REPO, env=env["env"],
+    return forkserver.run([sys.executable, *pre, str(REPO / script), *map(str, args)], cwd=REPO, env=env["env"],
                           capture_output=True, text=True, timeout=600, **kw)
 
 
@@ -188,7 +189,7 @@ def results(**run_fields):
 ])
 def test_report_on_fields_of_the_wrong_type_is_one_line(tmp_path, res, named):
     (tmp_path / "results.json").write_text(json.dumps(res))
-    r = subprocess.run([sys.executable, str(REPO / "report.py"), str(tmp_path)], cwd=REPO, capture_output=True,
+    r = forkserver.run([sys.executable, str(REPO / "report.py"), str(tmp_path)], cwd=REPO, capture_output=True,
                        text=True, timeout=300)
     one_error(r, "report.py", tmp_path / "results.json", named)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
@@ -207,7 +208,7 @@ def test_report_in_a_folder_it_cannot_write_is_one_line(tmp_path):
             if ctypes.CDLL(None, use_errno=True).prctl(24, 1, 0, 0, 0) != 0:
                 os._exit(99)
     try:
-        r = subprocess.run([sys.executable, str(REPO / "report.py"), str(tmp_path)], cwd=REPO, capture_output=True,
+        r = forkserver.run([sys.executable, str(REPO / "report.py"), str(tmp_path)], cwd=REPO, capture_output=True,
                            text=True, timeout=300, preexec_fn=pre)
     finally:
         tmp_path.chmod(0o755)

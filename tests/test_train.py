@@ -29,6 +29,7 @@ from model.checkpoint import load_model  # noqa: E402
 from model import schedules  # noqa: E402
 from model.objectives import nll  # noqa: E402
 from model.tokenizer import ChatTokenizer  # noqa: E402
+import forkserver
 from tiny import (MAX_LEN, N_STEPS, REPO, WORDS, assert_close_rel, assert_same_weights, foreign_dir, foreign_file,  # noqa: E402
                   free_port, kill_once_state_is_saved, log, tiny_train, train, train_cmd, train_env, weights)
 
@@ -160,7 +161,7 @@ def test_each_rank_loads_its_rows_of_the_fused_projections(train_ckpt, tmp_path)
     (tmp_path / "load.py").write_text(f"import sys; sys.path.insert(0, {str(REPO)!r})\n" + script)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()),
            str(tmp_path / "load.py"), str(train_ckpt)]
-    r = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
+    r = forkserver.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "same weights" in r.stdout, r.stderr[-3000:]
 
 
@@ -171,7 +172,7 @@ def test_world_of_one_unwrapped_equals_fsdp(train_ckpt_tied, ref_tied, tmp_path)
     wrapper = ("import sys, train; build = train.build_model; "
                "train.build_model = lambda *a, **k: build(*a, **{**k, 'shard': True}); train.main(sys.argv[1:])")
     cmd = train_cmd(train_ckpt_tied, out)
-    r = subprocess.run([cmd[0], "-c", wrapper, *cmd[2:]], cwd=REPO, env=train_env(), capture_output=True, text=True,
+    r = forkserver.run([cmd[0], "-c", wrapper, *cmd[2:]], cwd=REPO, env=train_env(), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "on 1 rank(s) (FSDP2)" in r.stdout

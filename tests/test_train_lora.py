@@ -3,7 +3,6 @@ checkpoint and the PEFT adapter it writes compute the same logits in ours and in
 1, a SIGKILL + --resume equals an unbroken run (dropout on: its masks are seeded per step), the resumable state
 holds no copy of the frozen base, --lora-init continues an adapter and refuses one of another shape."""
 import json
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ from safetensors.torch import load_file
 transformers = pytest.importorskip("transformers")
 
 from model.checkpoint import load_model  # noqa: E402
+import forkserver
 from tiny import (N_STEPS, REPO, assert_same_weights, kill_once_state_is_saved, log, train, train_env,  # noqa: E402
                   weights)
 
@@ -134,6 +134,6 @@ def test_the_frozen_base_is_kept_in_bf16_and_computes_what_an_fp32_copy_does(tra
               "assert 2 * sizes[0] == sizes[1]\n"
               "print('same gradients')\n")
     (tmp_path / "bf16.py").write_text(f"import sys; sys.path.insert(0, {str(REPO)!r})\n" + script)
-    r = subprocess.run([sys.executable, str(tmp_path / "bf16.py"), str(train_ckpt)], cwd=REPO, env=train_env(),
+    r = forkserver.run([sys.executable, str(tmp_path / "bf16.py"), str(train_ckpt)], cwd=REPO, env=train_env(),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "same gradients" in r.stdout, r.stderr[-3000:]

@@ -5,7 +5,6 @@ import glob
 import json
 import os
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import forkserver
 from tiny import make_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def env(tmp_path_factory):
 
 def train(env, out, *extra, **env_extra):
     e = dict(env["env"], WANDB_MODE="offline", **env_extra)
-    return subprocess.run([sys.executable, str(REPO / "train.py"), "--model", str(env["base"]), "--data",
+    return forkserver.run([sys.executable, str(REPO / "train.py"), "--model", str(env["base"]), "--data",
                            str(env["data"] / "FOMC" / "train.json"), "--out", str(out), "--epochs", "2",
                            "--global-batch", "2", "--quiet", *map(str, extra)], cwd=REPO, env=e,
                           capture_output=True, text=True, timeout=600)
@@ -85,7 +85,7 @@ def test_run_py_logs_each_stage_to_its_own_run(env, tmp_path):
     from tiny import run_args
     e = dict(env["env"], WANDB_MODE="offline")
     cmd = [sys.executable, str(REPO / "run.py"), *map(str, run_args(env, tmp_path)), "--wandb"]
-    r = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=900)
+    r = forkserver.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "run"
     trains = sorted(d.name for d in (out / "steps").iterdir() if "-train-" in d.name)
@@ -94,7 +94,7 @@ def test_run_py_logs_each_stage_to_its_own_run(env, tmp_path):
         log = [json.loads(line) for line in (out / "steps" / key / "ckpt" / "train_log.jsonl").read_text().splitlines()]
         files = glob.glob(str(out / "wandb" / key / "wandb" / "offline-run-*" / "run-*.wandb"))
         assert len(files) == 1 and [h["train/loss"] for h in wandb_history(files[0])] == [x["loss"] for x in log]
-    again = subprocess.run([sys.executable, str(REPO / "run.py"), *map(str, run_args(env, tmp_path)), "--dry-run"],
+    again = forkserver.run([sys.executable, str(REPO / "run.py"), *map(str, run_args(env, tmp_path)), "--dry-run"],
                            cwd=REPO, env=e, capture_output=True, text=True, timeout=900)  # without --wandb
     n = len(json.loads((out / "manifest.json").read_text()))
     assert again.returncode == 0 and f"{n} steps ({n} already done)" in again.stdout, again.stdout[-2000:]

@@ -4,13 +4,13 @@ outputs equal one process's. The shares balance by length; rollout.py, evaluate.
 engine's batch-composition tolerance, since each worker batches a different set of prompts)."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from engine.workers import shards
+import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4  # tests/test_rollout.py's engine-vs-reference tolerance on a log-prob
@@ -50,7 +50,7 @@ def launch(setup, script, workers, out, *extra):
     if workers > 1:
         cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(setup / "cache"))
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    p = forkserver.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return p
 

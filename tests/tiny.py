@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+import forkserver
 from common.outputs import write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +61,7 @@ def make_env(root: Path) -> dict:
 
 def run(script: str, args, env, cwd=REPO, **kw) -> subprocess.CompletedProcess:
     """`python <script> args` in make_env's environment `env`."""
-    return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=cwd, env=env["env"],
+    return forkserver.run([sys.executable, str(REPO / script), *map(str, args)], cwd=cwd, env=env["env"],
                           capture_output=True, text=True, timeout=600, **kw)
 
 
@@ -160,7 +161,7 @@ def train_env() -> dict:
 
 
 def train(ckpt, out, *extra, world=1, data=None, ok=True) -> subprocess.CompletedProcess:
-    r = subprocess.run(train_cmd(ckpt, out, *extra, world=world, data=data), cwd=REPO, env=train_env(),
+    r = forkserver.run(train_cmd(ckpt, out, *extra, world=world, data=data), cwd=REPO, env=train_env(),
                        capture_output=True, text=True, timeout=600)
     if ok and r.returncode != 0:
         raise AssertionError(f"train.py failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")

@@ -1,0 +1,140 @@
+"""`python ...` for the tests, forked from a server that has imported torch once.
+
+The suite starts several hundred Python processes (the scripts, run.py, `-c` children) and each paid
+`import torch` and numpy again (~2.8 s of CPU on CI's machine). `run` is subprocess.run for them: the same
+exit code, stdout and stderr (text with universal newlines, as subprocess gives them), timeout and check;
+the child is a fork of a server (pipeline.zygote's loop) that imported torch and numpy before.
+
+    from forkserver import run
+    p = run([sys.executable, "train.py", ...], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+What makes the fork behave as `python ...` does:
+- the child takes the request's environment, working directory and argv; sys.path[0] is the script's folder
+  (the working directory for -m, '' for -c); the code runs in a fresh __main__ (-m through runpy's entry
+  point, as the interpreter runs it; tracebacks without this file's frames) and the child exits as the
+  interpreter does: SystemExit's code (a message goes to stderr, exit 1), an uncaught exception's traceback
+  through sys.excepthook (exit 1), KeyboardInterrupt as SIGINT, then atexit handlers and non-daemon threads;
+- what is read once, when the interpreter starts or torch is imported (PYTHON*, OMP_*, MKL_*, LD_*, TORCH*,
+  ...: STARTUP), comes from the server's own environment, so there is one server per value of those;
+- nothing but torch and numpy is preloaded: the project's modules read the environment when imported
+  (OPR_CACHE, KERNELS_*), so each child imports them itself, under its own environment;
+- stdin is /dev/null, and the child leads a process group of its own (a timeout kills the group).
+Anything else -- stdin input, preexec_fn, no capture, another interpreter or interpreter option, a caller off
+the main thread (a server dies with the thread that started it) -- goes to subprocess.run as it is, and
+OPR_TEST_FORK=0 sends everything there.
+"""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":
+    sys.path.insert(1, str(REPO))  # the server runs as `python tests/forkserver.py`
+from pipeline.zygote import Zygote, die_with_parent, serve  # noqa: E402
+
+STARTUP = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "NPY_", "LD_", "MALLOC", "TORCH", "PYTORCH",
+           "ATEN_", "CUDA", "LC_", "LANG")
+_SERVERS = {}  # STARTUP items -> Zygote
+
+
+def run(cmd, *, cwd=None, env=None, capture_output=False, text=False, timeout=None, check=False, **rest):
+    cmd = [os.fspath(c) for c in cmd]
+    env = dict(os.environ if env is None else env)
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(STARTUP)))
+    mode = cmd[1] if len(cmd) > 1 else "-"
+    if (rest or not capture_output or cmd[0] != sys.executable or os.environ.get("OPR_TEST_FORK") == "0"
+            or (mode.startswith("-") and mode not in ("-c", "-m")) or len(cmd) < 2 + (mode in ("-c", "-m"))
+            or (key not in _SERVERS and threading.current_thread() is not threading.main_thread())):
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=capture_output, text=text, timeout=timeout,
+                              check=check, **rest)
+    server = _SERVERS.get(key)
+    if server is None or server.proc.poll() is not None:
+        server = _SERVERS[key] = Zygote(env, server=(__file__,))
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp, "out"), Path(tmp, "err")
+        timer, killed = None, []
+
+        def started(pid):
+            nonlocal timer
+            if timeout is not None:
+                timer = threading.Timer(timeout, lambda: killed.append(_killpg(pid)))
+                timer.start()
+
+        rc = server.run(mode, cmd[2:], out, env, on_start=started, err=str(err),
+                        cwd=os.path.abspath(cwd or os.getcwd()))
+        if timer is not None:
+            timer.cancel()
+        stdout, stderr = (_read(p, text) for p in (out, err))
+    if killed:
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    if check and rc:
+        raise subprocess.CalledProcessError(rc, cmd, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, rc, stdout, stderr)
+
+
+def _killpg(pid: int) -> bool:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
+
+
+def _read(path: Path, text: bool):
+    data = path.read_bytes() if path.exists() else b""
+    # what subprocess.run(text=True) gives: the locale's encoding, universal newlines (tqdm's \r too)
+    return data.decode().replace("\r\n", "\n").replace("\r", "\n") if text else data
+
+
+def _child(req: dict, server: int):
+    """In the forked child: become `python <mode> <argv>` (never returns: raises SystemExit)."""
+    die_with_parent(server, new_session=True)
+    for fd, path in ((1, req["log"]), (2, req["err"]), (0, os.devnull)):
+        f = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    mode, argv = req["script"], req["argv"]
+    code = 0
+    try:
+        if mode == "-m":  # as the interpreter runs -m: runpy's own entry point (its frames in tracebacks)
+            import runpy
+            sys.argv, sys.path[:2] = ["-m", *argv[1:]], [req["cwd"]]
+            runpy._run_module_as_main(argv[0])
+        else:  # a script or -c: its code in a fresh __main__, its file name absolute as the interpreter's
+            import builtins
+            import types
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            main.__builtins__ = builtins
+            if mode == "-c":
+                sys.argv, sys.path[:2], name, source = ["-c", *argv[1:]], [""], "<string>", argv[0]
+            else:
+                name = main.__file__ = os.path.abspath(mode)
+                sys.argv, sys.path[:2] = [mode, *argv], [os.path.dirname(os.path.realpath(mode))]
+                source = Path(name).read_bytes()
+            exec(compile(source, name, "exec"), main.__dict__)
+    except SystemExit as e:
+        code = e.code
+    except BaseException as e:
+        tb = e.__traceback__  # without this file's frames, which a plain interpreter does not have
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        sys.excepthook(type(e), e.with_traceback(tb), tb)
+        code = 1
+        if isinstance(e, KeyboardInterrupt):  # as the interpreter ends on an uncaught Ctrl-C
+            sys.stderr.flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+    raise SystemExit(code)  # up through serve(): the interpreter's own exit (atexit, threads, flush)
+
+
+if __name__ == "__main__":
+    serve(preload=("torch", "numpy"), child=_child, scripts=None)

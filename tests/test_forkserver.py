@@ -1,0 +1,99 @@
+"""tests/forkserver.py: a forked `python ...` gives what subprocess.run gives -- exit code, stdout, stderr -- for
+scripts, -m and -c, exits of every kind, environment, working directory and argv; timeouts and check behave as
+subprocess's; the one difference is that torch and numpy are already imported."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import forkserver
+
+SCRIPT = textwrap.dedent("""\
+    import atexit, os, sys, threading, time
+    print("argv", sys.argv, "path0", sys.path[0], "name", __name__, "cwd", os.getcwd())
+    print("env", os.environ.get("FORK_TEST"), "threads", os.environ.get("OMP_NUM_THREADS"))
+    sys.stderr.write("progress 1\\rprogress 2\\r\\n")
+    atexit.register(lambda: print("atexit ran"))
+    threading.Thread(target=lambda: (time.sleep(0.2), print("thread done"))).start()
+    how = sys.argv[1] if len(sys.argv) > 1 else ""
+    if how == "code":
+        sys.exit(3)
+    if how == "message":
+        sys.exit("script.py: error: one line")
+    if how == "raise":
+        def inner():
+            raise ValueError("boom")
+        inner()
+    if how == "stdin":
+        print("stdin", repr(sys.stdin.read()))
+    """)
+
+CASES = {
+    "script ok": ["script.py", "a b"],
+    "script exit 3": ["script.py", "code"],
+    "script exit message": ["script.py", "message"],
+    "script raises": ["script.py", "raise"],
+    "script reads stdin": ["script.py", "stdin"],
+    "module": ["-m", "script", "x"],
+    "-c": ["-c", "import sys; print(sys.argv, repr(sys.path[0]), __name__); sys.exit(sys.argv[1])", "bye"],
+    "-c raises": ["-c", "x = 1\nraise KeyError(x)"],
+    "-c KeyboardInterrupt": ["-c", "raise KeyboardInterrupt"],
+    "-c torch threads": ["-c", "import torch; print(torch.get_num_threads(), torch.randn(3, generator="
+                               "torch.Generator().manual_seed(0)).tolist())"],
+}
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+@pytest.mark.parametrize("case", CASES)
+def test_fork_matches_subprocess(tmp_path, case, threads):
+    (tmp_path / "script.py").write_text(SCRIPT)
+    cmd = [sys.executable, *CASES[case]]
+    env = dict(os.environ, FORK_TEST="here", OMP_NUM_THREADS=threads)
+    if case == "script reads stdin":  # subprocess passes on this process's stdin, the fork gets /dev/null
+        kw = dict(stdin=subprocess.DEVNULL)
+    else:
+        kw = {}
+    ref = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, **kw)
+    got = forkserver.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert (got.returncode, got.stdout, got.stderr) == (ref.returncode, ref.stdout, ref.stderr)
+    assert got.args == cmd
+
+
+def test_only_torch_and_numpy_are_already_imported(tmp_path):
+    code = "import sys; print(sorted(m for m in ('torch', 'numpy', 'transformers', 'model') if m in sys.modules))"
+    got = forkserver.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    ref = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert ref.stdout == "[]\n" and got.stdout == "['numpy', 'torch']\n"
+
+
+def test_bytes_check_and_timeout(tmp_path):
+    got = forkserver.run([sys.executable, "-c", "print('é')"], capture_output=True)
+    assert got.stdout == "é\n".encode()
+    with pytest.raises(subprocess.CalledProcessError) as e:
+        forkserver.run([sys.executable, "-c", "import sys; print('out'); sys.exit(4)"], capture_output=True,
+                       text=True, check=True)
+    assert e.value.returncode == 4 and e.value.stdout == "out\n"
+    pid_file = tmp_path / "pid"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); print('started', flush=True); " \
+           "time.sleep(60)"
+    with pytest.raises(subprocess.TimeoutExpired) as e:
+        forkserver.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3)
+    assert e.value.stdout == "started\n"
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # killed and reaped by the server
+        for _ in range(100):
+            os.kill(pid, 0)
+            import time
+            time.sleep(0.05)
+
+
+def test_what_it_does_not_fork_goes_to_subprocess(tmp_path):
+    # stdin input, another interpreter option: subprocess.run as it is (a fresh interpreter: no torch imported)
+    code = "import sys; print('torch' in sys.modules, sys.stdin.read())"
+    r = forkserver.run([sys.executable, "-c", code], capture_output=True, text=True, input="fed")
+    assert r.stdout == "False fed\n"
+    r = forkserver.run([sys.executable, "-X", "utf8", "-c", code], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL)
+    assert r.stdout == "False \n"
