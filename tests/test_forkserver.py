@@ -28,7 +28,15 @@ SCRIPT = textwrap.dedent("""\
         inner()
     if how == "stdin":
         print("stdin", repr(sys.stdin.read()))
+    if how == "open":  # a file left open (and unflushed) in the script's globals: the exit closes it
+        left = open(sys.argv[2], "w")
+        left.write("kept")
     """)
+
+@pytest.fixture(autouse=True)
+def forking(monkeypatch):
+    monkeypatch.delenv("OPR_TEST_FORK", raising=False)  # these tests are of the fork, even where the suite's is off
+
 
 CASES = {
     "script ok": ["script.py", "a b"],
@@ -61,6 +69,14 @@ def test_fork_matches_subprocess(tmp_path, case, threads):
     assert got.args == cmd
 
 
+def test_a_file_left_open_is_written_at_exit(tmp_path):
+    (tmp_path / "script.py").write_text(SCRIPT)
+    for how, name in ((subprocess.run, "ref.txt"), (forkserver.run, "got.txt")):
+        r = how([sys.executable, "script.py", "open", name], cwd=tmp_path, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    assert (tmp_path / "ref.txt").read_text() == (tmp_path / "got.txt").read_text() == "kept"
+
+
 def test_only_torch_and_numpy_are_already_imported(tmp_path):
     code = "import sys; print(sorted(m for m in ('torch', 'numpy', 'transformers', 'model') if m in sys.modules))"
     got = forkserver.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
@@ -80,13 +96,16 @@ def test_bytes_check_and_timeout(tmp_path):
            "time.sleep(60)"
     with pytest.raises(subprocess.TimeoutExpired) as e:
         forkserver.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3)
-    assert e.value.stdout == "started\n"
+    assert e.value.stdout == b"started\n"  # bytes, as subprocess.run gives them on a timeout
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):  # killed and reaped by the server
         for _ in range(100):
             os.kill(pid, 0)
             import time
             time.sleep(0.05)
+    with pytest.raises(subprocess.TimeoutExpired) as ref:
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3)
+    assert ref.value.stdout == e.value.stdout
 
 
 def test_what_it_does_not_fork_goes_to_subprocess(tmp_path):
