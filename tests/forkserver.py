@@ -1,7 +1,7 @@
 """`python ...` for the tests, forked from a server that has imported torch once.
 
-The suite starts several hundred Python processes (the scripts, run.py, `-c` children) and each paid
-`import torch` and numpy again (~2.8 s of CPU on CI's machine). `run` is subprocess.run for them: the same
+The suite starts Python processes by the dozen (the scripts, run.py, `-c` children), and each paid
+`import torch` and numpy again (~2.6 s on a 2-core CI-like machine). `run` is subprocess.run for them: the same
 exit code, stdout and stderr (text with universal newlines, as subprocess gives them), timeout and check;
 the child is a fork of a server (pipeline.zygote's loop) that imported torch and numpy before.
 
