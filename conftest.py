@@ -12,8 +12,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one (python -m pytest -m gpu tests)")
 
 
-# seconds per file on 2 cores, 2026-12-06 (pytest --durations): vllm_engine 320, run 300, reliability 247, train 238,
-# run_keys 173, gpu_check 86, ilora 73, ray 67, tracebacks 63, plan 60, layout 50, train_lora 50
+# the files that took longest on 2 cores (pytest --durations), slowest first; re-measure when a file grows
 SLOW_FIRST = ("test_vllm_engine.py", "test_run.py", "test_reliability.py", "test_train.py", "test_run_keys.py",
               "test_gpu_check.py", "test_ilora.py", "test_ray.py", "test_tracebacks.py", "test_plan.py",
               "test_layout.py", "test_train_lora.py")

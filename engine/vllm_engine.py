@@ -133,8 +133,8 @@ def worker_env(tp: int, cpu: bool) -> dict:
     left to the OS to place, as the native engine's are (vLLM would bind them to cores 0.. of
     its own choosing whatever else runs there, and hold one core back for its front end: half of
     a 2-core machine). On the CPU the engine core also runs in this process: in a process of
-    its own it imports vLLM and torch a second time (about 20 s of a 35-55 s start on 2 cores),
-    and its front end would only share the same cores."""
+    its own it imports vLLM and torch a second time, a large share of its start-up, and its front
+    end would only share the same cores."""
     if cpu:
         return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

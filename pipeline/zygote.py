@@ -186,12 +186,18 @@ def _child(req: dict, zygote: int):
         import traceback
         traceback.print_exc()
     finally:
-        for f in (sys.stdout, sys.stderr):
-            try:
-                f.flush()
-            except Exception:
-                pass
-        os._exit(code)
+        flush_and_exit(code)
+
+
+def flush_and_exit(code: int):
+    """A forked child's end: its standard streams flushed, then _exit (the zygote's atexit handlers
+    and module teardown are not the child's to run)."""
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 def serve(preload=PRELOAD, child=_child, scripts=SCRIPTS):

@@ -1,7 +1,7 @@
 """`python ...` for the tests, forked from a server that has imported torch once.
 
 The suite starts Python processes by the dozen (the scripts, run.py, `-c` children), and each paid
-`import torch` and numpy again (~2.6 s on a 2-core CI-like machine). `run` is subprocess.run for them: the same
+`import torch` and numpy again, seconds each on CI's 2 cores. `run` is subprocess.run for them: the same
 exit code, stdout and stderr (text with universal newlines, as subprocess gives them), timeout and check;
 the child is a fork of a server (pipeline.zygote's loop) that imported torch and numpy before.
 
@@ -24,6 +24,9 @@ Anything else -- stdin input, preexec_fn, no capture, another interpreter or int
 the main thread (a server dies with the thread that started it) -- goes to subprocess.run as it is, and
 OPR_TEST_FORK=0 sends everything there.
 """
+import atexit
+import builtins
+import gc
 import locale
 import os
 import signal
@@ -31,12 +34,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":
     sys.path.insert(1, str(REPO))  # the server runs as `python tests/forkserver.py`
-from pipeline.zygote import Zygote, die_with_parent, serve  # noqa: E402
+from pipeline.zygote import Zygote, die_with_parent, flush_and_exit, serve  # noqa: E402
 
 STARTUP = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "NPY_", "LD_", "MALLOC", "TORCH", "PYTORCH",
            "ATEN_", "CUDA", "LC_", "LANG")
@@ -107,8 +111,6 @@ def _child(req: dict, server: int):
     os.chdir(req["cwd"])
     mode, argv = req["script"], req["argv"]
     code = 0
-    import builtins
-    import types
     main = sys.modules["__main__"] = types.ModuleType("__main__")  # a fresh one, not the server's
     main.__builtins__ = builtins
     try:
@@ -142,8 +144,7 @@ def _child(req: dict, server: int):
 def _exit(code):
     """End as the interpreter does -- SystemExit's code, non-daemon threads joined, atexit handlers run, the
     standard streams flushed -- but without tearing down the modules: in a fork that frees every object the
-    server imported, copying each page it touches (~0.5 s a child here, where the rest of the exit takes 0.05)."""
-    import atexit
+    server imported, copying each page it touches, which made it most of a short child's time."""
     if code is None:
         code = 0
     elif not isinstance(code, int):
@@ -153,20 +154,12 @@ def _exit(code):
         if t is not threading.main_thread() and not t.daemon:
             t.join()
     atexit._run_exitfuncs()  # the interpreter's own call at exit (atexit has no public one)
-    import gc
     sys.modules["__main__"].__dict__.clear()  # what the code left open is closed (and flushed) as at teardown
     gc.collect()
-    for f in (sys.stdout, sys.stderr):
-        try:
-            f.flush()
-        except Exception:
-            pass
-    os._exit(code)
+    flush_and_exit(code)
 
 
 if __name__ == "__main__":
-    import gc
-
     import numpy  # noqa: F401
     import torch  # noqa: F401
     gc.freeze()  # what the server imported, out of the children's collections (whose passes would copy its pages)

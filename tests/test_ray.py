@@ -144,9 +144,9 @@ def test_ray_run_with_a_lost_node_equals_the_local_run(world):
     cluster, second = world["cluster"], world["second"]
     raylet = second.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
     # once a step has committed from the second node, remove it while it runs another. Ray may give the second node
-    # no step after its first commit before the run ends (seen once, 2026-12-06): that run did not reach the
-    # scenario, so it is done again from an empty directory, at most 3 times
-    for attempt in range(3):
+    # no step after its first commit before the run ends: that run did not reach the scenario, so it is done again
+    # from an empty directory, at most 3 times
+    for _ in range(3):
         shutil.rmtree(remote, ignore_errors=True)
         proc = subprocess.Popen(command(world["base"], remote, "--executor", "ray", "--ray-address",
                                         cluster.address),
