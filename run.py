@@ -372,7 +372,7 @@ def main(argv=None):
     engine_name = engine_of(args)
     inputs = load_inputs(args, preset, cfg, methods, engine_name)  # built once before
                                                                    # anything runs in parallel
-    pipe = make_pipeline(args, run_dir, engine_name, THREADS)
+    pipe = make_pipeline(args, run_dir, THREADS)
     if not args.dry_run:  # the steps' engine, before any runs: a missing vLLM is one
                           # line, not a failed step
         from engine.sampling import resolve_engine

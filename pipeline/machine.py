@@ -2,7 +2,7 @@
 steps there (how many at once, in which environment, on which executor).
 
     engine_name = engine_of(args)                              # "native" or "vllm", in the keys
-    pipe = make_pipeline(args, run_dir, engine_name, THREADS)  # run.py's CPU threads per step
+    pipe = make_pipeline(args, run_dir, THREADS)               # run.py's CPU threads per step
 
 Every CPU step runs with a pinned thread count (--threads, else the caller's explicit
 OMP_NUM_THREADS, else run.py's THREADS) and the CPU's numerics (kernels.cpu_numerics; --portable:
@@ -31,7 +31,7 @@ def engine_of(args) -> str:
     return "native"
 
 
-def make_pipeline(args, run_dir: Path, engine_name: str, threads_default: int) -> Pipeline:
+def make_pipeline(args, run_dir: Path, threads_default: int) -> Pipeline:
     """The Pipeline: the steps' environment (pinned threads, the CPU's numerics), how many run
     at once, and the numerics that are part of every step's key. threads_default: CPU threads per
     step without --threads or an explicit OMP_NUM_THREADS (run.py's THREADS)."""
@@ -61,8 +61,8 @@ def make_pipeline(args, run_dir: Path, engine_name: str, threads_default: int) -
     pipe = Pipeline(run_dir, jobs, env, args.quiet, numerics)
     pipe.outputs_of = STEP_OUTPUTS
     pipe.prunable = PRUNABLE
-    # CUDA and vLLM start in processes of their own
-    pipe.use_zygote &= gpus == 0 and engine_name != "vllm"
+    # CUDA steps start in processes of their own (and so do vLLM's, zygote.script_of)
+    pipe.use_zygote &= gpus == 0
     if args.executor == "ray" and not args.dry_run:
         # connected and every node checked, before anything is written
         from pipeline.ray_executor import RayExecutor, demand

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from common.errors import UserError
 from pipeline.steps import NodeLost
-from pipeline.zygote import HERE, SCRIPTS, Zygote, die_with_parent
+from pipeline.zygote import HERE, Zygote, die_with_parent, script_of
 
 RETRIES = 3  # run.py --ray-retries: fresh starts of a step whose node died
 GEN_KINDS = ("eval", "rollout", "synth", "ssr", "drift")  # the steps that run --gen-workers
@@ -82,11 +82,11 @@ def _run(argv: list, log_path: str, env_extra: dict, use_zygote: bool):
     import ray
     env = {**os.environ, **env_extra}
     pid = {}
-    script = Path(argv[1]) if len(argv) > 1 and argv[0] == sys.executable else None
+    script = script_of(argv)
     proc = None
     try:
-        if use_zygote and script is not None and script.parent == HERE and script.stem in SCRIPTS:
-            rc = _zygote(env).run(script.stem, argv[2:], Path(log_path), env,
+        if use_zygote and script is not None:
+            rc = _zygote(env).run(script, argv[2:], Path(log_path), env,
                                   on_start=lambda p: pid.update(p=p))
         else:
             with open(log_path, "w") as log:

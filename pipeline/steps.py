@@ -40,7 +40,7 @@ from common.errors import UserError
 from common.cli import Terminated
 from pipeline.specs import fields_of
 from pipeline.digest import Digests
-from pipeline.zygote import SCRIPTS, Zygote, die_with_parent
+from pipeline.zygote import Zygote, die_with_parent, script_of
 
 HERE = Path(__file__).resolve().parents[1]  # the scripts' directory
 PARTIAL_INPUTS = ".inputs.json"  # in a step's KEY.tmp: the executions of its inputs this try
@@ -318,9 +318,8 @@ class Pipeline:
         return self._call_local(argv, log_path), None
 
     def _call_local(self, argv, log_path: Path) -> int:
-        script = Path(argv[1]) if len(argv) > 1 and argv[0] == sys.executable else None
-        if (self.zygote is not None and script is not None and script.parent == HERE
-                and script.stem in SCRIPTS):
+        script = script_of(argv)
+        if self.zygote is not None and script is not None:
             child = ZygoteChild()
 
             def started(pid):
@@ -329,7 +328,7 @@ class Pipeline:
                     self.procs.add(child)
                     self.kill_if_stopping(pid)
             try:
-                child.rc = self.zygote.run(script.stem, argv[2:], log_path, self.env,
+                child.rc = self.zygote.run(script, argv[2:], log_path, self.env,
                                            on_start=started)
                 return child.rc
             finally:

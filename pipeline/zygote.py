@@ -44,6 +44,20 @@ PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "tqdm", "model.c
            "kernels.cross_entropy", "torch.distributed.fsdp", "torch._dynamo",
            "rouge_score.rouge_scorer", "sacrebleu.tokenizers.tokenizer_13a", *SCRIPTS)
 _PR_SET_PDEATHSIG = 1
+
+
+def script_of(argv: list) -> str | None:
+    """The script (one of SCRIPTS) a step's command runs, if the zygote can fork it: `python
+    <HERE>/<script>.py ...`, not sampling with vLLM (`--engine vllm`: vLLM builds its engine, its
+    threads and on GPUs its processes, in a process of its own). None: the step starts as its own
+    process."""
+    if len(argv) < 2 or argv[0] != sys.executable:
+        return None
+    script = Path(argv[1])
+    if script.parent != HERE or script.stem not in SCRIPTS:
+        return None
+    engine = argv.index("--engine") + 1 if "--engine" in argv else 0
+    return None if engine and argv[engine] == "vllm" else script.stem
 _PR_SET_NAME = 15
 
 

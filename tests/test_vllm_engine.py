@@ -2,7 +2,7 @@
 or $OPR_VLLM_PYTHON): rollout.py, evaluate.py and run.py --engine vllm as users run them, in that venv's Python.
 
 - vLLM's raw log-probs agree with the trainer's teacher-forced pass (rollout.py's own check) within its tolerance;
-- greedy tokens equal the native engine's (both exact fp32 on the CPU);
+- greedy tokens equal the native engine's (both exact fp32 on the CPU: evaluate.py, and rollout.py on a LoRA stage);
 - two data-parallel workers (torchrun) write byte for byte what one writes (per-request seeds);
 - run.py --engine vllm runs a small preset end to end;
 - a LoRA stage is served as its base with the adapter as a LoRARequest, with the trainer's log-probs.
@@ -53,25 +53,29 @@ def records(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def test_vllm_logprobs_match_the_trainer_and_greedy_tokens_match_native(setup, tmp_path):
-    launch(setup, VLLM_PY, "rollout.py", tmp_path / "v.jsonl", "--engine", "vllm", "--temperature", "0",
-           "--check-logprobs", "16")
-    launch(setup, sys.executable, "rollout.py", tmp_path / "n.jsonl", "--engine", "native", "--temperature", "0",
-           "--check-logprobs", "0")
-    v, n = records(tmp_path / "v.jsonl"), records(tmp_path / "n.jsonl")
-    assert len(v) == 16 and [r["token_ids"] for r in v] == [r["token_ids"] for r in n]
-    assert max(abs(a - b) for r, s in zip(v, n) for a, b in zip(r["logprobs"], s["logprobs"])) < TOL
-    check = json.loads((tmp_path / "v_summary.json").read_text())["logprob_check"]
+@pytest.fixture(scope="module")
+def one_worker(setup, tmp_path_factory):
+    """rollout.py on vLLM as one process at its sampling temperature (T 0.1), its log-probs checked against the
+    trainer's on 16 rollouts: shared by the two tests below."""
+    out = tmp_path_factory.mktemp("one") / "one.jsonl"
+    launch(setup, VLLM_PY, "rollout.py", out, "--engine", "vllm", "--check-logprobs", "16")
+    return out
+
+
+def test_vllm_logprobs_match_the_trainer(one_worker):
+    """vLLM's raw log-probs (before temperature) of the tokens it sampled equal the trainer's teacher-forced pass.
+    (Greedy tokens equal to the native engine's: evaluate.py's test below, and rollout.py's on a LoRA stage.)"""
+    assert len(records(one_worker)) == 16
+    check = json.loads(one_worker.with_name("one_summary.json").read_text())["logprob_check"]
     assert check["k"] == 16 and check["tokens"] > 16 and not check["warned"]
     assert check["max_abs_dlogp"] < TOL, check
 
 
-def test_two_vllm_workers_write_what_one_writes(setup, tmp_path):
+def test_two_vllm_workers_write_what_one_writes(setup, one_worker, tmp_path):
     """T 0.1: each request's seed is its prompt's key, so the share a worker samples does not change its tokens."""
-    launch(setup, VLLM_PY, "rollout.py", tmp_path / "one.jsonl", "--engine", "vllm", "--check-logprobs", "0")
-    launch(setup, VLLM_PY, "rollout.py", tmp_path / "two.jsonl", "--engine", "vllm", "--check-logprobs", "0",
+    launch(setup, VLLM_PY, "rollout.py", tmp_path / "two.jsonl", "--engine", "vllm", "--check-logprobs", "16",
            workers=2)
-    assert (tmp_path / "two.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+    assert (tmp_path / "two.jsonl").read_bytes() == one_worker.read_bytes()
     assert json.loads((tmp_path / "two_summary.json").read_text())["workers"] == 2
 
 
@@ -85,21 +89,25 @@ def test_evaluate_with_vllm_equals_native_greedy(setup, tmp_path):
 
 
 def test_run_py_with_vllm_end_to_end(setup, tmp_path):
-    """A 2-task sft/opr-ru run whose every generating step samples with vLLM: results, and the rollout's log-prob
-    check within tolerance."""
+    """A 2-task opr-ru run whose every generating step samples with vLLM (its evaluations, its rollout, its drift
+    probe; the other steps fork from the zygote): results, and the rollout's log-prob check within tolerance. One
+    method: a second would add only more of the same steps (each a vLLM start-up)."""
     out = tmp_path / "run"
     cmd = [str(VLLM_PY), str(REPO / "run.py"), "--model", str(setup / "ckpt"), "--engine", "vllm",
-           "--tasks", "C-STANCE,NumGLUE-cm", "--methods", "sft,opr-ru", "--n-train", "8", "--n-test", "4",
+           "--tasks", "C-STANCE,NumGLUE-cm", "--methods", "opr-ru", "--n-train", "8", "--n-test", "4",
            "--epochs", "1", "--global-batch", "4", "--max-new-tokens", "8", "--rho", "0.5", "--eval-repeats", "1",
            "--quiet", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(setup / "cache"))
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     res = json.loads((out / "results.json").read_text())
-    assert set(res["methods"]) == {"sft", "opr-ru"}
-    evals = list((out / "steps").glob("*eval*/eval/scores.json"))
-    assert len(evals) == 4 and all(json.loads(e.read_text())["engine"] == "vllm" for e in evals)
-    summaries = list((out / "steps").glob("*rollout*/rollouts_summary.json"))
+    assert set(res["methods"]) == {"opr-ru"}
+    steps = out / "steps"
+    evals = list(steps.glob("*eval*/eval/scores.json"))  # row 0, stages 1 and 2
+    drifts = list(steps.glob("*drift*/drift/drift.json"))  # stage 2 against stage 1
+    assert len(evals) == 3 and len(drifts) == 1
+    assert all(json.loads(f.read_text())["engine"] == "vllm" for f in evals + drifts)
+    summaries = list(steps.glob("*rollout*/rollouts_summary.json"))
     assert len(summaries) == 1
     s = json.loads(summaries[0].read_text())
     assert s["engine"] == "vllm" and s["logprob_check"]["max_abs_dlogp"] < TOL

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.zygote import Zygote
+from pipeline.zygote import Zygote, script_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,3 +82,18 @@ def gone(pid: int, timeout: float = 20) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_what_the_zygote_forks():
+    """A pipeline script under this interpreter, unless it samples with vLLM (whose engine, threads and GPU processes
+    start in a process of its own); everything else starts as its own process."""
+    py, ev = sys.executable, str(REPO / "evaluate.py")
+    assert script_of([py, ev, "--ckpt", "c"]) == "evaluate"
+    assert script_of([py, ev, "--engine", "native", "--tp", "1"]) == "evaluate"
+    assert script_of([py, str(REPO / "train.py"), "--data", "vllm"]) == "train"  # a value, not the engine's
+    assert script_of([py, ev, "--engine", "vllm", "--tp", "1"]) is None
+    assert script_of([py, "-m", "torch.distributed.run", ev]) is None  # torchrun's workers
+    assert script_of(["/other/python", ev]) is None
+    assert script_of([py, str(REPO / "run.py")]) is None  # not a step script
+    assert script_of([py, "/elsewhere/evaluate.py"]) is None
+    assert script_of([py]) is None
