@@ -418,19 +418,21 @@ def test_a_committed_step_edited_by_hand_runs_again(env, run_a):
 
 
 def test_generation_workers_give_the_same_results(env, run_a):
-    """run.py --gen-workers 2: its evaluations and drift probes, re-run as two torchrun workers each (on a copy of the
-    run, their step directories deleted), have the same keys and write the same predictions; results.json's sft
-    entry is the one-process run's (drift's KLs within the engine's batch-composition tolerance)."""
+    """run.py --gen-workers 2: the last stage's evaluation and drift probe, re-run as two torchrun workers each (on a
+    copy of the run, their step directories deleted), have the same keys and write the same predictions; every
+    other step is reused (the flag is in no key); results.json's sft entry is the one-process run's (drift's KLs
+    within the engine's batch-composition tolerance). One step of each kind: the others run the same code."""
     out = env["root"] / "run_workers"
     shutil.copytree(run_a, out)
-    regenerated = [d.name for d in step_dirs(out, "*-eval-*") + step_dirs(out, "*-drift-*")]
+    regenerated = [d.name for d in step_dirs(out, "s3-eval-*") + step_dirs(out, "s3-drift-*")]
     for name in regenerated:
         shutil.rmtree(out / "steps" / name)
     p = forkserver.run(command(env["base"], out, "sft", "--gen-workers", "2", "--jobs", "1"), cwd=REPO,
                        env=env["env"], capture_output=True, text=True)
     assert p.returncode == 0, f"run.py failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     ran = [d for d in regenerated if (out / "steps" / d).is_dir()]
-    assert sum("-eval-" in d for d in ran) == 4 and sum("-drift-" in d for d in ran) == 2  # sft's, same keys
+    assert sum("-eval-" in d for d in ran) == 1 and sum("-drift-" in d for d in ran) == 1  # sft's, same keys
+    assert {d.name for d in step_dirs(out, "*")} <= {d.name for d in step_dirs(run_a, "*")}  # no step of a new key
     for d in ran:  # each worker announces its step: "evaluate: N test prompts ..." / "drift: N test prompts ..."
         assert (out / "steps" / d / "log.txt").read_text().count(" test prompts ") == 2, d
         if "-eval-" in d:
