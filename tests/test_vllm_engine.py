@@ -6,14 +6,16 @@ or $OPR_VLLM_PYTHON): rollout.py, evaluate.py and run.py --engine vllm as users 
 - two data-parallel workers (torchrun) write byte for byte what one writes (per-request seeds);
 - run.py --engine vllm runs a small preset end to end;
 - a LoRA stage is served as its base with the adapter as a LoRARequest, with the trainer's log-probs.
-Skipped when no vLLM venv is found. Each vLLM process starts in ~25 s here (eager, 2 cores)."""
+Skipped when no vLLM venv is found. Each vLLM process starts in ~25 s here (eager, 2 cores). Every launch goes through
+tests/forkserver.py: the native ones fork from its server, the vLLM venv's interpreter starts as subprocess.run would."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PY = Path(os.environ.get("OPR_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
@@ -44,7 +46,7 @@ def launch(setup, python, script, out, *extra, workers=1):
     if workers > 1:
         cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(setup / "cache"))
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    p = forkserver.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return p
 
@@ -98,7 +100,7 @@ def test_run_py_with_vllm_end_to_end(setup, tmp_path):
            "--epochs", "1", "--global-batch", "4", "--max-new-tokens", "8", "--rho", "0.5", "--eval-repeats", "1",
            "--quiet", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(setup / "cache"))
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    p = forkserver.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     res = json.loads((out / "results.json").read_text())
     assert set(res["methods"]) == {"opr-ru"}
@@ -123,14 +125,14 @@ def test_vllm_serves_a_lora_stage_as_base_plus_adapter_with_our_logprobs(setup, 
              "16", "--lora-targets", "q_proj,v_proj,down_proj", "--lr", "5e-2", "--epochs", "4", "--global-batch",
              "4", "--quiet"]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(setup / "cache"))
-    p = subprocess.run(train, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    p = forkserver.run(train, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
 
     def go(python, out, *extra, ckpt=stage):
         cmd = [str(python), str(REPO / "rollout.py"), "--ckpt", str(ckpt), "--data", str(setup / "data"), "--tasks",
                "FOMC,NumGLUE-cm", "--max-new-tokens", "10", "--out", str(out), "--quiet", "--temperature", "0",
                *extra]
-        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        r = forkserver.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
         return r
     r = go(VLLM_PY, tmp_path / "v.jsonl", "--engine", "vllm", "--check-logprobs", "16")
