@@ -44,6 +44,7 @@ PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "tqdm", "model.c
            "kernels.cross_entropy", "torch.distributed.fsdp", "torch._dynamo",
            "rouge_score.rouge_scorer", "sacrebleu.tokenizers.tokenizer_13a", *SCRIPTS)
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def script_of(argv: list) -> str | None:
@@ -56,9 +57,8 @@ def script_of(argv: list) -> str | None:
     script = Path(argv[1])
     if script.parent != HERE or script.stem not in SCRIPTS:
         return None
-    engine = argv.index("--engine") + 1 if "--engine" in argv else 0
-    return None if engine and argv[engine] == "vllm" else script.stem
-_PR_SET_NAME = 15
+    vllm = any(a == "--engine" and b == "vllm" for a, b in zip(argv, argv[1:]))
+    return None if vllm else script.stem
 
 
 def _prctl_pdeathsig():

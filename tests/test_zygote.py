@@ -97,3 +97,4 @@ def test_what_the_zygote_forks():
     assert script_of([py, str(REPO / "run.py")]) is None  # not a step script
     assert script_of([py, "/elsewhere/evaluate.py"]) is None
     assert script_of([py]) is None
+    assert script_of([py, ev, "--engine"]) == "evaluate"  # (argparse refuses it in the step itself)
