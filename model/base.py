@@ -133,6 +133,7 @@ def build_tiny(out: Path, tune: dict = TINY_TUNE):
     directory of its own) -> written at `out`."""
     from data.embedded import general_mixture
     from common.outputs import write_jsonl
+    from common.procs import die_with_parent
     from kernels import cpu_numerics
     from model.checkpoint import replace_dir
 
@@ -157,7 +158,8 @@ def build_tiny(out: Path, tune: dict = TINY_TUNE):
                    **cpu_numerics(True)[0],
                    # on the CPU, also on a machine with a GPU
                    CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="")
-        subprocess.run(cmd, check=True, env=env)
+        parent = os.getpid()  # the trainer dies with this process (a step killed by its driver's death)
+        subprocess.run(cmd, check=True, env=env, preexec_fn=lambda: die_with_parent(parent))
         replace_dir(work / "tuned", out)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from common.errors import UserError
 from pipeline.steps import NodeLost
-from pipeline.zygote import HERE, Zygote, die_with_parent, script_of
+from common.procs import die_with_parent
+from pipeline.zygote import HERE, Zygote, script_of
 
 RETRIES = 3  # run.py --ray-retries: fresh starts of a step whose node died
 GEN_KINDS = ("eval", "rollout", "synth", "ssr", "drift")  # the steps that run --gen-workers

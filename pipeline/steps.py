@@ -40,7 +40,8 @@ from common.errors import UserError
 from common.cli import Terminated
 from pipeline.specs import fields_of
 from pipeline.digest import Digests
-from pipeline.zygote import Zygote, die_with_parent, script_of
+from common.procs import die_with_parent
+from pipeline.zygote import Zygote, script_of
 
 HERE = Path(__file__).resolve().parents[1]  # the scripts' directory
 PARTIAL_INPUTS = ".inputs.json"  # in a step's KEY.tmp: the executions of its inputs this try

@@ -32,6 +32,8 @@ import sys
 import threading
 from pathlib import Path
 
+from common.procs import die_with_parent
+
 HERE = Path(__file__).resolve().parents[1]
 SCRIPTS = ("train", "evaluate", "rollout", "score", "drift", "buffer_nll")
 # what the steps import, each once here instead of once per step. torch._dynamo: building a model on
@@ -43,7 +45,6 @@ PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "tqdm", "model.c
            "data.conventions", "data.trace", "data.replay", "kernels.attention",
            "kernels.cross_entropy", "torch.distributed.fsdp", "torch._dynamo",
            "rouge_score.rouge_scorer", "sacrebleu.tokenizers.tokenizer_13a", *SCRIPTS)
-_PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
@@ -59,22 +60,6 @@ def script_of(argv: list) -> str | None:
         return None
     vllm = any(a == "--engine" and b == "vllm" for a, b in zip(argv, argv[1:]))
     return None if vllm else script.stem
-
-
-def _prctl_pdeathsig():
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def die_with_parent(parent: int, new_session: bool = False):
-    """For a child between fork and exec (or a forked step): optionally lead a new session (its
-    own process group), get SIGKILL when the parent dies, and exit at once if the parent (pid
-    `parent`) is already gone."""
-    if new_session:
-        os.setsid()
-    _prctl_pdeathsig()
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def _prctl_name(name: str):

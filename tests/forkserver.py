@@ -40,7 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":
     sys.path.insert(1, str(REPO))  # the server runs as `python tests/forkserver.py`
-from pipeline.zygote import Zygote, die_with_parent, flush_and_exit, serve  # noqa: E402
+from common.procs import die_with_parent  # noqa: E402
+from pipeline.zygote import Zygote, flush_and_exit, serve  # noqa: E402
 
 STARTUP = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "NPY_", "LD_", "MALLOC", "TORCH", "PYTORCH",
            "ATEN_", "CUDA", "LC_", "LANG")

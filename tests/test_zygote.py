@@ -68,6 +68,26 @@ def test_close_kills_a_zygote_that_does_not_exit_and_its_children_die_with_it(tm
     t.join(30)
     assert zygote.proc.returncode == -9 and codes == [-9]
     assert gone(pids[0]), "the child outlived its zygote"
+    # and so does what the child started (train.py with no flags builds the tiny base with a train.py of its own,
+    # in the child's process group): nothing is left to run on after the driver is gone
+    deadline = time.monotonic() + 20
+    while (left := group(pids[0])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes of the killed child's group outlived it: {left}"
+
+
+def group(pgid: int) -> list[str]:
+    """The live processes of process group pgid (their command lines)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit():
+                fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    out.append((p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
 
 
 def gone(pid: int, timeout: float = 20) -> bool:
