@@ -3,7 +3,8 @@
 The suite starts Python processes by the dozen (the scripts, run.py, `-c` children), and each paid
 `import torch` and numpy again, seconds each on CI's 2 cores. `run` is subprocess.run for them: the same
 exit code, stdout and stderr (text with universal newlines, as subprocess gives them), timeout and check;
-the child is a fork of a server (pipeline.zygote's loop) that imported torch and numpy before.
+the child is a fork of a server (pipeline.zygote's loop) that imported torch and the third-party modules the
+scripts import (PRELOAD) before.
 
     from forkserver import run
     p = run([sys.executable, "train.py", ...], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -17,7 +18,7 @@ What makes the fork behave as `python ...` does:
   (the modules are not torn down: `_exit`);
 - what is read once, when the interpreter starts or torch is imported (PYTHON*, OMP_*, MKL_*, LD_*, TORCH*,
   ...: STARTUP), comes from the server's own environment, so there is one server per value of those;
-- nothing but torch and numpy is preloaded: the project's modules read the environment when imported
+- nothing but PRELOAD is imported in the server: the project's modules read the environment when imported
   (OPR_CACHE, KERNELS_*), so each child imports them itself, under its own environment;
 - stdin is /dev/null, and the child leads a process group of its own (a timeout kills the group).
 Anything else -- stdin input, preexec_fn, no capture, another interpreter or interpreter option, a caller off
@@ -46,6 +47,9 @@ from pipeline.zygote import Zygote, flush_and_exit, serve  # noqa: E402
 STARTUP = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "NPY_", "LD_", "MALLOC", "TORCH", "PYTORCH",
            "ATEN_", "CUDA", "LC_", "LANG")
 _SERVERS = {}  # STARTUP items -> Zygote
+# third-party modules only, whose import reads nothing but STARTUP's variables (dynamo's and inductor's settings are
+# TORCH*) and starts no thread (rouge_score's import does: left to the children, as forking after it is not safe)
+PRELOAD = ("numpy", "torch", "torch.distributed.fsdp", "torch._dynamo", "safetensors.torch", "tokenizers", "tqdm")
 
 
 def run(cmd, *, cwd=None, env=None, capture_output=False, text=False, timeout=None, check=False, **rest):
@@ -161,7 +165,8 @@ def _exit(code):
 
 
 if __name__ == "__main__":
-    import numpy  # noqa: F401
-    import torch  # noqa: F401
+    import importlib
+    for name in PRELOAD:
+        importlib.import_module(name)
     gc.freeze()  # what the server imported, out of the children's collections (whose passes would copy its pages)
     serve(preload=(), child=_child, scripts=None)

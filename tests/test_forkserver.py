@@ -1,6 +1,6 @@
 """tests/forkserver.py: a forked `python ...` gives what subprocess.run gives -- exit code, stdout, stderr -- for
 scripts, -m and -c, exits of every kind, environment, working directory and argv; timeouts and check behave as
-subprocess's; the one difference is that torch and numpy are already imported."""
+subprocess's; the one difference is that forkserver.PRELOAD (torch and third-party modules) is already imported."""
 import os
 import subprocess
 import sys
@@ -77,11 +77,16 @@ def test_a_file_left_open_is_written_at_exit(tmp_path):
     assert (tmp_path / "ref.txt").read_text() == (tmp_path / "got.txt").read_text() == "kept"
 
 
-def test_only_torch_and_numpy_are_already_imported(tmp_path):
-    code = "import sys; print(sorted(m for m in ('torch', 'numpy', 'transformers', 'model') if m in sys.modules))"
+def test_only_the_preloaded_third_party_modules_are_already_imported(tmp_path):
+    """PRELOAD and what they import, nothing of the project's but the server's own loop (pipeline.zygote and
+    common.procs, stdlib only; the rest reads the environment when imported) and no thread but the main one running
+    Python (a fork copies no other thread)."""
+    names = (*forkserver.PRELOAD, "transformers", "rouge_score", "model", "data", "kernels", "engine", "common.cli")
+    code = (f"import sys, threading; print(sorted(m for m in {names!r} if m in sys.modules), "
+            f"threading.active_count())")
     got = forkserver.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     ref = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
-    assert ref.stdout == "[]\n" and got.stdout == "['numpy', 'torch']\n"
+    assert ref.stdout == "[] 1\n" and got.stdout == f"{sorted(forkserver.PRELOAD)} 1\n", got.stdout + got.stderr
 
 
 def test_bytes_check_and_timeout(tmp_path):
