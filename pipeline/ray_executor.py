@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 from common.errors import UserError
-from pipeline.steps import NodeLost
 from common.procs import die_with_parent
+from pipeline.steps import NodeLost
 from pipeline.zygote import HERE, Zygote, script_of
 
 RETRIES = 3  # run.py --ray-retries: fresh starts of a step whose node died

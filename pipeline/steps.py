@@ -38,9 +38,9 @@ from tqdm import tqdm
 from common.outputs import fsync_dir, fsync_tree, write_json
 from common.errors import UserError
 from common.cli import Terminated
+from common.procs import die_with_parent
 from pipeline.specs import fields_of
 from pipeline.digest import Digests
-from common.procs import die_with_parent
 from pipeline.zygote import Zygote, script_of
 
 HERE = Path(__file__).resolve().parents[1]  # the scripts' directory
