@@ -52,7 +52,9 @@ _SERVERS = {}  # STARTUP items -> Zygote
 PRELOAD = ("numpy", "torch", "torch.distributed.fsdp", "torch._dynamo", "safetensors.torch", "tokenizers", "tqdm")
 
 
-def run(cmd, *, cwd=None, env=None, capture_output=False, text=False, timeout=None, check=False, **rest):
+def run(cmd, *, cwd=None, env=None, capture_output=False, text=False, timeout=None, check=False, on_start=None,
+        **rest):
+    """subprocess.run(cmd, ...) as a fork of the server; on_start(pid): called once a forked child exists."""
     cmd = [os.fspath(c) for c in cmd]
     env = dict(os.environ if env is None else env)
     key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(STARTUP)))
@@ -71,6 +73,8 @@ def run(cmd, *, cwd=None, env=None, capture_output=False, text=False, timeout=No
 
         def started(pid):
             nonlocal timer
+            if on_start is not None:
+                on_start(pid)
             if timeout is not None:
                 timer = threading.Timer(timeout, lambda: killed.append(_killpg(pid)))
                 timer.start()
@@ -87,6 +91,49 @@ def run(cmd, *, cwd=None, env=None, capture_output=False, text=False, timeout=No
     if check and rc:
         raise subprocess.CalledProcessError(rc, cmd, stdout, stderr)
     return subprocess.CompletedProcess(cmd, rc, stdout, stderr)
+
+
+def run_ranks(world: int, cmd, *, cwd=None, env=None, timeout=None, text=False,
+              port: int) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node WORLD --master_port PORT cmd[1:]` for the tests, without torchrun's agent and its
+    fresh interpreters: each rank is run()'s fork, given the variables that torch.distributed's env:// rendezvous
+    and the project read (MASTER_ADDR and MASTER_PORT: rank 0 hosts the store, as it does without torchrun's agent;
+    RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE). As under torchrun, a failing rank's siblings are killed (a
+    collective would otherwise wait on it for gloo's half hour). stdout and stderr: each rank's in rank order; the
+    exit code: the first rank to fail. Real torchrun stays tested where a test launches it itself."""
+    cmd = [os.fspath(c) for c in cmd]
+    env = dict(os.environ if env is None else env)
+    if os.environ.get("OPR_TEST_FORK") == "0" or cmd[0] != sys.executable:
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(port)]
+        return subprocess.run([cmd[0], *launcher, *cmd[1:]], cwd=cwd, env=env, capture_output=True, text=text,
+                              timeout=timeout)
+    run([sys.executable, "-c", "pass"], env=env, capture_output=True)  # the server, started by this (the main) thread
+    pids, results, failed = [], [None] * world, []
+    lock = threading.Lock()
+
+    def rank(r):
+        rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
+                        WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+        try:
+            results[r] = run(cmd, cwd=cwd, env=rank_env, capture_output=True, timeout=timeout,
+                             on_start=lambda pid: (lock.acquire(), pids.append(pid), lock.release()))
+        except subprocess.TimeoutExpired as e:
+            results[r] = subprocess.CompletedProcess(cmd, -signal.SIGKILL, e.stdout or b"", e.stderr or b"")
+        if results[r].returncode != 0:
+            with lock:
+                failed.append(results[r].returncode)
+                for pid in pids:
+                    _killpg(pid)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out, err = (b"".join(getattr(p, f) for p in results) for f in ("stdout", "stderr"))
+    if text:
+        out, err = _text(out), _text(err)
+    return subprocess.CompletedProcess(cmd, failed[0] if failed else 0, out, err)
 
 
 def _killpg(pid: int) -> bool:

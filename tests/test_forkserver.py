@@ -121,3 +121,20 @@ def test_what_it_does_not_fork_goes_to_subprocess(tmp_path):
     r = forkserver.run([sys.executable, "-X", "utf8", "-c", code], capture_output=True, text=True,
                        stdin=subprocess.DEVNULL)
     assert r.stdout == "False \n"
+
+
+def test_ranks_get_torchruns_variables_and_a_failing_rank_ends_its_siblings():
+    """run_ranks: each rank sees what torchrun gives a worker (the env:// rendezvous's variables), the outputs come
+    back in rank order, and a rank that fails ends the others (rank 0 would otherwise sleep for ten minutes)."""
+    code = ("import os, time; r = int(os.environ['RANK']); "
+            "print('rank', r, *(os.environ[k] for k in ('LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', "
+            "'MASTER_ADDR', 'MASTER_PORT')), flush=True); time.sleep(600 if r == 0 else 0.5); exit(3 if r else 0)")
+    p = forkserver.run_ranks(2, [sys.executable, "-c", code], text=True, timeout=120, port=29999)
+    assert p.returncode == 3
+    assert p.stdout == "rank 0 0 2 2 127.0.0.1 29999\nrank 1 1 2 2 127.0.0.1 29999\n"
+    # a real rendezvous: the ranks' all_reduce over gloo
+    code = ("import torch, torch.distributed as dist; dist.init_process_group('gloo'); "
+            "t = torch.tensor([dist.get_rank() + 1.0]); dist.all_reduce(t); print(dist.get_rank(), t.item())")
+    from tiny import free_port
+    p = forkserver.run_ranks(2, [sys.executable, "-c", code], text=True, timeout=120, port=free_port())
+    assert (p.returncode, p.stdout) == (0, "0 3.0\n1 3.0\n"), p.stderr

@@ -4,7 +4,9 @@ examples dropped and counted, bad data and NaN losses fail loudly without writin
 transformers, sft-kl (on-policy SDFT: test_sdft.py); --out replaces only train.py's own checkpoint, --resume of a
 final checkpoint says so, SIGTERM during the final save leaves no temporary.
 
-Every training run is a real subprocess (`python train.py`, or torchrun with 2 gloo ranks) with OMP_NUM_THREADS=1:
+Every training run is a process of its own (`python train.py`, forked by tests/forkserver.py; 2 gloo ranks with
+torchrun's variables, forkserver.run_ranks; one 2-rank run and the 3-rank load under torchrun itself) with
+OMP_NUM_THREADS=1:
 tiny-tensor ops with 2 threads on a busy 2-core machine are many times slower than with one.
 """
 import json
@@ -125,7 +127,7 @@ def test_two_ranks_equal_one_process(which, request, tmp_path):
     assert any([] in rank for step in plan for rank in pack(step, lengths, 96, 2))
 
     two = tmp_path / "two"
-    r = train(path, two, world=2)
+    r = train(path, two, world=2, torchrun=which == "untied")  # as users launch it, once; forked ranks elsewhere
     assert "on 2 rank(s)" in r.stdout
     log1, log2 = log(one), log(two)
     assert [x["step"] for x in log1] == [x["step"] for x in log2] == list(range(1, N_STEPS + 1))

@@ -1,7 +1,8 @@
 """Data-parallel generation workers (engine/workers.py): torchrun's ranks each sample a share of the prompts and the
-outputs equal one process's. The shares balance by length; rollout.py, evaluate.py and drift.py under torchrun with
-2 workers at 1 thread each write what one process at 1 thread writes (the same tokens; log-probs and KLs within the
-engine's batch-composition tolerance, since each worker batches a different set of prompts)."""
+outputs equal one process's. The shares balance by length; rollout.py, evaluate.py and drift.py as 2 ranks
+(torchrun's variables, tests/forkserver.run_ranks) at 1 thread each write what one process at 1 thread writes (the
+same tokens; log-probs and KLs within the engine's batch-composition tolerance, since each worker batches a different
+set of prompts)."""
 import json
 import os
 import sys
@@ -11,6 +12,7 @@ import pytest
 
 from engine.workers import shards
 import forkserver
+from tiny import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4  # tests/test_rollout.py's engine-vs-reference tolerance on a log-prob
@@ -47,10 +49,11 @@ def setup(tmp_path_factory):
 def launch(setup, script, workers, out, *extra):
     cmd = [sys.executable, str(REPO / script), "--ckpt", str(setup / "ckpt"), "--data", str(setup / "data"),
            "--tasks", "FOMC,NumGLUE-cm", "--max-new-tokens", "12", "--out", str(out), "--quiet", *extra]
-    if workers > 1:
-        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(setup / "cache"))
-    p = forkserver.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if workers > 1:  # torchrun's ranks, forked (run.py --gen-workers runs these scripts under torchrun itself)
+        p = forkserver.run_ranks(workers, cmd, cwd=REPO, env=env, text=True, timeout=600, port=free_port())
+    else:
+        p = forkserver.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return p
 

@@ -145,11 +145,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_cmd(ckpt: Path, out: Path, *extra, world: int = 1, data=None) -> list[str]:
-    launcher = [sys.executable]
-    if world > 1:
-        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port())]
-    return launcher + [str(REPO / "train.py"), "--model", str(ckpt), "--data", str(data or ckpt / "data.jsonl"),
+def train_cmd(ckpt: Path, out: Path, *extra, data=None) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), "--model", str(ckpt), "--data", str(data or ckpt / "data.jsonl"),
                        "--out", str(out), *ARGS, *extra]
 
 
@@ -160,9 +157,19 @@ def train_env() -> dict:
     return {**e, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def train(ckpt, out, *extra, world=1, data=None, ok=True) -> subprocess.CompletedProcess:
-    r = forkserver.run(train_cmd(ckpt, out, *extra, world=world, data=data), cwd=REPO, env=train_env(),
-                       capture_output=True, text=True, timeout=600)
+def train(ckpt, out, *extra, world=1, data=None, ok=True, torchrun=False) -> subprocess.CompletedProcess:
+    """train.py on `world` ranks: forked with torchrun's variables (tests/forkserver.run_ranks), or under torchrun."""
+    if world > 1:
+        cmd = train_cmd(ckpt, out, *extra, data=data)
+        if torchrun:
+            cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(world),
+                        "--master_port", str(free_port())]
+            r = forkserver.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
+        else:
+            r = forkserver.run_ranks(world, cmd, cwd=REPO, env=train_env(), text=True, timeout=600, port=free_port())
+    else:
+        r = forkserver.run(train_cmd(ckpt, out, *extra, data=data), cwd=REPO, env=train_env(),
+                           capture_output=True, text=True, timeout=600)
     if ok and r.returncode != 0:
         raise AssertionError(f"train.py failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
