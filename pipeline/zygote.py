@@ -74,9 +74,10 @@ def _prctl_name(name: str):
 
 
 class Zygote:
-    def __init__(self, env: dict, pass_fds=(), server=("-m", "pipeline.zygote")):
+    def __init__(self, env: dict, pass_fds=(), server=("-m", "pipeline.zygote"),
+                 python=sys.executable):
         parent = os.getpid()  # the zygote dies with the thread that starts it
-        self.proc = subprocess.Popen([sys.executable, *server],
+        self.proc = subprocess.Popen([python, *server],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                      cwd=HERE, pass_fds=tuple(pass_fds),
                                      preexec_fn=lambda: die_with_parent(parent))

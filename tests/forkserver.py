@@ -19,11 +19,12 @@ What makes the fork behave as `python ...` does:
 - what is read once, when the interpreter starts or torch is imported (PYTHON*, OMP_*, MKL_*, LD_*, TORCH*,
   ...: STARTUP), comes from the server's own environment, so there is one server per value of those;
 - nothing but PRELOAD is imported in the server: the project's modules read the environment when imported
-  (OPR_CACHE, KERNELS_*), so each child imports them itself, under its own environment;
+  (OPR_CACHE, KERNELS_*), so each child imports them itself, under its own environment; a caller's `preload`
+  (vLLM for the vLLM venv's interpreter) adds to PRELOAD in a server of its own;
 - stdin is /dev/null, and the child leads a process group of its own (a timeout kills the group).
-Anything else -- stdin input, preexec_fn, no capture, another interpreter or interpreter option, a caller off
-the main thread (a server dies with the thread that started it) -- goes to subprocess.run as it is, and
-OPR_TEST_FORK=0 sends everything there.
+Anything else -- stdin input, preexec_fn, no capture, another interpreter without a preload, an interpreter
+option, a caller off the main thread (a server dies with the thread that started it) -- goes to subprocess.run
+as it is, and OPR_TEST_FORK=0 sends everything there.
 """
 import atexit
 import builtins
@@ -46,27 +47,33 @@ from pipeline.zygote import Zygote, flush_and_exit, serve  # noqa: E402
 
 STARTUP = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "NPY_", "LD_", "MALLOC", "TORCH", "PYTORCH",
            "ATEN_", "CUDA", "LC_", "LANG")
-_SERVERS = {}  # STARTUP items -> Zygote
+_SERVERS = {}  # (interpreter, preload, *STARTUP items) -> Zygote
 # third-party modules only, whose import reads nothing but STARTUP's variables (dynamo's and inductor's settings are
 # TORCH*) and starts no thread (rouge_score's import does: left to the children, as forking after it is not safe)
 PRELOAD = ("numpy", "torch", "torch.distributed.fsdp", "torch._dynamo", "safetensors.torch", "tokenizers", "tqdm")
+# what the import of a run()'s `preload` (vLLM: transformers and its own settings) may read too: one server per value
+STARTUP_MORE = ("VLLM_", "HF_", "TRANSFORMERS", "TOKENIZERS")
 
 
 def run(cmd, *, cwd=None, env=None, capture_output=False, text=False, timeout=None, check=False, on_start=None,
-        **rest):
-    """subprocess.run(cmd, ...) as a fork of the server; on_start(pid): called once a forked child exists."""
+        preload=None, **rest):
+    """subprocess.run(cmd, ...) as a fork of the server; on_start(pid): called once a forked child exists.
+    preload: modules the server imports after PRELOAD (their import reads STARTUP_MORE's variables too); with it
+    (even empty), another interpreter than this one (cmd[0]) forks too, from a server of its own."""
     cmd = [os.fspath(c) for c in cmd]
     env = dict(os.environ if env is None else env)
-    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(STARTUP)))
+    other = preload is None and cmd[0] != sys.executable  # another interpreter, not asked for
+    startup, preload = (STARTUP, ()) if preload is None else (STARTUP + STARTUP_MORE, tuple(preload))
+    key = (cmd[0], preload, *sorted((k, v) for k, v in env.items() if k.startswith(startup)))
     mode = cmd[1] if len(cmd) > 1 else "-"
-    if (rest or not capture_output or cmd[0] != sys.executable or os.environ.get("OPR_TEST_FORK") == "0"
+    if (rest or not capture_output or other or os.environ.get("OPR_TEST_FORK") == "0"
             or (mode.startswith("-") and mode not in ("-c", "-m")) or len(cmd) < 2 + (mode in ("-c", "-m"))
             or (key not in _SERVERS and threading.current_thread() is not threading.main_thread())):
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=capture_output, text=text, timeout=timeout,
                               check=check, **rest)
     server = _SERVERS.get(key)
     if server is None or server.proc.poll() is not None:
-        server = _SERVERS[key] = Zygote(env, server=(__file__,))
+        server = _SERVERS[key] = Zygote(env, server=(__file__, *preload), python=cmd[0])
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "out"), Path(tmp, "err")
         timer, killed = None, []
@@ -93,8 +100,8 @@ def run(cmd, *, cwd=None, env=None, capture_output=False, text=False, timeout=No
     return subprocess.CompletedProcess(cmd, rc, stdout, stderr)
 
 
-def run_ranks(world: int, cmd, *, cwd=None, env=None, timeout=None, text=False,
-              port: int) -> subprocess.CompletedProcess:
+def run_ranks(world: int, cmd, *, cwd=None, env=None, timeout=None, text=False, port: int,
+              preload=None) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node WORLD --master_port PORT cmd[1:]` for the tests, without torchrun's agent and its
     fresh interpreters: each rank is run()'s fork, given the variables that torch.distributed's env:// rendezvous
     and the project read (MASTER_ADDR and MASTER_PORT: rank 0 hosts the store, as it does without torchrun's agent;
@@ -103,11 +110,11 @@ def run_ranks(world: int, cmd, *, cwd=None, env=None, timeout=None, text=False,
     exit code: the first rank to fail. Real torchrun stays tested where a test launches it itself."""
     cmd = [os.fspath(c) for c in cmd]
     env = dict(os.environ if env is None else env)
-    if os.environ.get("OPR_TEST_FORK") == "0" or cmd[0] != sys.executable:
+    if os.environ.get("OPR_TEST_FORK") == "0" or (cmd[0] != sys.executable and preload is None):
         launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(port)]
         return subprocess.run([cmd[0], *launcher, *cmd[1:]], cwd=cwd, env=env, capture_output=True, text=text,
                               timeout=timeout)
-    run([sys.executable, "-c", "pass"], env=env, capture_output=True)  # the server, started by this (the main) thread
+    run([cmd[0], "-c", "pass"], env=env, capture_output=True, preload=preload)  # its server, by the main thread
     pids, results, failed = [], [None] * world, []
     lock = threading.Lock()
 
@@ -115,7 +122,7 @@ def run_ranks(world: int, cmd, *, cwd=None, env=None, timeout=None, text=False,
         rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
                         WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
         try:
-            results[r] = run(cmd, cwd=cwd, env=rank_env, capture_output=True, timeout=timeout,
+            results[r] = run(cmd, cwd=cwd, env=rank_env, capture_output=True, timeout=timeout, preload=preload,
                              on_start=lambda pid: (lock.acquire(), pids.append(pid), lock.release()))
         except subprocess.TimeoutExpired as e:
             results[r] = subprocess.CompletedProcess(cmd, -signal.SIGKILL, e.stdout or b"", e.stderr or b"")
@@ -213,7 +220,7 @@ def _exit(code):
 
 if __name__ == "__main__":
     import importlib
-    for name in PRELOAD:
+    for name in (*PRELOAD, *sys.argv[1:]):  # run()'s preload after PRELOAD
         importlib.import_module(name)
     gc.freeze()  # what the server imported, out of the children's collections (whose passes would copy its pages)
     serve(preload=(), child=_child, scripts=None)

@@ -138,3 +138,15 @@ def test_ranks_get_torchruns_variables_and_a_failing_rank_ends_its_siblings():
     from tiny import free_port
     p = forkserver.run_ranks(2, [sys.executable, "-c", code], text=True, timeout=120, port=free_port())
     assert (p.returncode, p.stdout) == (0, "0 3.0\n1 3.0\n"), p.stderr
+
+
+def test_another_interpreter_forks_from_a_server_of_its_own_when_given_a_preload(tmp_path):
+    """preload (the vLLM venv's interpreter: vLLM): that interpreter's server imports it, once; without a preload another
+    interpreter starts as subprocess.run would."""
+    other = tmp_path / "python"
+    other.symlink_to(sys.executable)
+    code = "import sys; print(sys.executable, 'colorsys' in sys.modules, 'torch' in sys.modules)"
+    p = forkserver.run([str(other), "-c", code], capture_output=True, text=True, preload=("colorsys",))
+    assert p.stdout.split() == [str(other), "True", "True"], p.stderr
+    p = forkserver.run([str(other), "-c", code], capture_output=True, text=True)
+    assert p.stdout.split() == [str(other), "False", "False"], p.stderr

