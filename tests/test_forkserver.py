@@ -141,8 +141,8 @@ def test_ranks_get_torchruns_variables_and_a_failing_rank_ends_its_siblings():
 
 
 def test_another_interpreter_forks_from_a_server_of_its_own_when_given_a_preload(tmp_path):
-    """preload (the vLLM venv's interpreter: vLLM): that interpreter's server imports it, once; without a preload another
-    interpreter starts as subprocess.run would."""
+    """preload (the vLLM venv's interpreter: vLLM): that interpreter's server imports it, once; without a preload
+    another interpreter starts as subprocess.run would."""
     other = tmp_path / "python"
     other.symlink_to(sys.executable)
     code = "import sys; print(sys.executable, 'colorsys' in sys.modules, 'torch' in sys.modules)"
