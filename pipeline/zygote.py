@@ -76,15 +76,20 @@ def _prctl_name(name: str):
 class Zygote:
     def __init__(self, env: dict, pass_fds=(), server=("-m", "pipeline.zygote"),
                  python=sys.executable):
-        parent = os.getpid()  # the zygote dies with the thread that starts it
-        self.proc = subprocess.Popen([python, *server],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                     cwd=HERE, pass_fds=tuple(pass_fds),
-                                     preexec_fn=lambda: die_with_parent(parent))
+        self.proc = self._start([python, *server], env, tuple(pass_fds))
         self.lock = threading.Lock()
         self.waiting = {}  # id -> {"started": Event, "done": Event, "pid", "rc"}
         self.next_id = 0
         threading.Thread(target=self._read, daemon=True).start()
+
+    @staticmethod
+    def _start(argv: list, env: dict, pass_fds: tuple) -> subprocess.Popen:
+        """The zygote's process, its stdin and stdout piped to this one (the tests' fork server
+        forks it from a driver it started instead: tests/forkserver.py)."""
+        parent = os.getpid()  # the zygote dies with the thread that starts it
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                cwd=HERE, pass_fds=pass_fds,
+                                preexec_fn=lambda: die_with_parent(parent))
 
     def run(self, script: str, argv: list, log_path: Path, env: dict, on_start=None,
             **fields) -> int:

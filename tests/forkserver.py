@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -168,6 +169,7 @@ def _child(req: dict, server: int):
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
+    Zygote._start = staticmethod(_ForkedZygote.start)  # a driver run here forks its zygote (below)
     mode, argv = req["script"], req["argv"]
     code = 0
     main = sys.modules["__main__"] = types.ModuleType("__main__")  # a fresh one, not the server's
@@ -198,6 +200,103 @@ def _child(req: dict, server: int):
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
     _exit(code)
+
+
+class _ForkedZygote:
+    """run.py's zygote (pipeline/zygote.py) for a driver that is a child of this server: forked from the driver,
+    which has PRELOAD imported already, instead of `python -m pipeline.zygote` importing torch again (~4 s of CPU in
+    each of the suite's ~30 runs). It starts as the zygote would -- the steps' environment, the repository as working
+    directory and sys.path[0], its stdin and stdout the driver's pipes, no other file descriptor but pass_fds, the
+    default signal handlers, a parent-death signal -- with every project module imported afresh (they read the
+    environment when imported). Only where that is the whole difference: the driver on one thread (a fork copies no
+    other) and the steps' STARTUP variables the driver's own; else Zygote's own start. The drivers the tests start
+    with subprocess (the kill tests, test_run_keys' pinned runs, the GPU-check rehearsal) start theirs that way."""
+    spawn = staticmethod(Zygote._start)
+
+    def __init__(self, pid: int, stdin, stdout):
+        self.pid, self.stdin, self.stdout, self.returncode = pid, stdin, stdout, None
+
+    @staticmethod
+    def start(argv: list, env: dict, pass_fds: tuple):
+        if (argv != [sys.executable, "-m", "pipeline.zygote"] or len(os.listdir("/proc/self/task")) > 1
+                or _ForkedZygote.startup(env) != _ForkedZygote.startup(os.environ)):
+            return _ForkedZygote.spawn(argv, env, pass_fds)
+        (r_in, w_in), (r_out, w_out) = os.pipe(), os.pipe()
+        for f in (sys.stdout, sys.stderr):  # what the driver printed, printed once (the fork copies its buffers)
+            f.flush()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            _ForkedZygote._become(env, parent, r_in, w_out, pass_fds)
+        os.close(r_in)
+        os.close(w_out)
+        return _ForkedZygote(pid, os.fdopen(w_in, "wb"), os.fdopen(r_out, "rb"))
+
+    @staticmethod
+    def _become(env: dict, parent: int, r_in: int, w_out: int, pass_fds: tuple):
+        """In the forked child: `python -m pipeline.zygote` with stdin r_in and stdout w_out (never returns)."""
+        code = 1
+        try:
+            die_with_parent(parent)
+            os.dup2(r_in, 0)
+            os.dup2(w_out, 1)
+            for fd in [int(fd) for fd in os.listdir("/proc/self/fd")]:  # close_fds, as subprocess does
+                if fd > 2 and fd not in pass_fds:
+                    try:
+                        os.close(fd)
+                    except OSError:  # the listing's own descriptor, gone with it
+                        pass
+            import faulthandler
+            faulthandler.disable()
+            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT):
+                if sig == signal.SIGUSR1:
+                    faulthandler.unregister(sig)
+                signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+            os.environ.clear()
+            os.environ.update(env)
+            os.chdir(REPO)
+            for name, module in list(sys.modules.items()):
+                path = getattr(module, "__file__", None) or ""
+                if path.startswith(str(REPO) + os.sep) and not path.startswith(str(REPO / ".venv")):
+                    del sys.modules[name]
+            sys.path[0] = str(REPO)
+            import runpy
+            runpy.run_module("pipeline.zygote", run_name="__main__", alter_sys=True)
+            code = 0
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            flush_and_exit(code)
+
+    @staticmethod
+    def startup(env: dict) -> list:
+        """env's STARTUP items that would make a fresh zygote differ from this process: not the two that run.py gives
+        its CPU steps and that matter only before they are used -- MKL_NUM_THREADS equal to OMP_NUM_THREADS (each
+        step sets torch's threads, MKL's with them) and CUDA_VISIBLE_DEVICES where there is no CUDA device."""
+        import torch
+        same = {"MKL_NUM_THREADS": env.get("OMP_NUM_THREADS"),
+                "CUDA_VISIBLE_DEVICES": None if torch.cuda.is_available() else env.get("CUDA_VISIBLE_DEVICES")}
+        return sorted((k, v) for k, v in env.items() if k.startswith(STARTUP) and same.get(k, ...) != v)
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("pipeline.zygote", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self):
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def _exit(code):

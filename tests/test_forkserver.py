@@ -10,6 +10,8 @@ import pytest
 
 import forkserver
 
+REPO = forkserver.REPO
+
 SCRIPT = textwrap.dedent("""\
     import atexit, os, sys, threading, time
     print("argv", sys.argv, "path0", sys.path[0], "name", __name__, "cwd", os.getcwd())
@@ -150,3 +152,27 @@ def test_another_interpreter_forks_from_a_server_of_its_own_when_given_a_preload
     assert p.stdout.split() == [str(other), "True", "True"], p.stderr
     p = forkserver.run([str(other), "-c", code], capture_output=True, text=True)
     assert p.stdout.split() == [str(other), "False", "False"], p.stderr
+
+
+def test_a_driver_forks_its_zygote_and_the_steps_write_what_a_started_zygote_s_write(train_ckpt, tmp_path):
+    """A run.py driver forked from the server forks its pipeline zygote (its imports done) instead of starting
+    `python -m pipeline.zygote`; a training step forked by either zygote writes the same weights, bit for bit."""
+    from tiny import ARGS, train_env
+    step = ["--model", str(train_ckpt), "--data", str(train_ckpt / "data.jsonl"), *ARGS]
+    code = ("import os, sys; from pathlib import Path; from pipeline.zygote import Zygote; "
+            "env = dict(os.environ, CUDA_VISIBLE_DEVICES='', MKL_NUM_THREADS='1'); "  # as run.py gives its CPU steps
+            "z = Zygote(env); out = Path(sys.argv[1]); "
+            f"rc = z.run('train', {step!r} + ['--out', str(out / 'ckpt')], out / 'log.txt', env); z.close(); "
+            "print(type(z.proc).__name__, rc, z.proc.returncode)")
+    env = train_env()
+    forked, started = tmp_path / "forked", tmp_path / "started"
+    for out in (forked, started):
+        out.mkdir()
+    p = forkserver.run([sys.executable, "-c", code, str(forked)], cwd=REPO, env=env, capture_output=True, text=True)
+    assert p.stdout.split() == ["_ForkedZygote", "0", "0"], p.stderr[-3000:]
+    p = subprocess.run([sys.executable, "-c", code, str(started)], cwd=REPO, env=env, capture_output=True, text=True)
+    assert p.stdout.split() == ["Popen", "0", "0"], p.stderr[-3000:]
+    assert (forked / "ckpt" / "model.safetensors").read_bytes() == (started / "ckpt" / "model.safetensors").read_bytes()
+    from tiny import log
+    assert [(r["loss"], r["grad_norm"]) for r in log(forked / "ckpt")] == \
+        [(r["loss"], r["grad_norm"]) for r in log(started / "ckpt")]
