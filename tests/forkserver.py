@@ -21,7 +21,9 @@ What makes the fork behave as `python ...` does:
 - nothing but PRELOAD is imported in the server: the project's modules read the environment when imported
   (OPR_CACHE, KERNELS_*), so each child imports them itself, under its own environment; a caller's `preload`
   (vLLM for the vLLM venv's interpreter) adds to PRELOAD in a server of its own;
-- stdin is /dev/null, and the child leads a process group of its own (a timeout kills the group).
+- stdin is /dev/null, and the child leads a process group of its own (a timeout kills the group);
+- a run.py driver run here forks its pipeline zygote from itself (_ForkedZygote) rather than starting one;
+  run_ranks gives torchrun's ranks as forks too.
 Anything else -- stdin input, preexec_fn, no capture, another interpreter without a preload, an interpreter
 option, a caller off the main thread (a server dies with the thread that started it) -- goes to subprocess.run
 as it is, and OPR_TEST_FORK=0 sends everything there.
