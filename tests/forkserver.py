@@ -259,7 +259,7 @@ class _ForkedZygote:
             os.chdir(REPO)
             for name, module in list(sys.modules.items()):
                 path = getattr(module, "__file__", None) or ""
-                if path.startswith(str(REPO) + os.sep) and not path.startswith(str(REPO / ".venv")):
+                if path.startswith(str(REPO) + os.sep) and "site-packages" not in path:  # not a venv's
                     del sys.modules[name]
             sys.path[0] = str(REPO)
             import runpy

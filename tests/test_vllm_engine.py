@@ -8,7 +8,7 @@ or $OPR_VLLM_PYTHON): rollout.py, evaluate.py and run.py --engine vllm as users 
 - a LoRA stage is served as its base with the adapter as a LoRARequest, with the trainer's log-probs.
 Skipped when no vLLM venv is found. Each vLLM process starts in ~25 s here (eager, 2 cores), ~10 s of it importing
 vLLM: every launch goes through tests/forkserver.py, whose server for the venv's interpreter has imported vLLM (VLLM);
-the steps that run.py starts start as its own do."""
+run.py starts its vLLM steps itself, as processes of their own."""
 import json
 import os
 import sys

@@ -147,7 +147,7 @@ def free_port() -> int:
 
 def train_cmd(ckpt: Path, out: Path, *extra, data=None) -> list[str]:
     return [sys.executable, str(REPO / "train.py"), "--model", str(ckpt), "--data", str(data or ckpt / "data.jsonl"),
-                       "--out", str(out), *ARGS, *extra]
+            "--out", str(out), *ARGS, *extra]
 
 
 def train_env() -> dict:
