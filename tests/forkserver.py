@@ -66,17 +66,14 @@ def run(cmd, *, cwd=None, env=None, capture_output=False, text=False, timeout=No
     cmd = [os.fspath(c) for c in cmd]
     env = dict(os.environ if env is None else env)
     other = preload is None and cmd[0] != sys.executable  # another interpreter, not asked for
-    startup, preload = (STARTUP, ()) if preload is None else (STARTUP + STARTUP_MORE, tuple(preload))
-    key = (cmd[0], preload, *sorted((k, v) for k, v in env.items() if k.startswith(startup)))
     mode = cmd[1] if len(cmd) > 1 else "-"
     if (rest or not capture_output or other or os.environ.get("OPR_TEST_FORK") == "0"
             or (mode.startswith("-") and mode not in ("-c", "-m")) or len(cmd) < 2 + (mode in ("-c", "-m"))
-            or (key not in _SERVERS and threading.current_thread() is not threading.main_thread())):
+            or (_key(cmd[0], env, preload) not in _SERVERS
+                and threading.current_thread() is not threading.main_thread())):
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=capture_output, text=text, timeout=timeout,
                               check=check, **rest)
-    server = _SERVERS.get(key)
-    if server is None or server.proc.poll() is not None:
-        server = _SERVERS[key] = Zygote(env, server=(__file__, *preload), python=cmd[0])
+    server = _server(cmd[0], env, preload)
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "out"), Path(tmp, "err")
         timer, killed = None, []
@@ -103,6 +100,20 @@ def run(cmd, *, cwd=None, env=None, capture_output=False, text=False, timeout=No
     return subprocess.CompletedProcess(cmd, rc, stdout, stderr)
 
 
+def _key(python: str, env: dict, preload) -> tuple:
+    startup = STARTUP if preload is None else STARTUP + STARTUP_MORE
+    return (python, tuple(preload or ()), *sorted((k, v) for k, v in env.items() if k.startswith(startup)))
+
+
+def _server(python: str, env: dict, preload) -> Zygote:
+    """The server for this interpreter, preload and STARTUP values: started here (by the main thread) if none is."""
+    key = _key(python, env, preload)
+    server = _SERVERS.get(key)
+    if server is None or server.proc.poll() is not None:
+        server = _SERVERS[key] = Zygote(env, server=(__file__, *(preload or ())), python=python)
+    return server
+
+
 def run_ranks(world: int, cmd, *, cwd=None, env=None, timeout=None, text=False, port: int,
               preload=None) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node WORLD --master_port PORT cmd[1:]` for the tests, without torchrun's agent and its
@@ -117,16 +128,20 @@ def run_ranks(world: int, cmd, *, cwd=None, env=None, timeout=None, text=False, 
         launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(port)]
         return subprocess.run([cmd[0], *launcher, *cmd[1:]], cwd=cwd, env=env, capture_output=True, text=text,
                               timeout=timeout)
-    run([cmd[0], "-c", "pass"], env=env, capture_output=True, preload=preload)  # its server, by the main thread
+    _server(cmd[0], env, preload)  # by this (the main) thread: the ranks' threads then fork from it
     pids, results, failed = [], [None] * world, []
     lock = threading.Lock()
+
+    def started(pid):
+        with lock:
+            pids.append(pid)
 
     def rank(r):
         rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
                         WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
         try:
             results[r] = run(cmd, cwd=cwd, env=rank_env, capture_output=True, timeout=timeout, preload=preload,
-                             on_start=lambda pid: (lock.acquire(), pids.append(pid), lock.release()))
+                             on_start=started)
         except subprocess.TimeoutExpired as e:
             results[r] = subprocess.CompletedProcess(cmd, -signal.SIGKILL, e.stdout or b"", e.stderr or b"")
         if results[r].returncode != 0:
@@ -166,11 +181,7 @@ def _child(req: dict, server: int):
         f = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.environ.clear()
-    os.environ.update(req["env"])
-    os.chdir(req["cwd"])
+    _as_started(req["env"], req["cwd"])
     Zygote._start = staticmethod(_ForkedZygote.start)  # a driver run here forks its zygote (below)
     mode, argv = req["script"], req["argv"]
     code = 0
@@ -248,15 +259,10 @@ class _ForkedZygote:
                         os.close(fd)
                     except OSError:  # the listing's own descriptor, gone with it
                         pass
-            import faulthandler
+            import faulthandler  # the driver's (run.py registers its stacks on SIGUSR1)
             faulthandler.disable()
-            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT):
-                if sig == signal.SIGUSR1:
-                    faulthandler.unregister(sig)
-                signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
-            os.environ.clear()
-            os.environ.update(env)
-            os.chdir(REPO)
+            faulthandler.unregister(signal.SIGUSR1)
+            _as_started(env, REPO)
             for name, module in list(sys.modules.items()):
                 path = getattr(module, "__file__", None) or ""
                 if path.startswith(str(REPO) + os.sep) and "site-packages" not in path:  # not a venv's
@@ -299,6 +305,16 @@ class _ForkedZygote:
     def kill(self):
         if self.poll() is None:
             os.kill(self.pid, signal.SIGKILL)
+
+
+def _as_started(env: dict, cwd):
+    """In a forked child: the signal handlers a fresh interpreter has, its environment and working directory."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
 
 
 def _exit(code):

@@ -159,17 +159,14 @@ def train_env() -> dict:
 
 def train(ckpt, out, *extra, world=1, data=None, ok=True, torchrun=False) -> subprocess.CompletedProcess:
     """train.py on `world` ranks: forked with torchrun's variables (tests/forkserver.run_ranks), or under torchrun."""
-    if world > 1:
-        cmd = train_cmd(ckpt, out, *extra, data=data)
-        if torchrun:
+    cmd = train_cmd(ckpt, out, *extra, data=data)
+    if world > 1 and not torchrun:
+        r = forkserver.run_ranks(world, cmd, cwd=REPO, env=train_env(), text=True, timeout=600, port=free_port())
+    else:
+        if world > 1:
             cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(world),
                         "--master_port", str(free_port())]
-            r = forkserver.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
-        else:
-            r = forkserver.run_ranks(world, cmd, cwd=REPO, env=train_env(), text=True, timeout=600, port=free_port())
-    else:
-        r = forkserver.run(train_cmd(ckpt, out, *extra, data=data), cwd=REPO, env=train_env(),
-                           capture_output=True, text=True, timeout=600)
+        r = forkserver.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
     if ok and r.returncode != 0:
         raise AssertionError(f"train.py failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
