@@ -22,7 +22,8 @@ What makes the fork behave as `python ...` does:
   (OPR_CACHE, KERNELS_*), so each child imports them itself, under its own environment; a caller's `preload`
   (vLLM for the vLLM venv's interpreter) adds to PRELOAD in a server of its own;
 - stdin is /dev/null, and the child leads a process group of its own (a timeout kills the group);
-- a run.py driver run here forks its pipeline zygote from itself (_ForkedZygote) rather than starting one;
+- a run.py driver run here forks its pipeline zygote from itself (_ForkedZygote) rather than starting one (and
+  where it has vLLM imported, forks its vLLM steps from that zygote too, not as processes of their own);
   run_ranks gives torchrun's ranks as forks too.
 Anything else -- stdin input, preexec_fn, no capture, another interpreter without a preload, an interpreter
 option, a caller off the main thread (a server dies with the thread that started it) -- goes to subprocess.run
@@ -46,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":
     sys.path.insert(1, str(REPO))  # the server runs as `python tests/forkserver.py`
 from common.procs import die_with_parent  # noqa: E402
+import pipeline.zygote  # noqa: E402
 from pipeline.zygote import Zygote, flush_and_exit, serve  # noqa: E402
 
 STARTUP = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "NPY_", "LD_", "MALLOC", "TORCH", "PYTORCH",
@@ -183,6 +185,7 @@ def _child(req: dict, server: int):
         os.close(f)
     _as_started(req["env"], req["cwd"])
     Zygote._start = staticmethod(_ForkedZygote.start)  # a driver run here forks its zygote (below)
+    pipeline.zygote.script_of = _ForkedZygote.script_of  # before the driver imports it (pipeline.steps)
     mode, argv = req["script"], req["argv"]
     code = 0
     main = sys.modules["__main__"] = types.ModuleType("__main__")  # a fresh one, not the server's
@@ -225,6 +228,15 @@ class _ForkedZygote:
     other) and the steps' STARTUP variables the driver's own; else Zygote's own start. The drivers the tests start
     with subprocess (the kill tests, test_run_keys' pinned runs, the GPU-check rehearsal) start theirs that way."""
     spawn = staticmethod(Zygote._start)
+    own_script_of = staticmethod(pipeline.zygote.script_of)
+    vllm = False  # this driver's zygote was forked with vLLM imported
+
+    @staticmethod
+    def script_of(argv: list):
+        """pipeline.zygote.script_of, but where this driver's zygote was forked with vLLM imported (a driver of the
+        vLLM venv's server, test_vllm_engine.py), a `--engine vllm` step forks from it too: the product starts those
+        as processes of their own, which here would import vLLM again (~11 s of CPU each, idle)."""
+        return _ForkedZygote.own_script_of(argv[:2] if _ForkedZygote.vllm else argv)
 
     def __init__(self, pid: int, stdin, stdout):
         self.pid, self.stdin, self.stdout, self.returncode = pid, stdin, stdout, None
@@ -238,6 +250,7 @@ class _ForkedZygote:
         for f in (sys.stdout, sys.stderr):  # what the driver printed, printed once (the fork copies its buffers)
             f.flush()
         parent = os.getpid()
+        _ForkedZygote.vllm = "vllm" in sys.modules
         pid = os.fork()
         if pid == 0:
             _ForkedZygote._become(env, parent, r_in, w_out, pass_fds)

@@ -8,8 +8,9 @@ venv's Python.
 - run.py --engine vllm runs a small preset end to end;
 - a LoRA stage is served as its base with the adapter as a LoRARequest, with the trainer's log-probs.
 Skipped when no vLLM venv is found. Each vLLM process starts in ~25 s here (eager, 2 cores), ~10 s of it importing
-vLLM: every launch goes through tests/forkserver.py, whose server for the venv's interpreter has imported vLLM (VLLM);
-run.py starts its vLLM steps itself, as processes of their own."""
+vLLM: every launch goes through tests/forkserver.py, whose server for the venv's interpreter has imported vLLM (VLLM),
+and run.py's vLLM steps fork from its zygote, a fork of that driver (the product starts them as processes of their
+own: pipeline.zygote.script_of, tests/test_zygote.py)."""
 import json
 import os
 import sys
@@ -105,8 +106,8 @@ def test_evaluate_with_vllm_equals_native_greedy(setup, tmp_path):
 
 def test_run_py_with_vllm_end_to_end(setup, tmp_path):
     """A 2-task opr-ru run whose every generating step samples with vLLM (its evaluations, its rollout, its drift
-    probe; the other steps fork from the zygote): results, and the rollout's log-prob check within tolerance. One
-    method: a second would add only more of the same steps (each a vLLM start-up)."""
+    probe): results, and the rollout's log-prob check within tolerance. One method: a second would add only more of
+    the same steps (each a vLLM engine's start-up)."""
     out = tmp_path / "run"
     cmd = [str(VLLM_PY), str(REPO / "run.py"), "--model", str(setup / "ckpt"), "--engine", "vllm",
            "--tasks", "C-STANCE,NumGLUE-cm", "--methods", "opr-ru", "--n-train", "8", "--n-test", "4",
