@@ -339,10 +339,11 @@ def _exit(code):
     elif not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    for t in threading.enumerate():
-        if t is not threading.main_thread() and not t.daemon:
-            t.join()
-    atexit._run_exitfuncs()  # the interpreter's own call at exit (atexit has no public one)
+    # the interpreter's own calls at exit (neither has a public one): threading's exit hooks, which end the idle
+    # workers of a thread pool left open (concurrent.futures'), then the non-daemon threads joined; then the atexit
+    # handlers. (Joining the threads alone waited for such workers forever.)
+    threading._shutdown()
+    atexit._run_exitfuncs()
     sys.modules["__main__"].__dict__.clear()  # what the code left open is closed (and flushed) as at teardown
     gc.collect()
     flush_and_exit(code)

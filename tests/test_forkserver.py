@@ -50,6 +50,9 @@ CASES = {
     "-c": ["-c", "import sys; print(sys.argv, repr(sys.path[0]), __name__); sys.exit(sys.argv[1])", "bye"],
     "-c raises": ["-c", "x = 1\nraise KeyError(x)"],
     "-c KeyboardInterrupt": ["-c", "raise KeyboardInterrupt"],
+    # a pool's idle workers are non-daemon threads that only threading's exit hook ends
+    "-c thread pool left open": ["-c", "from concurrent.futures import ThreadPoolExecutor\n"
+                                       "pool = ThreadPoolExecutor(2)\nprint(pool.submit(int, '7').result())"],
     "-c torch threads": ["-c", "import torch; print(torch.get_num_threads(), torch.randn(3, generator="
                                "torch.Generator().manual_seed(0)).tolist())"],
 }
