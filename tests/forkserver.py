@@ -24,7 +24,8 @@ What makes the fork behave as `python ...` does:
 - stdin is /dev/null, and the child leads a process group of its own (a timeout kills the group);
 - a run.py driver run here forks its pipeline zygote from itself (_ForkedZygote) rather than starting one (and
   where it has vLLM imported, forks its vLLM steps from that zygote too, not as processes of their own);
-  run_ranks gives torchrun's ranks as forks too.
+  run_ranks gives torchrun's ranks as forks too, and Started a Popen-like handle on a fork (a driver that a test
+  signals while it runs).
 Anything else -- stdin input, preexec_fn, no capture, another interpreter without a preload, an interpreter
 option, a caller off the main thread (a server dies with the thread that started it) -- goes to subprocess.run
 as it is, and OPR_TEST_FORK=0 sends everything there.
@@ -32,6 +33,7 @@ as it is, and OPR_TEST_FORK=0 sends everything there.
 import atexit
 import builtins
 import gc
+import io
 import locale
 import os
 import signal
@@ -100,6 +102,49 @@ def run(cmd, *, cwd=None, env=None, capture_output=False, text=False, timeout=No
     if check and rc:
         raise subprocess.CalledProcessError(rc, cmd, stdout, stderr)
     return subprocess.CompletedProcess(cmd, rc, stdout, stderr)
+
+
+class Started:
+    """subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True) for a script that a test
+    signals while it runs, as run()'s fork: `pid` once the child exists (it leads its own session, as run()'s
+    children do); wait, poll and communicate as Popen's; `stdout` and `stderr` readable once it has ended."""
+
+    def __init__(self, cmd, *, cwd=None, env=None):
+        env = dict(os.environ if env is None else env)
+        _server(sys.executable, env, None)  # by this (the main) thread: the run below forks from another
+        self.args, self.returncode, self.pid, self._result = cmd, None, None, None
+        forked = threading.Event()
+
+        def started(pid):
+            self.pid = pid
+            forked.set()
+
+        def wait_for_it():
+            try:
+                self._result = run(cmd, cwd=cwd, env=env, capture_output=True, text=True, on_start=started)
+            finally:
+                forked.set()
+        self._thread = threading.Thread(target=wait_for_it, daemon=True)
+        self._thread.start()
+        forked.wait()
+        if self.pid is None:
+            raise RuntimeError(f"{cmd} did not start")
+
+    def wait(self, timeout=None):
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        if self.returncode is None:
+            self.returncode = self._result.returncode
+            self.stdout, self.stderr = io.StringIO(self._result.stdout), io.StringIO(self._result.stderr)
+        return self.returncode
+
+    def poll(self):
+        return None if self._thread.is_alive() else self.wait()
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        return self.stdout.read(), self.stderr.read()
 
 
 def _key(python: str, env: dict, preload) -> tuple:
@@ -226,7 +271,8 @@ class _ForkedZygote:
     default signal handlers, a parent-death signal -- with every project module imported afresh (they read the
     environment when imported). Only where that is the whole difference: the driver on one thread (a fork copies no
     other) and the steps' STARTUP variables the driver's own; else Zygote's own start. The drivers the tests start
-    with subprocess (the kill tests, test_run_keys' pinned runs, the GPU-check rehearsal) start theirs that way."""
+    with subprocess (kill and resume, nohup, test_run_keys' pinned runs, the GPU-check rehearsal) start theirs that
+    way."""
     spawn = staticmethod(Zygote._start)
     own_script_of = staticmethod(pipeline.zygote.script_of)
     vllm = False  # this driver's zygote was forked with vLLM imported

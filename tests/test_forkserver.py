@@ -2,9 +2,11 @@
 scripts, -m and -c, exits of every kind, environment, working directory and argv; timeouts and check behave as
 subprocess's; the one difference is that forkserver.PRELOAD (torch and third-party modules) is already imported."""
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -111,7 +113,6 @@ def test_bytes_check_and_timeout(tmp_path):
     with pytest.raises(ProcessLookupError):  # killed and reaped by the server
         for _ in range(100):
             os.kill(pid, 0)
-            import time
             time.sleep(0.05)
     with pytest.raises(subprocess.TimeoutExpired) as ref:
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3)
@@ -179,3 +180,23 @@ def test_a_driver_forks_its_zygote_and_the_steps_write_what_a_started_zygote_s_w
     from tiny import log
     assert [(r["loss"], r["grad_norm"]) for r in log(forked / "ckpt")] == \
         [(r["loss"], r["grad_norm"]) for r in log(started / "ckpt")]
+
+
+def test_started_is_popen_for_a_script_signalled_while_it_runs(tmp_path):
+    """forkserver.Started, the driver handle of test_run's signal tests: pid of a child leading its own session, poll
+    and wait(timeout) while it runs, the exit a signal gives and the output, as subprocess.Popen's."""
+    code = "import pathlib, signal\nprint('up', flush=True)\npathlib.Path('up').touch()\nsignal.pause()"
+    results = []
+    for start in (lambda cmd: subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                               text=True, start_new_session=True),
+                  lambda cmd: forkserver.Started(cmd, cwd=tmp_path)):
+        (tmp_path / "up").unlink(missing_ok=True)
+        p = start([sys.executable, "-c", code])
+        while not (tmp_path / "up").exists():
+            time.sleep(0.01)
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(timeout=0.1)
+        assert p.poll() is None and os.getsid(p.pid) == p.pid
+        os.kill(p.pid, signal.SIGTERM)
+        results.append((p.wait(timeout=60), *p.communicate()))
+    assert results[0] == results[1] == (-signal.SIGTERM, "up\n", "")

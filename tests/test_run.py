@@ -792,15 +792,18 @@ def long_run(env, out: Path, ignore=()) -> subprocess.Popen:
     """A driver whose first training step lasts minutes (the test kills it long before). It starts as a terminal's
     foreground job would, SIGINT and SIGHUP at their defaults (a pytest started with `&` by a non-interactive shell
     ignores SIGINT, and its children would inherit that: the cause of this file's SIGINT test failing in background
-    runs), except the signals in `ignore` (as nohup ignores SIGHUP)."""
+    runs), except the signals in `ignore` (as nohup ignores SIGHUP). Without those, a fork of the tests' server
+    (forkserver.Started: a fresh interpreter's dispositions, its zygote forked too); with them, a process of its own."""
     argv = run_args(env, out.parent)[:-1] + [out, "--epochs", "100000"]
+    cmd = [sys.executable, str(REPO / "run.py"), *map(str, argv)]
+    if not ignore and os.environ.get("OPR_TEST_FORK") != "0":
+        return forkserver.Started(cmd, cwd=REPO, env=env["env"])
 
     def dispositions():
         for sig in (signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN if sig in ignore else signal.SIG_DFL)
-    return subprocess.Popen([sys.executable, str(REPO / "run.py"), *map(str, argv)], cwd=REPO, env=env["env"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=dispositions)
+    return subprocess.Popen(cmd, cwd=REPO, env=env["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=dispositions)
 
 
 def child_of(pid: int, name: str, timeout: float = 120) -> int:
