@@ -110,6 +110,9 @@ class Started:
     children do); wait, poll and communicate as Popen's; `stdout` and `stderr` readable once it has ended."""
 
     def __init__(self, cmd, *, cwd=None, env=None):
+        cmd = [os.fspath(c) for c in cmd]
+        if cmd[0] != sys.executable or os.environ.get("OPR_TEST_FORK") == "0":  # run() would not fork it
+            raise ValueError(f"Started forks this interpreter's scripts, with OPR_TEST_FORK unset: {cmd[:2]}")
         env = dict(os.environ if env is None else env)
         _server(sys.executable, env, None)  # by this (the main) thread: the run below forks from another
         self.args, self.returncode, self.pid, self._result = cmd, None, None, None
@@ -122,18 +125,23 @@ class Started:
         def wait_for_it():
             try:
                 self._result = run(cmd, cwd=cwd, env=env, capture_output=True, text=True, on_start=started)
+            except BaseException as e:  # raised again by wait()
+                self._result = e
             finally:
                 forked.set()
         self._thread = threading.Thread(target=wait_for_it, daemon=True)
         self._thread.start()
         forked.wait()
         if self.pid is None:
-            raise RuntimeError(f"{cmd} did not start")
+            self.wait()
+            raise RuntimeError(f"{cmd[:2]} did not start")
 
     def wait(self, timeout=None):
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise subprocess.TimeoutExpired(self.args, timeout)
+        if isinstance(self._result, BaseException):
+            raise self._result
         if self.returncode is None:
             self.returncode = self._result.returncode
             self.stdout, self.stderr = io.StringIO(self._result.stdout), io.StringIO(self._result.stderr)
