@@ -117,13 +117,19 @@ def test_record_formats_give_the_same_examples(tmp_path):
 
 
 def test_parquet_split(tmp_path):
+    """A .parquet split reads as the same records in .jsonl do (the manifest's held-out share taken alike)."""
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
-    (tmp_path / "t").mkdir()
-    pq.write_table(pa.Table.from_pylist([{"prompt": "p", "answer": "a"}] * 3), tmp_path / "t" / "train.parquet")
-    (tmp_path / "tasks.json").write_text(json.dumps({"tasks": [{"name": "T", "metric": "exact_match", "epochs": 1}]}))
+    records = [{"prompt": f"p{i}", "answer": f"a{i}"} for i in range(6)]
+    for name in ("P", "J"):  # a task's files are in the folder of its name
+        (tmp_path / name).mkdir()
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "P" / "train.parquet")
+    (tmp_path / "J" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "tasks.json").write_text(json.dumps({"tasks": [{"name": n, "metric": "exact_match", "epochs": 1}
+                                                               for n in ("P", "J")]}))
     use_manifest(tmp_path)
-    assert [(e.prompt, e.answer) for e in load_task(tmp_path, "T", "train")] == [("p", "a")] * 3
+    got = [[(e.prompt, e.answer) for e in load_task(tmp_path, n, "train")] for n in ("P", "J")]
+    assert got[0] == got[1] and got[0]
 
 
 @pytest.mark.parametrize("edit, message", [
