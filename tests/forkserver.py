@@ -180,8 +180,7 @@ def run_ranks(world: int, cmd, *, cwd=None, env=None, timeout=None, text=False, 
     cmd = [os.fspath(c) for c in cmd]
     env = dict(os.environ if env is None else env)
     if os.environ.get("OPR_TEST_FORK") == "0" or (cmd[0] != sys.executable and preload is None):
-        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(port)]
-        return subprocess.run([cmd[0], *launcher, *cmd[1:]], cwd=cwd, env=env, capture_output=True, text=text,
+        return subprocess.run(torchrun(world, cmd, port), cwd=cwd, env=env, capture_output=True, text=text,
                               timeout=timeout)
     _server(cmd[0], env, preload)  # by this (the main) thread: the ranks' threads then fork from it
     pids, results, failed = [], [None] * world, []
@@ -214,6 +213,12 @@ def run_ranks(world: int, cmd, *, cwd=None, env=None, timeout=None, text=False, 
     if text:
         out, err = _text(out), _text(err)
     return subprocess.CompletedProcess(cmd, failed[0] if failed else 0, out, err)
+
+
+def torchrun(world: int, cmd: list, port: int) -> list:
+    """`torchrun --nproc_per_node WORLD --master_port PORT cmd[1:]` under cmd[0]'s interpreter, as an argv."""
+    return [cmd[0], "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(port),
+            *cmd[1:]]
 
 
 def _killpg(pid: int) -> bool:

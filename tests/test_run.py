@@ -788,7 +788,7 @@ def test_failed_step_is_one_line_with_its_log(tiny_env, tmp_path):
     assert log.is_file() and "missing.py" in log.read_text()
 
 
-def long_run(env, out: Path, ignore=()) -> subprocess.Popen:
+def long_run(env, out: Path, ignore=()) -> "subprocess.Popen | forkserver.Started":
     """A driver whose first training step lasts minutes (the test kills it long before). It starts as a terminal's
     foreground job would, SIGINT and SIGHUP at their defaults (a pytest started with `&` by a non-interactive shell
     ignores SIGINT, and its children would inherit that: the cause of this file's SIGINT test failing in background

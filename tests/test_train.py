@@ -161,8 +161,7 @@ def test_each_rank_loads_its_rows_of_the_fused_projections(train_ckpt, tmp_path)
               "    print('same weights')\n"
               "dist.destroy_process_group()\n")
     (tmp_path / "load.py").write_text(f"import sys; sys.path.insert(0, {str(REPO)!r})\n" + script)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()),
-           str(tmp_path / "load.py"), str(train_ckpt)]
+    cmd = forkserver.torchrun(3, [sys.executable, str(tmp_path / "load.py"), str(train_ckpt)], free_port())
     r = forkserver.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "same weights" in r.stdout, r.stderr[-3000:]
 

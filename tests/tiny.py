@@ -164,8 +164,7 @@ def train(ckpt, out, *extra, world=1, data=None, ok=True, torchrun=False) -> sub
         r = forkserver.run_ranks(world, cmd, cwd=REPO, env=train_env(), text=True, timeout=600, port=free_port())
     else:
         if world > 1:
-            cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(world),
-                        "--master_port", str(free_port())]
+            cmd = forkserver.torchrun(world, cmd, free_port())
         r = forkserver.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
     if ok and r.returncode != 0:
         raise AssertionError(f"train.py failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
