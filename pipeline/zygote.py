@@ -35,7 +35,7 @@ from pathlib import Path
 from common.procs import die_with_parent
 
 HERE = Path(__file__).resolve().parents[1]
-SCRIPTS = ("train", "evaluate", "rollout", "score", "drift", "buffer_nll")
+SCRIPTS = ("train", "evaluate", "rollout", "score", "drift", "buffer_nll", "synthesize", "ssr_buffer")
 # what the steps import, each once here instead of once per step. torch._dynamo: building a model on
 # the meta device imports it (nn.Embedding's normal_ runs through torch's Python reference kernels),
 # so every model-loading step would pay for it; rouge_score: every step that scores a ROUGE task
