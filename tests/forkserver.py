@@ -412,5 +412,10 @@ if __name__ == "__main__":
     import importlib
     for name in (*PRELOAD, *sys.argv[1:]):  # run()'s preload after PRELOAD
         importlib.import_module(name)
+    # each vLLM engine compiles its sampler's log-prob gather, and a process's first compile checks the CPU's vector
+    # ISAs in ten processes of its own (~3 s): checked once here, the children inherit the answer
+    if "vllm" in sys.modules:
+        from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+        valid_vec_isa_list()
     gc.freeze()  # what the server imported, out of the children's collections (whose passes would copy its pages)
     serve(preload=(), child=_child, scripts=None)
