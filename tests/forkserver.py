@@ -413,7 +413,7 @@ if __name__ == "__main__":
     for name in (*PRELOAD, *sys.argv[1:]):  # run()'s preload after PRELOAD
         importlib.import_module(name)
     # each vLLM engine compiles its sampler's log-prob gather, and a process's first compile checks the CPU's vector
-    # ISAs in ten processes of its own (~3 s): checked once here, the children inherit the answer
+    # ISAs in ten processes of its own (seconds): checked once here, the children inherit the answer
     if "vllm" in sys.modules:
         from torch._inductor.cpu_vec_isa import valid_vec_isa_list
         valid_vec_isa_list()
