@@ -118,7 +118,7 @@ def test_what_the_zygote_forks():
     assert script_of([py, "/elsewhere/evaluate.py"]) is None
     assert script_of([py]) is None
     assert script_of([py, ev, "--engine"]) == "evaluate"  # (argparse refuses it in the step itself)
-    # every script a step runs (a spec's SCRIPT) forks: a method's new script belongs in SCRIPTS too
+    # every script a step runs (a spec's SCRIPT), as the driver's argv names it, forks
     from pipeline import specs
     scripts = {c.SCRIPT for c in specs.Spec.__subclasses__() if c.SCRIPT}
     assert {s for s in scripts if script_of([py, str(REPO / s)])} == scripts
