@@ -38,8 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# common.cli before torch: from its import on, a Ctrl-C while torch loads ends in one
-# line, not a traceback
+# common.cli before torch: from its import on, a Ctrl-C while torch loads is one line, no traceback
 from common.cli import Parser, float_in, int_at_least, main_cli
 import torch
 import torch.distributed as dist
@@ -49,7 +48,7 @@ from tqdm import tqdm
 from common.errors import UserError
 from common.jsonl import dumps_strict
 from data.mixture import tokenize_mixture
-from common.outputs import check_output, sibling_tag
+from common.outputs import sibling_tag
 from data.packing import pack, plan_steps
 import kernels
 from kernels import attention, cross_entropy
@@ -63,7 +62,7 @@ from model.objectives import fsdp_units, trained
 from model.schedules import SCHEDULES
 from model.tokenizer import ChatTokenizer
 from model import costs
-from model.train_state import (final_with_same_settings, hold, plan_digest, resume, save_state,
+from model.train_state import (already_final, hold, plan_digest, resume, save_state,
                                saved_settings, state_settings)
 from reporting import tensorboard, wandb_run
 
@@ -305,7 +304,7 @@ def device_defaults(args, device, rank: int, world: int, compute_dtype, saved: d
                         f"--activation-checkpointing or GPUs, or give --micro-tokens")
     args.micro_tokens = fit
     if rank == 0:
-            print(f"train.py: --micro-tokens {fit}: the most that fit {budget / 1e9:.1f} GB per GPU"
+        print(f"train.py: --micro-tokens {fit}: the most that fit {budget / 1e9:.1f} GB per GPU"
               f"{' with activation checkpointing' if args.activation_checkpointing else ''} "
               f"(plan.py's memory model)", flush=True)
 
@@ -383,25 +382,6 @@ def setup(args, rank: int, world: int, device) -> Stage | None:
                     else None)
         stage.wb = wandb_run.start(Path(args.wandb), vars(args)) if args.wandb else None
     return stage
-
-
-def already_final(args, rank: int, out: Path, workdir: Path) -> bool:
-    """True when --resume finds OUT already the final checkpoint of these settings (said on rank 0:
-    nothing to do); otherwise OUT and its .partial directory are checked as outputs (only train.py's
-    own are replaced)."""
-    if out.resolve() == Path(args.model).resolve():
-        raise UserError(f"--out {out}: is --model's checkpoint; train.py would replace its own "
-                        f"input with its fine-tune: choose another --out")
-    if args.resume and not (workdir / "state").exists() and (out / "train_summary.json").is_file():
-        if final_with_same_settings(out, args):
-            if rank == 0:
-                print(f"train.py: {out} is already the final checkpoint of these settings; nothing "
-                      f"to resume", flush=True)
-            return True
-    check_output(out, "checkpoint", args.overwrite)  # replace only an earlier
-                                                     # checkpoint of train.py
-    check_output(workdir, "train-state", args.overwrite, flag="--out (its .partial directory)")
-    return False
 
 
 def print_stage(s: Stage):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from common.errors import UserError
 from common.jsonl import jsonl_lines
-from common.outputs import claim_dir
+from common.outputs import check_output, claim_dir
 from model.checkpoint import replace_dir
 
 # flags that do not change the weights a run ends with; every other flag is part of the resume
@@ -277,3 +277,22 @@ def resume(args, rank, model, opt, sched, workdir: Path, plan_id: str, ema_teach
                 if l.endswith("}") and json.loads(l)["step"] <= start]
         log_path.write_text("".join(l + "\n" for l in kept))
     return start
+
+
+def already_final(args, rank: int, out: Path, workdir: Path) -> bool:
+    """True when --resume finds OUT already the final checkpoint of these settings (said on rank 0:
+    nothing to do); otherwise OUT and its .partial directory are checked as outputs (only train.py's
+    own are replaced)."""
+    if out.resolve() == Path(args.model).resolve():
+        raise UserError(f"--out {out}: is --model's checkpoint; train.py would replace its own "
+                        f"input with its fine-tune: choose another --out")
+    if args.resume and not (workdir / "state").exists() and (out / "train_summary.json").is_file():
+        if final_with_same_settings(out, args):
+            if rank == 0:
+                print(f"train.py: {out} is already the final checkpoint of these settings; nothing "
+                      f"to resume", flush=True)
+            return True
+    check_output(out, "checkpoint", args.overwrite)  # replace only an earlier
+                                                     # checkpoint of train.py
+    check_output(workdir, "train-state", args.overwrite, flag="--out (its .partial directory)")
+    return False
