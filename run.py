@@ -56,7 +56,6 @@ from methods import FULL, METHODS, ewc, ilora, lora, lwf, olora, sdft, sft_kl, s
 from common.cli import ENGINE_HELP, Parser, comma_list, float_in, int_at_least, main_cli
 from common.errors import UserError
 from common.outputs import check_output, claim_dir, write_json, write_text_atomic
-from data import metrics
 from data.manifest import use_manifest_from_argv
 from data.tasks import task_names
 from pipeline import config, keep
@@ -70,6 +69,7 @@ from pipeline.watch import train_labels, train_status
 from reporting import tensorboard
 from reporting.claims import claims
 from reporting.collect import Evals, collect, write_index, write_partial, write_timing
+from reporting.noise import preset_seed_noise
 
 # CPU threads per step: float results depend on the thread count, so it is pinned (and part of every
 # step's key) rather than derived from the core count; 1 is also the fastest for the tiny model's
@@ -222,29 +222,6 @@ PRESETS = {
                        first_epochs=8, eval_repeats=1, drift_limit=0, scoring="lenient",
                        activation_checkpointing=False),
     "paper": PAPER,
-}
-# The seed noise measured for a preset with its settings as they are: `python run.py --seeds 0,...,9
-# --drift-limit 0` read by bench/seed_noise.py (BENCHMARKS.md, "The default over 10 seeds, under
-# NUMERICS 15"): sample std over seeds of each method's ACC / BWT and of the per-seed paired
-# difference against replay and sft. run.py puts it in results.json's meta when a run uses the
-# preset unchanged (any method subset, any seeds, drift on or off), so that a one-seed report can
-# say how far another seed would move its numbers (report.py). Re-measure it when the benchmark, the
-# base, the kernels, the scoring rules or the preset change: `setting` says what it was measured on.
-SEED_NOISE = {
-    "tiny": dict(seeds=10, measured="BENCHMARKS.md, 'The default over 10 seeds, under NUMERICS "
-                                    "15': seeds 0-9 of the preset",
-                 setting=dict(
-                     benchmark=5, code=15, rules=1, device="cpu", gpus=0, threads=1,
-                     engine="native",
-                     base="558861ddf2a7f0f0543a19eb8f929bee837d5c4acc9cf648a2ecbf93b4551105"),
-                 std={"sft": dict(acc=4.54, bwt=4.97), "replay": dict(acc=0.83, bwt=1.10),
-                      "opr-ru": dict(acc=1.47, bwt=1.66), "opr-sc": dict(acc=5.05, bwt=5.60)},
-                 delta_std={"replay": {"sft": dict(acc=4.03, bwt=4.54),
-                                       "opr-ru": dict(acc=1.84, bwt=1.83),
-                                       "opr-sc": dict(acc=5.39, bwt=6.07)},
-                            "sft": {"replay": dict(acc=4.03, bwt=4.54),
-                                    "opr-ru": dict(acc=4.45, bwt=5.03),
-                                    "opr-sc": dict(acc=5.84, bwt=6.76)}}),
 }
 # --------------------------------------------------------------------------------------------------
 
@@ -560,7 +537,7 @@ def run_meta(args, preset: str, cfg: dict, rhos: list, inputs: Inputs, pipe: Pip
                 numerics=numerics, train_sizes=inputs.train_sizes,
                 settings={k: v for k, v in args.settings.items() if k not in HOW_IT_RUNS})
     weights = base / "model.safetensors"
-    noise = preset_seed_noise(preset, cfg, rhos,
+    noise = preset_seed_noise(preset, PRESETS.get(preset), cfg, rhos,
                               custom=bool(args.data or args.model or args.tasks
                                           or inputs.task_spec),
                               numerics=numerics, engine=engine_name,
@@ -601,31 +578,6 @@ def dropped_line(pipe: Pipeline, row0: dict, max_len: int):
         print(f"run.py: test prompts over --max-len {max_len} tokens (with their gold answer) are "
               f"left out of every evaluation: "
               f"{', '.join(f'{t} {n}' for t, n in dropped.items() if n)}")
-
-
-def preset_seed_noise(preset: str, cfg: dict, rhos: list, custom: bool, numerics: dict, engine: str,
-                      base_sha: str | None):
-    """SEED_NOISE[preset] when the run is the one it was measured on: the preset as it is (its
-    benchmark version, task order and every setting that changes results; the methods and the drift
-    probe may differ), on the CPU with the native engine and the pinned thread count, from the same
-    base (base_sha: its weights' sha256; a CPU that builds another base has another testbed, whose
-    noise was not measured). Else None."""
-    noise = SEED_NOISE.get(preset)
-    if noise is None or custom or rhos != [float(PRESETS[preset].rho)]:
-        return None
-    from data.embedded import VERSION
-    # code: the steps' kernels (kernels.NUMERICS); rules: the scoring rules (data.metrics.RULES;
-    # scores feed the metrics and OPR-RU's buffers); base: the base's bytes. Not the CPU or
-    # --portable: another CPU's rounding moves a seed's numbers as another seed does, and the spread
-    # over seeds is what this says
-    where = dict(benchmark=VERSION, code=numerics["code"], rules=metrics.RULES,
-                 device=numerics["device"], gpus=numerics["gpus"], threads=numerics["threads"],
-                 engine=engine, base=base_sha)
-    if where != noise["setting"]:
-        return None
-    ignored = ("methods", "drift_limit", "rho")
-    return noise if all(cfg[k] == getattr(PRESETS[preset], k)
-                        for k in cfg if k not in ignored) else None
 
 
 if __name__ == "__main__":

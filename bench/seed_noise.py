@@ -1,7 +1,7 @@
 """The seed noise of a multi-seed run: each method's ACC and BWT over seeds (mean, sample std and
 the std's 95 % chi-square interval), the paired differences against replay and sft (mean, the t
-interval over seeds, the std of the per-seed difference), and the SEED_NOISE entry run.py attaches
-to one-seed reports of the same preset.
+interval over seeds, the std of the per-seed difference), and the SEED_NOISE entry
+(reporting/noise.py) that run.py attaches to one-seed reports of the same preset.
 
     python run.py --seeds 0,1,...,9 --drift-limit 0 --out DIR --quiet
     python bench/seed_noise.py DIR
@@ -86,8 +86,8 @@ def main():
     meta = results.get("meta", {})
     weights = Path(meta.get("base", "")) / "model.safetensors"
     sha = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None
-    print(f"\nSEED_NOISE entry (run.py), numerics {meta.get('numerics', {}).get('code')}, "
-          f"base {sha}:")
+    print(f"\nSEED_NOISE entry (reporting/noise.py), "
+          f"numerics {meta.get('numerics', {}).get('code')}, base {sha}:")
     print(json.dumps({"seeds": n, "std": std, "delta_std": delta_std}))
 
 

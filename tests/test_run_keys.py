@@ -269,7 +269,8 @@ def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only(monkeypatch)
     """results.json carries the preset's measured seed noise (report.py's one-seed intervals) only for a run that
     is the one measured: other methods or the drift probe do not matter; any other setting, the device, GPUs, the
     engine, the thread count, the benchmark version or the scoring rules do."""
-    from run import PRESETS, SEED_NOISE, preset_seed_noise
+    from run import PRESETS
+    from reporting.noise import SEED_NOISE, preset_seed_noise
     tiny = asdict(PRESETS["tiny"])
     from kernels import NUMERICS
     measured_code = SEED_NOISE["tiny"]["setting"]["code"]
@@ -278,7 +279,8 @@ def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only(monkeypatch)
     measured_base = SEED_NOISE["tiny"]["setting"]["base"]
 
     def noise(cfg=tiny, rhos=(0.5,), custom=False, engine="native", base_sha=measured_base, **numerics):
-        return preset_seed_noise("tiny", cfg, list(rhos), custom, dict(cpu, **numerics), engine, base_sha)
+        return preset_seed_noise("tiny", PRESETS["tiny"], cfg, list(rhos), custom, dict(cpu, **numerics), engine,
+                                 base_sha)
 
     assert noise() is SEED_NOISE["tiny"]
     assert noise(dict(tiny, methods="sft,opr-ru", drift_limit=0)) is SEED_NOISE["tiny"]
@@ -295,8 +297,8 @@ def test_the_presets_seed_noise_goes_with_the_preset_unchanged_only(monkeypatch)
     monkeypatch.undo()
     assert noise(base_sha="0" * 64) is None and noise(base_sha=None) is None  # another base: another testbed
     assert noise(cpu=dict(pins={}, model="another CPU")) is SEED_NOISE["tiny"]  # its rounding: like another seed
-    assert preset_seed_noise("smollm2", asdict(PRESETS["smollm2"]), [0.2], False, cpu, "native",
-                             measured_base) is None  # not measured
+    assert preset_seed_noise("smollm2", PRESETS["smollm2"], asdict(PRESETS["smollm2"]), [0.2], False, cpu,
+                             "native", measured_base) is None  # not measured
     import data.embedded
     assert SEED_NOISE["tiny"]["setting"]["benchmark"] == data.embedded.VERSION  # re-measure when the data changes
     assert SEED_NOISE["tiny"]["setting"]["rules"] == data.metrics.RULES  # ... or the scoring rules
