@@ -25,7 +25,7 @@ inside forward, backward, clip, AdamW.
   warm-up seconds   the --warmup steps' wall time: compiled, the compilation's cost per
                     process (keep --warmup >= 1 for compiled rows, or the compilation
                     lands in the timed steps)
-Length mixes ("TRACE-like"): document lengths drawn around plan.PAPER_TASKS' per-task means
+Length mixes ("TRACE-like"): document lengths drawn around pipeline.paper.PAPER_TASKS' per-task means
 (+-50 %), weighted by what each task contributes to training (examples x epochs): "trace" all
 eight tasks, "short" the classification and arithmetic tasks, "long" MeetingBank and 20Minuten
 (capped at --max-len).
@@ -144,7 +144,8 @@ def config_dir(name: str, tmp: Path) -> Path:
 def mix_lengths(mix: str, n: int, max_len: int, seed: int = 0) -> list[tuple[int, int]]:
     """n (document length, answer length) pairs of a TRACE-like mix (see the module docstring)."""
     from data.tasks import get_task
-    from plan import PAPER_TASKS, TEMPLATE_ANSWER
+    from model.costs import TEMPLATE_ANSWER
+    from pipeline.paper import PAPER_TASKS
     tasks = {"trace": list(PAPER_TASKS), "long": ["MeetingBank", "20Minuten"],
              "short": ["C-STANCE", "FOMC", "ScienceQA", "NumGLUE-cm", "NumGLUE-ds"]}.get(mix)
     if tasks is None:
