@@ -158,7 +158,7 @@ def build_tiny(out: Path, tune: dict = TINY_TUNE):
                    **cpu_numerics(True)[0],
                    # on the CPU, also on a machine with a GPU
                    CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="")
-        parent = os.getpid()  # the trainer dies with this process (a step killed by its driver's death)
+        parent = os.getpid()  # the trainer dies with this process (a step killed with its driver)
         subprocess.run(cmd, check=True, env=env, preexec_fn=lambda: die_with_parent(parent))
         replace_dir(work / "tuned", out)
     finally:

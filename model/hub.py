@@ -1,8 +1,8 @@
 """A --model or --ckpt that is not a directory, found in the local Hugging Face cache (no network).
 
-    resolve_model("runs/stage2")                  -> Path("runs/stage2")   (a directory: as given)
-    resolve_model("Qwen/Qwen2.5-7B-Instruct")     -> ~/.cache/huggingface/hub/models--Qwen--Qwen2.5-7B-Instruct/
-                                                     snapshots/<commit>
+    resolve_model("runs/stage2")               -> Path("runs/stage2")   (a directory: as given)
+    resolve_model("Qwen/Qwen2.5-7B-Instruct")  -> ~/.cache/huggingface/hub/
+                                          models--Qwen--Qwen2.5-7B-Instruct/snapshots/<commit>
 
 The cache is where huggingface_hub puts it: $HF_HUB_CACHE (or its older name
 $HUGGINGFACE_HUB_CACHE), else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else

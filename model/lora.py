@@ -2,9 +2,9 @@
 other tools load them.
 
     add_lora(model, LoraConfig(rank=8, alpha=32, dropout=0.1, targets=("q_proj", "v_proj")), seed=0)
-    save_adapter(model, cfg, out_dir, base="Org/Base")   # adapter_config.json + adapter_model.safetensors
-    load_adapter(model, out_dir)                         # the same adapters back (a next stage starts from them)
-    merge_lora(model)                                    # W += scale * B @ A, the adapters removed
+    save_adapter(model, cfg, out_dir, base="Org/Base")  # adapter_config.json + its safetensors
+    load_adapter(model, out_dir)         # the same adapters back (a next stage starts from them)
+    merge_lora(model)                    # W += scale * B @ A, the adapters removed
 
 For each targeted HF module m (q/k/v/o_proj, gate/up/down_proj) of every block,
     y = W x + b + scale * B_m (A_m (dropout(x))),   A_m [r, in], B_m [out_m, r],   scale = alpha / r

@@ -1,6 +1,7 @@
 """The losses train.py's objectives (methods/) are made of, each a micro-batch -> sums:
 
-    loss, parts = sft_loss(model, has_replay, device, micro_batch)  # parts: [NLL, KL, task NLL, replay NLL], detached
+    loss, parts = sft_loss(model, has_replay, device, micro_batch)
+    # parts: [NLL, KL, task NLL, replay NLL], detached
 
   sft     the response-token NLL (the paper's fine-tuning, and OPR's)
   sft-kl  NLL + beta * KL(student || EMA teacher) on the gold tokens, both models

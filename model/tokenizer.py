@@ -2,8 +2,8 @@
 template, rendered with Hugging Face semantics but without importing transformers.
 
     tok = ChatTokenizer.from_dir(ckpt_dir)
-    ids = tok.prompt_ids("What is 2+2?")           # user turn + generation prompt, ready for the model
-    ids, labels = tok.encode_sft(prompt, response)  # labels UNSHIFTED, -100 outside the assistant response
+    ids = tok.prompt_ids("What is 2+2?")  # user turn + generation prompt, ready for the model
+    ids, labels = tok.encode_sft(prompt, response)  # labels UNSHIFTED, -100 outside the response
 
 What "HF semantics" means here (transformers.utils.chat_template_utils /
 PreTrainedTokenizerBase.apply_chat_template):

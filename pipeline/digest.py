@@ -1,7 +1,7 @@
 """Content digests of the files a pipeline step reads, so a step's key changes when its inputs
 change, not only when their paths do.
 
-    digests = Digests(run_dir / "digests.json")   # cache: path -> (size, mtime_ns, sha256, inode, ctime_ns)
+    digests = Digests(run_dir / "digests.json")  # path -> (size, mtime_ns, sha256, inode, ctime_ns)
     digests.of([data_root / "FOMC" / "train.json", base_dir])  -> ["3f2a...", "9c1e..."]
     digests.save()
 

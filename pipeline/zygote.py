@@ -36,7 +36,8 @@ from common.procs import die_with_parent
 from pipeline.specs import Spec
 
 HERE = Path(__file__).resolve().parents[1]
-SCRIPTS = tuple(c.SCRIPT.removesuffix(".py") for c in Spec.__subclasses__() if c.SCRIPT)  # every step's script
+# every step's script
+SCRIPTS = tuple(c.SCRIPT.removesuffix(".py") for c in Spec.__subclasses__() if c.SCRIPT)
 # what the steps import, each once here instead of once per step. torch._dynamo: building a model on
 # the meta device imports it (nn.Embedding's normal_ runs through torch's Python reference kernels),
 # so every model-loading step would pay for it; rouge_score: every step that scores a ROUGE task

@@ -34,7 +34,8 @@ results.json (written by run.py's collect; JSON):
                                             # that evaluation's predictions (label distribution,
                                             # collapse flag, off-format answers, empty /
                                             # length-capped rates)
-           # optional, run.py's mechanism probes (drift.py, score.py / buffer_nll.py, rollout.py, train.py):
+           # optional, run.py's mechanism probes (drift.py, score.py / buffer_nll.py, rollout.py,
+           # train.py):
            "drift": [{"stage": i, "tasks": {task: {"n", "mean_seq_kl", "median_seq_kl",
                       "kl_per_token", "mean_tokens", "gold_nll_cur", "gold_nll_ref"}},
                       "all": {same}}],      # stages i >= 2: KL of

@@ -1,8 +1,8 @@
 """TensorBoard event files, for `tensorboard --logdir RUN_DIR`: train.py's per-step numbers,
 run.py's scores.
 
-    w = writer(path, purge_step=start + 1)  # a resumed or restarted stage drops the events after its restart point
-    add(w, "train", {"loss": 0.7, "lr": 1e-5, "task": "C-STANCE"}, step)   # numbers only; None and text skipped
+    w = writer(path, purge_step=start + 1)  # a resumed or restarted stage drops the later events
+    add(w, "train", {"loss": 0.7, "lr": 1e-5, "task": "C-STANCE"}, step)  # finite numbers only
 
     board = Board(run_dir / "tb" / "results")  # emptied: each run writes it anew
     board.update(results_scalars(results))  # as often as results grow: each scalar is written once
