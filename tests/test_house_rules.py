@@ -1,6 +1,6 @@
-"""The house's rules for the product's modules (issue 59, part 5): no module over 600 lines, no line over
-100 columns (characters, not bytes). The product: every .py outside tests/, bench/ and hidden directories
-(.venv-vllm), the pytest configuration conftest.py aside."""
+"""The house's rules (issue 59, part 5): no product module over 600 lines, no product line over 100 columns
+(characters, not bytes), BENCHMARKS.md a state page within 1,200 lines. The product: every .py outside tests/,
+bench/ and hidden directories (.venv-vllm), the pytest configuration conftest.py aside."""
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,3 +33,9 @@ def test_no_line_over_100_columns():
     wide = [f"{p.relative_to(REPO)}:{i}: {len(line)}" for p in product_files()
             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if len(line) > MAX_COLUMNS]
     assert not wide, f"lines over {MAX_COLUMNS} columns: " + ", ".join(wide)
+
+
+def test_benchmarks_is_a_state_page():
+    """Today's numbers with their commands and dates; a superseded section leaves it (git keeps it)."""
+    n = len((REPO / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines())
+    assert n <= 1200, f"BENCHMARKS.md: {n} lines, over 1,200: move superseded sections out (git keeps them)"
