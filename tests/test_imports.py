@@ -1,7 +1,9 @@
 """The project's import structure (issue 59): the step scripts stand alone, common/ is a leaf, the
 packages below the pipeline do not reach up into it, the sampling engine is a package of its own
 (engine/: it builds on model/, kernels/ and common/, model/ does not import it, and it reads no
-task table), and no module imports itself back through others.
+task table), and no module imports itself back through others. Over the same modules, the house's size
+rules (issue 59, part 5; conftest.py, the pytest configuration, aside): none over 600 lines, no line over
+100 columns (characters, not bytes); and BENCHMARKS.md a state page within 1,200 lines.
 
 An AST scan of every module of the repository (each .py outside tests/, bench/ and hidden
 directories such as .venv-vllm) that reads every import statement, at the top of a file and inside
@@ -217,3 +219,29 @@ def test_the_cycle_search_finds_a_cycle():
              "c": [("b", "c.py:3: `from b import x`")]}
     assert _find_cycle(edges) == [("b", "b.py:2: `import c`"), ("c", "c.py:3: `from b import x`")]
     assert _find_cycle({"a": [("b", "a.py:1: `import b`")], "b": []}) is None
+
+
+PRODUCT = {m: p for m, p in MODULES.items() if m != "conftest"}  # the size rules' modules
+MAX_LINES, MAX_COLUMNS = 600, 100
+
+
+def test_the_size_rules_see_the_product():
+    assert {"train", "run", "plan", "engine.engine", "methods.opr"} <= set(PRODUCT) and "conftest" not in PRODUCT
+
+
+def test_no_module_over_600_lines():
+    long = [f"{p.relative_to(REPO)}: {n}" for p in PRODUCT.values()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES]
+    assert not long, f"modules over {MAX_LINES} lines: " + ", ".join(long)
+
+
+def test_no_line_over_100_columns():
+    wide = [f"{p.relative_to(REPO)}:{i}: {len(line)}" for p in PRODUCT.values()
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if len(line) > MAX_COLUMNS]
+    assert not wide, f"lines over {MAX_COLUMNS} columns: " + ", ".join(wide)
+
+
+def test_benchmarks_is_a_state_page():
+    """Today's numbers with their commands and dates; a superseded section leaves it (git keeps it)."""
+    n = len((REPO / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines())
+    assert n <= 1200, f"BENCHMARKS.md: {n} lines, over 1,200: move superseded sections out (git keeps them)"
